@@ -1,0 +1,145 @@
+"""`dist-llm train|sample`: parse, build, run. Bad input ends in one line on stderr and exit code 2."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+from dist_llm.config import ConfigError, load_config
+
+EXIT_BAD_INPUT = 2
+log = logging.getLogger("dist_llm")
+
+
+def setup_logging(rank: int) -> None:
+    """Rank 0 speaks at INFO; the others only warn."""
+    level = logging.INFO if rank == 0 else logging.WARNING
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
+    root = logging.getLogger("dist_llm")
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    root.propagate = False
+
+
+def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
+    print(f"dist-llm: error: {message}", file=sys.stderr)
+    return code
+
+
+def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """Turn the errors a user can cause into one line and an exit code instead of a traceback."""
+
+    def run(args: argparse.Namespace) -> int:
+        from dist_llm.train.trainer import TrainingError
+
+        try:
+            return fn(args)
+        except ConfigError as e:
+            return fail(str(e))
+        except TrainingError as e:
+            return fail(str(e), code=1)
+        except KeyboardInterrupt:
+            return fail("interrupted", code=130)
+
+    return run
+
+
+# -- train ------------------------------------------------------------------------------------------------
+def add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None, help="YAML config file")
+    p.add_argument("--nproc-per-node", type=int, default=1,
+                   help="start this many processes on this machine (re-launches under torchrun)")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+
+
+def _under_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+
+
+def relaunch_under_torchrun(args: argparse.Namespace) -> int:
+    """`--nproc-per-node N`: run this same command as N local processes through torchrun."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+           "-m", "dist_llm.train"]
+    if args.config is not None:
+        cmd += ["--config", str(args.config)]
+    cmd += list(args.overrides)
+    return subprocess.call(cmd)
+
+
+@guarded
+def cmd_train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)  # validate before starting any process
+    if args.nproc_per_node < 1:
+        raise ConfigError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
+    if args.nproc_per_node > 1 and not _under_torchrun():
+        return relaunch_under_torchrun(args)
+
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+
+    setup_logging(int(os.environ.get("RANK", "0")))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        Trainer(cfg, ctx).fit()
+    finally:
+        ctx.destroy()
+    return 0
+
+
+# -- sample -----------------------------------------------------------------------------------------------
+def add_sample_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--checkpoint", type=Path, required=True,
+                   help="a checkpoint directory, or a run directory (its newest checkpoint is used)")
+    p.add_argument("--prompt", default="\n", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+
+
+@guarded
+def cmd_sample(args: argparse.Namespace) -> int:
+    from dist_llm.sample import sample_text
+
+    print(sample_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k, seed=args.seed, device=args.device))
+    return 0
+
+
+COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
+    "train": ("train a model from a YAML config", add_train_args, cmd_train),
+    "sample": ("generate text from a checkpoint", add_sample_args, cmd_sample),
+}
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    parser = argparse.ArgumentParser(prog="dist-llm", description="Train GPT models on one or many processes.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    subparsers = {}
+    for name, (help_text, add_args, _) in COMMANDS.items():
+        subparsers[name] = sub.add_parser(name, help=help_text)
+        add_args(subparsers[name])
+    return parser, subparsers
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser, subparsers = build_parser()
+    if not argv or argv[0] not in subparsers:
+        parser.parse_args(argv)  # prints usage and exits 2 (or prints help and exits 0)
+        return EXIT_BAD_INPUT
+    # intermixed, so overrides and options may come in any order
+    args = subparsers[argv[0]].parse_intermixed_args(argv[1:])
+    return COMMANDS[argv[0]][2](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

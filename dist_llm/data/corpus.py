@@ -1,0 +1,335 @@
+"""Turn `data.source` into two uint16 token files, train.bin and val.bin, prepared once and cached.
+
+Sources: 'stdlib' (the running Python's standard library, *.py, without site-packages), a directory of
+text files, a single text file, or a .bin of uint16 tokens. Documents are read as UTF-8 with
+errors="replace": a stray non-UTF-8 file (the stdlib has four) costs a few U+FFFD characters rather
+than a failed run. Within a split, documents are joined with SEPARATOR between them, so decoding a
+split's tokens gives back exactly SEPARATOR.join(its documents' text).
+
+Multi-document sources are split by document, by a hash of each relative name; single-file and .bin
+sources are split by position, the last `val_fraction` of the tokens going to val.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sysconfig
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from dist_llm.config import ConfigError, DataConfig
+from dist_llm.data.cache import COMPLETE_FILE, build_once, cache_root, folder_name
+from dist_llm.data.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+
+# Bump when the content of a prepared folder would change for the same inputs.
+FORMAT_VERSION = 1
+SEPARATOR = "\n"
+# Little-endian spelled out so a folder on a shared filesystem reads the same on every host.
+TOKEN_DTYPE = np.dtype("<u2")
+_EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# Text per encode_batch call: large enough to keep the library's threads busy, small enough to stream.
+_BATCH_CHARS = 8_000_000
+# Tokens copied per step when splitting a .bin, to keep memory flat for big files.
+_COPY_TOKENS = 1 << 24
+
+
+@dataclass
+class PreparedData:
+    directory: Path
+    train_path: Path
+    val_path: Path
+    tokenizer_spec: str
+    """'byte' or an absolute path to a tokenizer file; what `load_tokenizer` accepts."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """The folder's meta.json: n_train, n_val, n_documents, tokenizer, source, split, ..."""
+
+    @property
+    def n_train(self) -> int:
+        return int(self.meta["n_train"])
+
+    @property
+    def n_val(self) -> int:
+        return int(self.meta["n_val"])
+
+    def train_tokens(self) -> np.ndarray:
+        return np.memmap(self.train_path, dtype=TOKEN_DTYPE, mode="r")
+
+    def val_tokens(self) -> np.ndarray:
+        return np.memmap(self.val_path, dtype=TOKEN_DTYPE, mode="r")
+
+    def tokenizer(self) -> Tokenizer:
+        return load_tokenizer(self.tokenizer_spec)
+
+
+# --- listing and splitting -------------------------------------------------------------------------
+
+def _source_kind(source: str) -> str:
+    if source == "stdlib":
+        return "stdlib"
+    path = Path(source).expanduser()
+    if path.is_dir():
+        return "dir"
+    if path.is_file():
+        return "bin" if path.suffix == ".bin" else "file"
+    raise ConfigError(f"data.source: file or directory not found: {source}")
+
+
+def documents(source: str) -> list[tuple[str, Path]]:
+    """(relative name, path) of every text document of `source`, sorted by name.
+
+    'stdlib': *.py under the stdlib, skipping site-packages/dist-packages so installed packages do not
+    change the corpus. A directory: every regular file under it except hidden ones. A file: itself.
+    """
+    kind = _source_kind(source)
+    if kind in ("file", "bin"):
+        path = Path(source).expanduser().resolve()
+        return [(path.name, path)]
+    stdlib = kind == "stdlib"
+    root = Path(sysconfig.get_paths()["stdlib"] if stdlib else source).expanduser().resolve()
+    found: list[tuple[str, Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and not (stdlib and d in _EXCLUDED_DIRS)]
+        for name in filenames:
+            if name.startswith(".") or (stdlib and not name.endswith(".py")):
+                continue
+            path = Path(dirpath, name)
+            if path.is_file():  # skips sockets, fifos and dangling links
+                found.append((path.relative_to(root).as_posix(), path))
+    return sorted(found)
+
+
+def is_val_document(name: str, val_fraction: float) -> bool:
+    """A document's split depends only on its name, not on which other documents exist or their order."""
+    h = int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "big")
+    return h / 2**64 < val_fraction
+
+
+def _read(path: Path) -> str:
+    return path.read_bytes().decode("utf-8", errors="replace")
+
+
+# --- tokenizing ------------------------------------------------------------------------------------
+
+def _encode_stream(tok: Tokenizer, texts: Iterable[str], out: BinaryIO) -> int:
+    """Write the tokens of SEPARATOR.join(texts) to `out`; return how many were written."""
+    sep = _encode_many(tok, [SEPARATOR])[0]
+    n = 0
+    first = True
+    for arr in _encode_batches(tok, texts):
+        if not first:
+            out.write(sep.tobytes())
+            n += len(sep)
+        out.write(arr.tobytes())
+        n += len(arr)
+        first = False
+    return n
+
+
+def _encode_batches(tok: Tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray]:
+    """Encode each text, grouping texts into batches so BPE can encode them in parallel."""
+    batch: list[str] = []
+    chars = 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        if chars >= _BATCH_CHARS:
+            yield from _encode_many(tok, batch)
+            batch, chars = [], 0
+    if batch:
+        yield from _encode_many(tok, batch)
+
+
+def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    if isinstance(tok, ByteTokenizer):
+        return [tok.encode_array(t) for t in texts]
+    ids = tok.encode_batch(texts) if isinstance(tok, BPETokenizer) else [tok.encode(t) for t in texts]
+    return [np.asarray(i, dtype=TOKEN_DTYPE) for i in ids]
+
+
+def _line_pieces(text: str, size: int) -> Iterator[str]:
+    """Cut one big text at line ends into pieces of about `size` characters, for batched encoding."""
+    start = 0
+    while start < len(text):
+        end = text.find("\n", start + size)
+        end = len(text) if end < 0 else end + 1
+        yield text[start:end]
+        start = end
+
+
+def _position_split(n: int, val_fraction: float) -> int:
+    """Number of val tokens at the end of an n-token stream; both sides must be non-empty."""
+    n_val = int(n * val_fraction)
+    if n_val == 0 or n_val == n:
+        raise ConfigError(
+            f"data.val_fraction: {val_fraction} of {n} tokens leaves an empty "
+            f"{'val' if n_val == 0 else 'train'} split; use a larger source or another fraction")
+    return n_val
+
+
+def _copy_tokens(tokens: np.ndarray, path: Path) -> None:
+    with open(path, "wb") as out:
+        for i in range(0, len(tokens), _COPY_TOKENS):
+            out.write(np.ascontiguousarray(tokens[i:i + _COPY_TOKENS]).tobytes())
+
+
+# --- building a folder -----------------------------------------------------------------------------
+
+def _resolve_tokenizer(spec: str, kind: str) -> str:
+    if spec in ("byte", "bpe"):
+        if spec == "bpe" and kind == "bin":
+            raise ConfigError("data.tokenizer: a .bin source is already tokenized; "
+                              "use byte or a tokenizer.json path, not bpe")
+        return spec
+    path = Path(spec).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"data.tokenizer: must be byte, bpe or a tokenizer.json file; not found: {spec}")
+    return str(path.resolve())
+
+
+def _check_vocab(tok: Tokenizer, vocab_size: int) -> None:
+    if tok.vocab_size > MAX_VOCAB:
+        raise ConfigError(
+            f"data.tokenizer: {tok.vocab_size} tokens do not fit the uint16 token files (max {MAX_VOCAB})")
+    if tok.vocab_size > vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {vocab_size} is smaller than the tokenizer's vocabulary of {tok.vocab_size}")
+
+
+def _file_stats(paths: Iterable[tuple[str, Path]]) -> list[list[Any]]:
+    stats = []
+    for name, path in paths:
+        st = path.stat()
+        stats.append([name, st.st_size, st.st_mtime_ns])
+    return stats
+
+
+def _cache_key(data: DataConfig, kind: str, tok_spec: str, vocab_size: int,
+               docs: list[tuple[str, Path]]) -> dict[str, Any]:
+    key: dict[str, Any] = {
+        "format": FORMAT_VERSION,
+        "kind": kind,
+        "source": "stdlib" if kind == "stdlib" else str(Path(data.source).expanduser().resolve()),
+        "files": _file_stats(docs),
+        "tokenizer": tok_spec,
+        "val_fraction": data.val_fraction,
+    }
+    if kind == "stdlib":
+        key["python"] = f"{platform.python_implementation()}-{platform.python_version()}"
+    if tok_spec == "bpe":
+        key["vocab_size"] = vocab_size
+    elif tok_spec != "byte":  # a tokenizer.json: changing it must re-tokenize
+        key["tokenizer_file"] = _file_stats([("tokenizer", Path(tok_spec))])[0][1:]
+    return key
+
+
+def _label(data: DataConfig, kind: str, tok_spec: str) -> str:
+    source = "stdlib" if kind == "stdlib" else Path(data.source).expanduser().resolve().name
+    tok = tok_spec if tok_spec in ("byte", "bpe") else "custom"
+    return f"{source}-{tok}"
+
+
+def _build_text(tmp: Path, data: DataConfig, kind: str, tok_spec: str, vocab_size: int,
+                docs: list[tuple[str, Path]]) -> dict[str, Any]:
+    if kind == "file":
+        text = _read(docs[0][1])
+        if tok_spec == "bpe":
+            # Train on the leading share only, so the tokenizer has not seen the held-out tail.
+            head = text[: int(len(text) * (1 - data.val_fraction))]
+            tok: Tokenizer = BPETokenizer.train([head], vocab_size)
+        else:
+            tok = load_tokenizer(tok_spec)
+        _check_vocab(tok, vocab_size)
+        pieces = _encode_many(tok, list(_line_pieces(text, _BATCH_CHARS // 8)))
+        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=TOKEN_DTYPE)
+        n_val = _position_split(len(tokens), data.val_fraction)
+        _copy_tokens(tokens[: len(tokens) - n_val], tmp / "train.bin")
+        _copy_tokens(tokens[len(tokens) - n_val:], tmp / "val.bin")
+        n_train, split, n_val_docs = len(tokens) - n_val, "position", 0
+    else:
+        val_docs = [p for name, p in docs if is_val_document(name, data.val_fraction)]
+        train_docs = [p for name, p in docs if not is_val_document(name, data.val_fraction)]
+        if not val_docs or not train_docs:
+            raise ConfigError(
+                f"data.val_fraction: {data.val_fraction} puts {len(val_docs)} of {len(docs)} documents in val; "
+                f"both splits need at least one (use more documents, another fraction, or a single file)")
+        if tok_spec == "bpe":
+            tok = BPETokenizer.train(train_docs, vocab_size)
+        else:
+            tok = load_tokenizer(tok_spec)
+        _check_vocab(tok, vocab_size)
+        with open(tmp / "train.bin", "wb") as f:
+            n_train = _encode_stream(tok, map(_read, train_docs), f)
+        with open(tmp / "val.bin", "wb") as f:
+            n_val = _encode_stream(tok, map(_read, val_docs), f)
+        split, n_val_docs = "document", len(val_docs)
+    if n_train == 0 or n_val == 0:
+        raise ConfigError(
+            f"data.source: {data.source} yields {n_train} train and {n_val} val tokens; both must be non-empty")
+    if tok_spec == "bpe":
+        tok.save(tmp)
+    return {"n_train": n_train, "n_val": n_val, "n_documents": len(docs), "n_val_documents": n_val_docs,
+            "split": split, "vocab": tok.vocab_size, "max_token": None}
+
+
+def _build_bin(tmp: Path, data: DataConfig, tok_spec: str, vocab_size: int) -> dict[str, Any]:
+    path = Path(data.source).expanduser()
+    size = path.stat().st_size
+    if size == 0 or size % TOKEN_DTYPE.itemsize:
+        raise ConfigError(
+            f"data.source: {data.source} is {size} bytes; a .bin of uint16 tokens needs a positive even size")
+    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
+    n_val = _position_split(len(tokens), data.val_fraction)
+    _copy_tokens(tokens[: len(tokens) - n_val], tmp / "train.bin")
+    _copy_tokens(tokens[len(tokens) - n_val:], tmp / "val.bin")
+    max_token = max(int(tokens[i:i + _COPY_TOKENS].max()) for i in range(0, len(tokens), _COPY_TOKENS))
+    vocab = load_tokenizer(tok_spec).vocab_size
+    if max_token >= vocab:
+        raise ConfigError(
+            f"data.tokenizer: {data.source} holds token id {max_token}, beyond the tokenizer's {vocab} tokens")
+    return {"n_train": len(tokens) - n_val, "n_val": n_val, "n_documents": 1, "n_val_documents": 0,
+            "split": "position", "vocab": vocab, "max_token": max_token}
+
+
+def _spec_in(folder: Path, tok_spec: str) -> str:
+    return str(folder / "tokenizer.json") if tok_spec == "bpe" else tok_spec
+
+
+def prepare_data(data: DataConfig, vocab_size: int) -> PreparedData:
+    """Tokenize `data.source` once into train.bin / val.bin in the cache; later calls reuse them.
+
+    Safe to call from every rank at once. Raises ConfigError naming the key at fault.
+    """
+    kind = _source_kind(data.source)
+    if not 0.0 < data.val_fraction < 1.0:
+        raise ConfigError(f"data.val_fraction: must be in (0, 1), got {data.val_fraction}")
+    tok_spec = _resolve_tokenizer(data.tokenizer, kind)
+    if tok_spec == "bpe" and not 256 <= vocab_size <= MAX_VOCAB:
+        raise ConfigError(f"model.vocab_size: byte-level BPE needs 256..{MAX_VOCAB}, got {vocab_size}")
+    if tok_spec != "bpe":  # checked before any work; a trained BPE is checked as it is built
+        _check_vocab(load_tokenizer(tok_spec), vocab_size)
+    docs = documents(data.source)
+    if kind != "bin" and not docs:
+        raise ConfigError(f"data.source: no documents found in {data.source}")
+
+    def build(tmp: Path) -> None:
+        if kind == "bin":
+            info = _build_bin(tmp, data, tok_spec, vocab_size)
+        else:
+            info = _build_text(tmp, data, kind, tok_spec, vocab_size, docs)
+        meta = {"format": FORMAT_VERSION, "source": data.source, "kind": kind,
+                "tokenizer": tok_spec, "val_fraction": data.val_fraction, "separator": SEPARATOR,
+                "dtype": TOKEN_DTYPE.str, **info}
+        (tmp / COMPLETE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+
+    key = _cache_key(data, kind, tok_spec, vocab_size, docs)
+    folder = build_once(cache_root(data.cache_dir), folder_name(_label(data, kind, tok_spec), key), build)
+    meta = json.loads((folder / COMPLETE_FILE).read_text())
+    return PreparedData(directory=folder, train_path=folder / "train.bin", val_path=folder / "val.bin",
+                        tokenizer_spec=_spec_in(folder, tok_spec), meta=meta)

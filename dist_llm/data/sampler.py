@@ -1,0 +1,87 @@
+"""Which token windows each step trains on, independent of how the batch is spread over ranks.
+
+A step's global batch is drawn from a generator seeded by (seed, stream, step) alone, then each
+data-parallel rank takes a contiguous slice of it. So changing dp or micro_batch_size changes who
+computes what, never what is computed: runs with different layouts see the same data, and resuming
+only needs the step number.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dist_llm.config import ConfigError
+
+TRAIN_STREAM = 0
+VAL_STREAM = 1
+
+
+class GlobalBatchSampler:
+    def __init__(self, n_tokens: int, block_size: int, global_batch_size: int, seed: int, *, stream: int = 0) -> None:
+        # A window is block_size inputs plus one more token for the last target.
+        if n_tokens < block_size + 2:
+            raise ConfigError(
+                f"model.block_size: {block_size} needs at least {block_size + 2} tokens, but the split has {n_tokens}")
+        if global_batch_size <= 0:
+            raise ConfigError(f"train.global_batch_size: must be positive, got {global_batch_size}")
+        self.n_tokens = n_tokens
+        self.block_size = block_size
+        self.global_batch_size = global_batch_size
+        self.seed = seed
+        self.stream = stream
+        self.step = 0
+        """The next step to draw; the trainer advances it."""
+
+    def starts(self, step: int) -> np.ndarray:
+        """Start offsets of the global batch of `step`, int64, shape (global_batch_size,)."""
+        rng = np.random.default_rng(np.random.SeedSequence([self.seed, self.stream, step]))
+        # Highest start is n_tokens - block_size - 1, so the target window still fits.
+        return rng.integers(0, self.n_tokens - self.block_size, size=self.global_batch_size, dtype=np.int64)
+
+    def micro_batch_starts(self, step: int, *, dp_rank: int, dp_size: int, micro_batch_size: int) -> list[np.ndarray]:
+        """This rank's share of step `step`: a contiguous slice of the global batch, cut into micro-batches."""
+        b = self.global_batch_size
+        if not 0 <= dp_rank < dp_size:
+            raise ValueError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+        if b % dp_size or (b // dp_size) % micro_batch_size:
+            raise ValueError(
+                f"global batch {b} does not split into dp_size={dp_size} ranks of micro-batches of {micro_batch_size}")
+        per_rank = b // dp_size
+        mine = self.starts(step)[dp_rank * per_rank:(dp_rank + 1) * per_rank]
+        return [mine[i:i + micro_batch_size] for i in range(0, per_rank, micro_batch_size)]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step, "seed": self.seed, "global_batch_size": self.global_batch_size,
+                "stream": self.stream}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Resume at the saved step. A different seed or batch size would silently change the data, so it is refused."""
+        for key, config_key in (("seed", "train.seed"), ("global_batch_size", "train.global_batch_size")):
+            if state[key] != getattr(self, key):
+                raise ConfigError(f"{config_key}: the checkpoint's data order used {state[key]}, "
+                                  f"the config says {getattr(self, key)}")
+        if state["stream"] != self.stream:
+            raise ValueError(f"sampler state is for stream {state['stream']}, this sampler draws stream {self.stream}")
+        self.step = int(state["step"])
+
+
+def val_sampler(n_tokens: int, block_size: int, global_batch_size: int) -> GlobalBatchSampler:
+    """Validation windows: a fixed seed, so the val set is the same whatever the training seed."""
+    return GlobalBatchSampler(n_tokens, block_size, global_batch_size, seed=0, stream=VAL_STREAM)
+
+
+def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets, int64 tensors of shape (B, T); y[:, i] == x[:, i + 1]."""
+    # One gather of T+1 tokens per window, (B, T+1); reading only these pages keeps memmaps cheap.
+    windows = tokens[np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)]
+    windows = windows.astype(np.int64)
+    # Contiguous copies so callers may .view() them (e.g. flattening targets for the loss).
+    x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
+    y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    device = torch.device(device)
+    if device.type == "cuda":
+        # Pinned host memory lets the copy overlap with compute.
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)

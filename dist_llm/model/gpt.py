@@ -1,0 +1,228 @@
+"""A decoder-only GPT, readable top to bottom.
+
+Token embedding -> [learned positions] -> n_layer x (pre-norm attention, pre-norm MLP) -> norm -> LM head.
+The model knows nothing of parallelism: every layer a parallel form may swap comes from a `LayerFactory`,
+and `embed`, `blocks` and `head` are separate so a pipeline can cut the model into stages.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from dist_llm.config import ModelConfig
+from dist_llm.model.factory import LayerFactory
+from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
+
+Checkpointing = Literal["none", "full", "selective"]
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
+    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with n_kv_head <= n_head (MHA, GQA, MQA) through SDPA."""
+
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, rope: RotaryEmbedding | None) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.n_head, self.n_kv_head = layers.local_heads(cfg.n_head, cfg.kv_heads)
+        qkv_out = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
+        self.qkv = layers.linear(cfg.n_embd, qkv_out, bias=cfg.bias, role="qkv")
+        self.proj = layers.linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias, role="attn_out")
+        self.dropout = cfg.dropout
+        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.rope = rope
+        if cfg.pos_emb == "alibi":
+            first = layers.first_head(cfg.n_head)  # a tensor-parallel rank holds a contiguous range of heads
+            slopes = alibi_slopes(cfg.n_head)[first : first + self.n_head]
+            self.register_buffer("alibi_slopes", slopes, persistent=False)
+        else:
+            self.alibi_slopes = None
+        self.checkpoint_core = False  # selective activation checkpointing recomputes only `core`
+
+    def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Scaled dot-product attention over (B, nh, T, hs) queries and (B, nkv, T, hs) keys/values."""
+        dropout = self.dropout if self.training else 0.0
+        gqa = self.n_kv_head != self.n_head
+        if self.alibi_slopes is not None:
+            bias = alibi_bias(self.alibi_slopes, q.shape[-2], q.dtype)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).split(
+            [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
+        q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
+        if self.rope is not None:
+            q, k = self.rope(q, k)
+        if self.checkpoint_core and self.training:
+            y = checkpoint(self.core, q, k, v, use_reentrant=False)
+        else:
+            y = self.core(q, k, v)
+        y = y.transpose(1, 2).reshape(B, T, self.n_head * self.head_dim)  # (B, T, nh*hs)
+        return self.resid_dropout(self.proj(y))
+
+
+class MLP(nn.Module):
+    """GELU (up, gelu, down) or SwiGLU (down(silu(gate x) * up x))."""
+
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory) -> None:
+        super().__init__()
+        hidden = cfg.ffn_hidden
+        self.swiglu = cfg.mlp == "swiglu"
+        self.up = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_up")
+        self.gate = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_gate") if self.swiglu else None
+        self.down = layers.linear(hidden, cfg.n_embd, bias=cfg.bias, role="mlp_down")
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            h = F.silu(self.gate(x)) * self.up(x)
+        else:
+            h = F.gelu(self.up(x), approximate="tanh")  # GPT-2's GELU
+        return self.dropout(self.down(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, rope: RotaryEmbedding | None) -> None:
+        super().__init__()
+        self.ln_1 = make_norm(cfg)
+        self.attn = Attention(cfg, layers, rope)
+        self.ln_2 = make_norm(cfg)
+        self.mlp = MLP(cfg, layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class CheckpointedBlock(nn.Module):
+    """Recomputes the wrapped block's forward during backward instead of keeping its activations."""
+
+    def __init__(self, block: Block) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return self.block(x)
+        return checkpoint(self.block, x, use_reentrant=False)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        layers = layers or LayerFactory()
+        self.layers = layers
+        self.wte = layers.embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
+        self.drop = nn.Dropout(cfg.dropout)
+        rope = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta) if cfg.pos_emb == "rope" else None
+        self.rope = rope
+        self.blocks = nn.ModuleList(Block(cfg, layers, rope) for _ in range(cfg.n_layer))
+        self.ln_f = make_norm(cfg)
+        self.lm_head = layers.linear(cfg.n_embd, cfg.vocab_size, bias=False, role="lm_head")
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
+        self.reset_parameters()
+
+    # -- initialisation ---------------------------------------------------------------------------------
+    def reset_parameters(self) -> None:
+        """GPT-2 init: N(0, init_std) everywhere, residual projections scaled by 1/sqrt(2*n_layer)."""
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                is_residual = name.endswith(("attn.proj", "mlp.down"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+                module.reset_parameters()
+        if self.rope is not None:
+            self.rope.reset_parameters()
+
+    def set_activation_checkpointing(self, mode: Checkpointing) -> None:
+        """'full' wraps each block in a recomputing wrapper; 'selective' recomputes only the attention core."""
+        for i, block in enumerate(self.blocks):
+            inner = block.block if isinstance(block, CheckpointedBlock) else block
+            inner.attn.checkpoint_core = mode == "selective"
+            self.blocks[i] = CheckpointedBlock(inner) if mode == "full" else inner
+
+    # -- forward, in pieces a pipeline stage can take -----------------------------------------------------
+    def embed(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> residual stream (B, T, C)."""
+        x = self.wte(idx)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return self.drop(x)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Residual stream (B, T, C) -> logits (B, T, V)."""
+        return self.lm_head(self.ln_f(x))
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.layers.cross_entropy(logits, targets)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits (B, T, V) for token ids (B, T); with targets, the mean cross-entropy instead."""
+        if idx.shape[1] > self.cfg.block_size:
+            raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.block_size={self.cfg.block_size}")
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x)
+        return logits if targets is None else self.loss(logits, targets)
+
+    # -- accounting ---------------------------------------------------------------------------------------
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Parameters, shared ones counted once; `non_embedding` leaves out the position embedding (and the
+        token embedding when it is not also the output head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            if self.wpe is not None:
+                n -= self.wpe.weight.numel()
+            if not self.cfg.tie_embeddings:
+                n -= self.wte.weight.numel()
+        return n
+
+    def flops_per_token(self) -> float:
+        """Training FLOPs per token, 6N + 12*L*C*T (Kaplan et al. 2020, as PaLM counts it for MFU), with N the
+        non-embedding parameters (the LM head counted, position embeddings not)."""
+        c = self.cfg
+        n = self.num_params(non_embedding=True)
+        return 6.0 * n + 12.0 * c.n_layer * c.n_embd * c.block_size
+
+    # -- sampling -----------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
+                 top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+        """Append `max_new_tokens` sampled tokens to idx (B, T), cropping the context to block_size."""
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cfg.block_size :]
+            logits = self(context)[:, -1, :].float()
+            if temperature <= 0:
+                nxt = logits.argmax(dim=-1, keepdim=True)
+            else:
+                logits = logits / temperature
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, [-1]]
+                    logits = logits.masked_fill(logits < kth, float("-inf"))
+                nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat((idx, nxt), dim=1)
+        return idx

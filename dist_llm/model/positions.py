@@ -1,0 +1,72 @@
+"""Position encodings: rotary (RoPE) and linear biases (ALiBi). Learned absolute ones are an nn.Embedding in gpt.py."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding in the 'rotate half' layout (the one Hugging Face Llama uses).
+
+    cos/sin tables are non-persistent buffers: they move with the module and never enter a checkpoint.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float = 10000.0) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        freqs = torch.outer(torch.arange(self.max_seq_len, dtype=torch.float32), inv_freq)  # (T, hs/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (T, hs)
+        return emb.cos(), emb.sin()
+
+    def reset_parameters(self) -> None:
+        """Recompute the tables (after a model built on the meta device is materialised)."""
+        cos, sin = self._tables()
+        self.cos.copy_(cos.to(self.cos.device))
+        self.sin.copy_(sin.to(self.sin.device))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs); computed in fp32, returned in the input dtype."""
+        T = q.shape[-2]
+        cos, sin = self.cos[:T], self.sin[:T]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return (xf * cos + rotated * sin).to(x.dtype)
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """Per-head slopes of Press et al. (2022): a geometric sequence starting at 2^(-8/n) for n a power of
+    two; otherwise the slopes of the closest smaller power of two, then every other slope of the next."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_head).is_integer():
+        slopes = power_of_two(n_head)
+    else:
+        closest = 2 ** math.floor(math.log2(n_head))
+        slopes = power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """Causal ALiBi bias (nh, T, T): -slope * distance on and below the diagonal, -inf above."""
+    pos = torch.arange(seq_len, device=slopes.device)
+    distance = (pos[None, :] - pos[:, None]).float()  # j - i, <= 0 where attention is allowed
+    bias = slopes.float()[:, None, None] * distance[None]
+    bias = bias.masked_fill(distance[None] > 0, float("-inf"))
+    return bias.to(dtype)

@@ -1,0 +1,46 @@
+"""Text generation from a checkpoint (`dist-llm sample`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import yaml
+
+from dist_llm.config import ConfigError, config_from_dict
+from dist_llm.data import load_tokenizer
+from dist_llm.model import GPT
+from dist_llm.parallel.context import pick_device
+from dist_llm.train import checkpoint as ckpt
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A checkpoint directory, a run directory or its checkpoints/ folder (then the newest complete one)."""
+    if ckpt.is_complete(path):
+        return path
+    for root in (path / "checkpoints", path):
+        latest = ckpt.latest_checkpoint(root)
+        if latest is not None:
+            return latest
+    raise ConfigError(f"--checkpoint: no complete checkpoint at {path}")
+
+
+def load_model(path: Path, device: torch.device) -> tuple[GPT, Path]:
+    path = resolve_checkpoint(path)
+    cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), check=False)
+    model = GPT(cfg.model).to(device)
+    ckpt.load_model_weights(path, model)
+    return model.eval(), path
+
+
+def sample_text(path: Path, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None,
+                seed: int, device: str = "auto") -> str:
+    dev = pick_device(device, 0)
+    model, path = load_model(path, dev)
+    tok_file = path / "tokenizer.json"
+    tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
+    ids = tokenizer.encode(prompt) or [0]
+    gen = torch.Generator(device=dev).manual_seed(seed)
+    out = model.generate(torch.tensor([ids], device=dev), max_new_tokens, temperature=temperature,
+                         top_k=top_k, generator=gen)
+    return tokenizer.decode(out[0].tolist())

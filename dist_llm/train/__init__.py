@@ -1,0 +1,1 @@
+"""Training: the trainer, optimizer and schedule, precision, checkpoints, metrics."""

@@ -1,0 +1,173 @@
+"""Checkpoints: model and optimizer through torch.distributed.checkpoint, the rest as JSON, manifest last.
+
+Layout of `checkpoints/step_NNNNNN/`:
+  .metadata, __*.distcp      model and optimizer tensors (DCP: each rank writes its own shards, and a load
+                             reshards into whatever layout asks for them)
+  train_state.json           step, tokens seen, sampler, loss scaler (identical on every rank)
+  rng/rank_KKKKK.json        each rank's RNG states
+  config.yaml                the resolved config, so `dist-llm sample` needs nothing else
+  manifest.json              written last, atomically: the checkpoint is complete only once it exists
+
+Nothing here unpickles: tensors come back through DCP, everything else is JSON.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from dist_llm.config import Config
+from dist_llm.parallel.context import ParallelContext
+
+MANIFEST = "manifest.json"
+_STEP_DIR = re.compile(r"^step_(\d{6,})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:06d}"
+
+
+@contextlib.contextmanager
+def _quiet_single_process() -> Iterator[None]:
+    # DCP warns that it "assumes a single process" when no process group exists, which is what we mean.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def rng_state(device: torch.device) -> dict[str, str]:
+    state = {"cpu": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()}
+    if device.type == "cuda":
+        state["cuda"] = base64.b64encode(torch.cuda.get_rng_state(device).numpy().tobytes()).decode()
+    return state
+
+
+def set_rng_state(state: dict[str, str], device: torch.device) -> None:
+    def tensor(text: str) -> torch.Tensor:
+        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+
+    torch.set_rng_state(tensor(state["cpu"]))
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(tensor(state["cuda"]), device)
+
+
+def save_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
+                    cfg: Config, ctx: ParallelContext, extra_files: dict[str, Path] | None = None) -> None:
+    """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
+    are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own."""
+    if ctx.is_main and path.exists():
+        shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
+    ctx.barrier()
+    (path / "rng").mkdir(parents=True, exist_ok=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+    _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
+    ctx.barrier()
+    if ctx.is_main:
+        _atomic_write(path / "train_state.json", json.dumps(train_state, indent=1))
+        _atomic_write(path / "config.yaml", cfg.to_yaml())
+        for name, source in (extra_files or {}).items():
+            shutil.copyfile(source, path / name)
+        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+        files.append(path / ".metadata")
+        manifest = {
+            "step": train_state["step"],
+            "tokens_seen": train_state.get("tokens_seen", 0),
+            "layout": ctx.layout(),
+            "model_fingerprint": cfg.fingerprint(),
+            "files": {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+        }
+        _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
+    ctx.barrier()
+
+
+def is_complete(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def prune_checkpoints(root: Path, keep: int) -> None:
+    """Delete all but the newest `keep` complete checkpoints (called only after a newer one is complete)."""
+    if keep <= 0:
+        return
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text())
+
+
+def load_model_weights(path: Path, model: nn.Module) -> None:
+    """Load only the model's tensors from a checkpoint (resharding as DCP does)."""
+    state = {"model": get_model_state_dict(model)}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
+    set_model_state_dict(model, state["model"])
+
+
+def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                    ctx: ParallelContext) -> dict[str, Any]:
+    """Restore model, optimizer and this rank's RNG; return the train state saved with them."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
+    if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine
+        set_rng_state(read_json(rng_file), ctx.device)
+    return read_json(path / "train_state.json")

@@ -1,0 +1,241 @@
+"""The trainer: the only place that knows the order of a training step."""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from dist_llm.config import Config, ConfigError
+from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
+from dist_llm.model import GPT
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.train import checkpoint as ckpt
+from dist_llm.train.metrics import MetricsLog, plot_losses
+from dist_llm.train.optim import build_optimizer, lr_at, set_lr
+from dist_llm.train.precision import LossScaler, autocast
+
+log = logging.getLogger("dist_llm")
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
+
+
+@dataclass
+class StepOutput:
+    """What one optimizer step produced; tensors stay on the device until a log step reads them."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    lr: float
+    skipped: bool
+
+
+def build_model(cfg: Config, device: torch.device) -> GPT:
+    """The GPT for `cfg`, initialised from `train.seed`, with checkpointing and compilation as configured."""
+    torch.manual_seed(cfg.train.seed)
+    model = GPT(cfg.model).to(device)
+    if cfg.train.activation_checkpointing != "none":
+        model.set_activation_checkpointing(cfg.train.activation_checkpointing)
+    if cfg.train.compile:
+        for block in model.blocks:
+            block.compile()  # in place, so parameter names (and checkpoints) do not change
+    return model
+
+
+class Trainer:
+    def __init__(self, cfg: Config, ctx: ParallelContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        t, m = cfg.train, cfg.model
+        self.device = ctx.device
+        self.out_dir = Path(t.out_dir or f"runs/{cfg.name}")
+        self.ckpt_root = self.out_dir / "checkpoints"
+
+        # Local rank 0 prepares the token files; the others then find them in the cache.
+        if ctx.local_rank == 0:
+            self.data = prepare_data(cfg.data, m.vocab_size)
+        ctx.barrier()
+        if ctx.local_rank != 0:
+            self.data = prepare_data(cfg.data, m.vocab_size)
+        self.train_tokens = self.data.train_tokens()
+        self.val_tokens = self.data.val_tokens()
+        self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
+        self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
+
+        self.model = build_model(cfg, self.device)
+        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.scaler = LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init)
+        self.accum_steps = t.global_batch_size // (t.micro_batch_size * ctx.dp)
+        self.tokens_per_step = t.global_batch_size * m.block_size
+        self.step = 0
+        self.tokens_seen = 0
+        self.elapsed_s = 0.0
+        self.resumed_from = self._resume()
+        fresh = self.resumed_from is None
+        if fresh and ctx.is_main:
+            self._clear_previous_run()
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh)
+
+    # -- resume -------------------------------------------------------------------------------------------
+    def _resume(self) -> Path | None:
+        choice = self.cfg.train.resume
+        if choice == "never":
+            return None
+        path = ckpt.latest_checkpoint(self.ckpt_root) if choice == "auto" else Path(choice).expanduser()
+        if path is None:
+            return None
+        if not ckpt.is_complete(path):
+            raise ConfigError(f"train.resume: {path} is not a complete checkpoint (no {ckpt.MANIFEST})")
+        manifest = ckpt.read_json(path / ckpt.MANIFEST)
+        if manifest["model_fingerprint"] != self.cfg.fingerprint():
+            raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
+        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, ctx=self.ctx)
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        self.elapsed_s = state.get("elapsed_s", 0.0)
+        self.sampler.load_state_dict(state["sampler"])
+        self.scaler.load_state_dict(state["scaler"])
+        log.info("resumed from %s at step %d", path, self.step)
+        return path
+
+    def _clear_previous_run(self) -> None:
+        """A fresh start owns out_dir: checkpoints of an earlier run would otherwise be resumed or pruned as ours."""
+        old = ckpt.list_checkpoints(self.ckpt_root)
+        if old:
+            log.warning("starting afresh: removing %d checkpoint(s) of an earlier run in %s", len(old), self.ckpt_root)
+            shutil.rmtree(self.ckpt_root)
+
+    # -- one optimizer step -------------------------------------------------------------------------------
+    def _micro_batches(self, sampler: GlobalBatchSampler, step: int, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        starts = sampler.micro_batch_starts(step, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp,
+                                            micro_batch_size=self.cfg.train.micro_batch_size)
+        return [get_batch(tokens, s, self.cfg.model.block_size, self.device) for s in starts]
+
+    def train_step(self) -> StepOutput:
+        t = self.cfg.train
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        for x, y in self._micro_batches(self.sampler, self.step, self.train_tokens):
+            with autocast(t.precision, self.device):
+                loss = self.model(x, y)
+            loss_sum += loss.detach()
+            self.scaler.scale_loss(loss / self.accum_steps).backward()
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        self.scaler.unscale_([p.grad for p in params])
+        max_norm = self.cfg.optim.grad_clip or math.inf
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        # One host sync a step: whether to skip it (fp16 overflow, or a non-finite guard in bf16/fp32).
+        finite = bool(torch.isfinite(grad_norm))
+        self.scaler.update(finite)
+        lr = lr_at(self.step, self.cfg.optim, t.max_steps)
+        if finite:
+            set_lr(self.optimizer, lr)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        self.sampler.step = self.step
+        self.tokens_seen += self.tokens_per_step
+        if self.scaler.bad_steps_in_row >= t.max_bad_steps:
+            raise TrainingError(f"{self.scaler.bad_steps_in_row} steps in a row had non-finite gradients "
+                                f"(train.max_bad_steps={t.max_bad_steps}); stopping at step {self.step}, "
+                                "the last complete checkpoint is kept")
+        return StepOutput(loss=loss_sum / self.accum_steps, grad_norm=grad_norm, lr=lr, skipped=not finite)
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        """Mean loss over `train.eval_steps` fixed global batches of the validation split."""
+        self.model.eval()
+        total = torch.zeros((), device=self.device)
+        for i in range(self.cfg.train.eval_steps):
+            for x, y in self._micro_batches(self.val_sampler, i, self.val_tokens):
+                with autocast(self.cfg.train.precision, self.device):
+                    total += self.model(x, y).float()
+        self.model.train()
+        return (total / (self.cfg.train.eval_steps * self.accum_steps)).item()
+
+    # -- checkpoints --------------------------------------------------------------------------------------
+    def train_state(self) -> dict[str, Any]:
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s,
+                "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict()}
+
+    def tokenizer_files(self) -> dict[str, Path]:
+        spec = self.data.tokenizer_spec
+        return {} if spec == "byte" else {"tokenizer.json": Path(spec)}
+
+    def save_checkpoint(self) -> Path:
+        path = ckpt.step_dir(self.ckpt_root, self.step)
+        ckpt.save_checkpoint(path, model=self.model, optimizer=self.optimizer, train_state=self.train_state(),
+                             cfg=self.cfg, ctx=self.ctx, extra_files=self.tokenizer_files())
+        if self.ctx.is_main:
+            ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)
+        return path
+
+    # -- the loop -----------------------------------------------------------------------------------------
+    def header(self) -> dict[str, Any]:
+        return {"event": "start", "step": self.step, "n_params": self.model.num_params(),
+                "layout": self.ctx.layout(), "device": str(self.device), "precision": self.cfg.train.precision,
+                "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
+                "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
+                "resumed_from": str(self.resumed_from) if self.resumed_from else None}
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
+        t = self.cfg.train
+        stop = t.stop_after_step or t.max_steps
+        if self.ctx.is_main:
+            (self.out_dir).mkdir(parents=True, exist_ok=True)
+            (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
+        self.metrics.write(self.header())
+        log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | %s | %s | global batch %d x %d "
+                 "tokens in %d micro-step(s) | out %s", self.model.num_params() / 1e6, self.ctx.world_size,
+                 self.ctx.dp, self.ctx.tp, self.ctx.pp, self.device, t.precision, t.global_batch_size,
+                 self.cfg.model.block_size, self.accum_steps, self.out_dir)
+        last: dict[str, Any] = {}
+        bar = tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=not self.ctx.is_main,
+                   mininterval=1.0, dynamic_ncols=True)
+        run_start, prior_elapsed = time.perf_counter(), self.elapsed_s
+        window_start, window_steps = run_start, 0
+        try:
+            while self.step < stop:
+                out = self.train_step()
+                window_steps += 1
+                bar.update(1)
+                if self.step % t.log_interval == 0 or self.step == stop:
+                    now = time.perf_counter()
+                    self.elapsed_s = prior_elapsed + now - run_start
+                    last = {"step": self.step, "loss": out.loss.item(), "lr": out.lr,
+                            "grad_norm": out.grad_norm.item(),
+                            "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
+                            "elapsed_s": round(self.elapsed_s, 3)}
+                    if t.precision == "fp16":
+                        last["loss_scale"] = self.scaler.scale
+                    if self.scaler.skipped_steps:
+                        last["skipped_steps"] = self.scaler.skipped_steps
+                    self.metrics.write(last)
+                    bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+                    window_start, window_steps = time.perf_counter(), 0
+                paused = time.perf_counter()
+                if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
+                    last["val_loss"] = self.evaluate()
+                    self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
+                    bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
+                if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop:
+                    self.elapsed_s = prior_elapsed + time.perf_counter() - run_start
+                    self.save_checkpoint()
+                window_start += time.perf_counter() - paused  # eval and saving are not training throughput
+        finally:
+            bar.close()
+            self.metrics.close()
+        if self.ctx.is_main:
+            plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+        return last

@@ -1,0 +1,133 @@
+"""Run a test function on N gloo processes on CPU.
+
+    @distributed(world_size=2)
+    def test_allreduce(rank, world_size):
+        ...                     # runs in every rank with the default process group initialised
+
+    results = run_distributed(fn, 2, arg)   # fn(rank, world_size, arg) on 2 ranks; returns [result_0, result_1]
+
+Each rank is a fresh `spawn`ed interpreter with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR, MASTER_PORT) set, so code under test sees what it sees under torchrun. A rank's exception is
+re-raised in the test with that rank's traceback; a rank that hangs or dies fails the test after `timeout`
+instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+DEFAULT_TIMEOUT_S = 180.0
+
+
+class RankFailed(AssertionError):
+    """A rank raised, died or timed out; the message carries its traceback."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _resolve(ref: tuple[str, str] | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(ref):
+        return ref
+    module, qualname = ref
+    obj: Any = importlib.import_module(module)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return getattr(obj, "__wrapped__", obj)  # the undecorated body of a @distributed test
+
+
+def _rank_main(ref: Any, rank: int, world_size: int, port: int, init_group: bool, env: dict[str, str],
+               args: tuple, kwargs: dict, queue: Any) -> None:
+    os.environ.update(env)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N ranks share the machine's cores; oversubscription only slows the suite
+    try:
+        if init_group:
+            dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
+        result = _resolve(ref)(rank, world_size, *args, **kwargs)
+        queue.put((rank, True, result))
+    except BaseException:  # noqa: BLE001 - everything goes back to the test
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+
+
+def run_distributed(fn: Callable[..., Any] | tuple[str, str], world_size: int, *args: Any,
+                    timeout: float = DEFAULT_TIMEOUT_S, init_group: bool = True, env: dict[str, str] | None = None,
+                    **kwargs: Any) -> list[Any]:
+    """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` processes; return the ranks' results in
+    rank order. `fn` must be importable by name (a module-level function). With `init_group=False` the
+    process group is left to `fn` (to test code that initialises it from the environment)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, init_group, env or {}, args, kwargs, queue),
+                         daemon=True) for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    failures: list[str] = []
+    try:
+        import queue as queue_mod
+
+        while len(results) + len(failures) < world_size:
+            try:
+                rank, ok, payload = queue.get(timeout=timeout)
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
+                raise RankFailed(f"timed out after {timeout:.0f}s waiting for ranks "
+                                 f"{sorted(set(range(world_size)) - set(results))}"
+                                 + (f"; ranks {dead} died" if dead else "")) from None
+            if ok:
+                results[rank] = payload
+            else:
+                failures.append(f"--- rank {rank} ---\n{payload}")
+                break  # the other ranks are likely stuck in a collective with the failed one
+        if failures:
+            raise RankFailed("a rank failed:\n" + "\n".join(failures))
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not failures else 0.5)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]
+
+
+def distributed(world_size: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a test `def test_x(rank, world_size, **fixtures)`; pytest sees a test of the fixtures only."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        ref = (fn.__module__, fn.__qualname__)
+
+        @functools.wraps(fn)
+        def wrapper(**kwargs: Any) -> None:
+            run_distributed(ref, world_size, timeout=timeout, **kwargs)
+
+        # pytest must not ask for `rank`/`world_size` fixtures: hide them from the visible signature
+        import inspect
+
+        sig = inspect.signature(fn)
+        params = [p for name, p in sig.parameters.items() if name not in ("rank", "world_size")]
+        wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate

@@ -1,0 +1,101 @@
+"""Config loading, overrides and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dist_llm.config import Config, ConfigError, config_from_dict, load_config
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_defaults_then_file_then_overrides(tmp_path: Path) -> None:
+    f = tmp_path / "run.yaml"
+    f.write_text("model:\n  n_layer: 3\n  n_embd: 64\noptim:\n  lr: 1.0e-3\n")
+    cfg = load_config(f, ["model.n_layer=5", "optim.lr=5e-3", "train.precision=bf16", "model.bias=false"])
+    assert cfg.model.n_layer == 5  # CLI beats the file
+    assert cfg.model.n_embd == 64  # the file beats the default
+    assert cfg.model.n_head == Config().model.n_head  # the default stays
+    assert cfg.optim.lr == pytest.approx(5e-3) and isinstance(cfg.optim.lr, float)
+    assert cfg.train.precision == "bf16" and cfg.model.bias is False
+    assert cfg.name == "run"  # named after the file
+
+
+def test_int_accepted_for_float_and_round_trip(tmp_path: Path) -> None:
+    cfg = load_config(None, ["optim.lr=1", "optim.min_lr=0"])
+    assert cfg.optim.lr == 1.0
+    assert config_from_dict(cfg.to_dict()) == cfg
+
+
+def test_shipped_configs_load() -> None:
+    for path in sorted((REPO / "configs").glob("*.yaml")):
+        load_config(path)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["model.n_layr=2"], "unknown config key 'model.n_layr' (did you mean 'model.n_layer'?)"),
+        (["trian.max_steps=2"], "unknown config key 'trian.max_steps' (did you mean 'train.max_steps'?)"),
+        (["model.n_layer=abc"], "model.n_layer: expected an integer, got 'abc'"),
+        (["model.n_layer=2.5"], "model.n_layer: expected an integer, got 2.5"),
+        (["model.bias=maybe"], "model.bias: expected true or false, got 'maybe'"),
+        (["model.pos_emb=sinusoid"], "model.pos_emb: must be one of learned|rope|alibi, got 'sinusoid'"),
+        (["model.n_embd=100", "model.n_head=3"], "model.n_embd: 100 is not divisible by model.n_head=3"),
+        (["model.n_head=4", "model.n_kv_head=3"], "model.n_head: 4 is not divisible by model.n_kv_head=3"),
+        (["train.global_batch_size=10", "train.micro_batch_size=4"],
+         "train.global_batch_size: 10 is not divisible by train.micro_batch_size * parallel.dp = 4 * 1"),
+        (["model.n_layer=0"], "model.n_layer: must be positive, got 0"),
+        (["data.source=/no/such/corpus"], "data.source: file or directory not found: /no/such/corpus"),
+        (["model.vocab_size=100"], "model.vocab_size: the byte tokenizer needs at least 256, got 100"),
+        (["parallel.tp=2"], "parallel.tp=2 is not supported yet"),
+        (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: 1.0 is above optim.lr=0.1"),
+        (["model.n_layer"], "override 'model.n_layer': expected section.key=value"),
+    ],
+)
+def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_missing_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--config: file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_unknown_key_in_file(tmp_path: Path) -> None:
+    f = tmp_path / "bad.yaml"
+    f.write_text("optim:\n  learning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match="unknown config key 'optim.learning_rate'"):
+        load_config(f)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dist_llm.cli", *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["train", "model.n_layr=2"], "model.n_layr"),
+        (["train", "model.n_embd=100", "model.n_head=3"], "model.n_embd"),
+        (["train", "model.n_kv_head=3"], "model.n_kv_head=3"),
+        (["train", "train.global_batch_size=33"], "train.global_batch_size"),
+        (["train", "--config", "/no/such.yaml"], "/no/such.yaml"),
+        (["train", "data.source=/no/such/corpus"], "data.source"),
+        (["train", "train.resume=/no/such/ckpt"], "train.resume"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
+    proc = _cli(*args)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("dist-llm: error: ") and needle in lines[0]
+    assert "Traceback" not in proc.stderr

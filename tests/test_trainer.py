@@ -1,0 +1,160 @@
+"""The single-process trainer: resume, accumulation, precision, skipping bad steps, outputs."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.train import checkpoint as ckpt
+from dist_llm.train.optim import lr_at
+from dist_llm.train.precision import LossScaler
+from dist_llm.train.trainer import Trainer, TrainingError
+from tests.conftest import tiny_overrides
+
+
+def make_trainer(out_dir: Path, corpus: Path, **extra: object) -> Trainer:
+    cfg = load_config(None, tiny_overrides(out_dir, data__source=str(corpus), **extra))
+    return Trainer(cfg, ParallelContext.from_config(cfg))
+
+
+def losses(out_dir: Path) -> dict[int, float]:
+    out = {}
+    for line in (out_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
+    return out
+
+
+def test_outputs(tmp_path: Path, corpus_file: Path) -> None:
+    out = tmp_path / "run"
+    last = make_trainer(out, corpus_file, train__max_steps=10, train__eval_interval=5).fit()
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    header = records[0]
+    assert header["n_params"] > 0 and header["layout"] == {"world_size": 1, "dp": 1, "tp": 1, "pp": 1}
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 11))
+    for r in steps:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"} <= r.keys()
+        assert r["tokens_per_s"] > 0 and math.isfinite(r["loss"])
+    assert [r["step"] for r in records if "val_loss" in r] == [5, 10]
+    assert last["step"] == 10 and "val_loss" in last
+    assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "config.yaml").is_file()
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000010"]
+    # the loss went down from ln(256)
+    assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
+
+
+def test_resume_gives_the_same_losses(tmp_path: Path, corpus_file: Path) -> None:
+    kw = dict(train__max_steps=12, model__dropout=0.1, train__ckpt_interval=3)
+    make_trainer(tmp_path / "a", corpus_file, **kw).fit()
+    make_trainer(tmp_path / "b", corpus_file, train__stop_after_step=6, **kw).fit()
+    assert max(losses(tmp_path / "b")) == 6
+    resumed = make_trainer(tmp_path / "b", corpus_file, **kw)
+    assert resumed.step == 6
+    resumed.fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == list(range(1, 13))
+    assert [b[s] for s in range(7, 13)] == [a[s] for s in range(7, 13)]  # bit-identical after the resume point
+    # the model too
+    for pa, pb in zip(resumed.model.parameters(), make_trainer(tmp_path / "a", corpus_file, **kw).model.parameters()):
+        assert torch.equal(pa, pb)
+
+
+def test_resume_ignores_partial_and_prunes(tmp_path: Path, corpus_file: Path) -> None:
+    out = tmp_path / "run"
+    make_trainer(out, corpus_file, train__max_steps=8, train__ckpt_interval=2, train__keep_checkpoints=2).fit()
+    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_000006", "step_000008"]
+    partial = out / "checkpoints" / "step_000010"  # a save that crashed before its manifest
+    partial.mkdir()
+    (partial / "train_state.json").write_text("{}")
+    t = make_trainer(out, corpus_file, train__max_steps=8)
+    assert t.step == 8 and t.resumed_from == out / "checkpoints" / "step_000008"
+    with pytest.raises(ConfigError, match="not a complete checkpoint"):
+        make_trainer(out, corpus_file, train__resume=str(partial))
+    with pytest.raises(ConfigError, match="different model"):
+        make_trainer(out, corpus_file, model__n_layer=3)
+
+
+def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path, corpus_file: Path) -> None:
+    runs = {}
+    for micro in (8, 4, 2):
+        out = tmp_path / f"mb{micro}"
+        make_trainer(out, corpus_file, train__max_steps=6, train__micro_batch_size=micro, train__eval_interval=0).fit()
+        runs[micro] = losses(out)
+    for micro in (4, 2):
+        for step, loss in runs[8].items():
+            assert runs[micro][step] == pytest.approx(loss, rel=1e-5), (micro, step)
+
+
+def test_eval_does_not_depend_on_micro_batch(tmp_path: Path, corpus_file: Path) -> None:
+    a = make_trainer(tmp_path / "a", corpus_file, train__micro_batch_size=8).evaluate()
+    b = make_trainer(tmp_path / "b", corpus_file, train__micro_batch_size=2).evaluate()
+    assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_mixed_precision_trains_close_to_fp32(tmp_path: Path, corpus_file: Path, precision: str) -> None:
+    make_trainer(tmp_path / "fp32", corpus_file, train__max_steps=8, train__eval_interval=0).fit()
+    trainer = make_trainer(tmp_path / precision, corpus_file, train__max_steps=8, train__eval_interval=0,
+                           train__precision=precision)
+    trainer.fit()
+    ref, got = losses(tmp_path / "fp32"), losses(tmp_path / precision)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], abs=5e-2)
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())  # fp32 master weights
+    if precision == "fp16":
+        assert trainer.scaler.scale > 1.0
+
+
+def test_non_finite_gradients_skip_the_step_then_abort(tmp_path: Path, corpus_file: Path) -> None:
+    trainer = make_trainer(tmp_path / "run", corpus_file, train__max_bad_steps=2)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.model.blocks[0].mlp.up.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    out = trainer.train_step()
+    assert out.skipped and trainer.scaler.skipped_steps == 1
+    for p, b in zip(trainer.model.parameters(), before):
+        assert torch.equal(p, b)
+    with pytest.raises(TrainingError, match="2 steps in a row had non-finite gradients"):
+        trainer.train_step()
+
+
+def test_loss_scaler() -> None:
+    s = LossScaler(enabled=True, scale=1024.0, growth_interval=3)
+    s.update(False)
+    assert s.scale == 512.0 and s.skipped_steps == 1
+    for _ in range(3):
+        s.update(True)
+    assert s.scale == 1024.0 and s.bad_steps_in_row == 0
+    grads = [torch.full((3,), 1024.0)]
+    s.unscale_(grads)
+    assert grads[0].tolist() == [1.0, 1.0, 1.0]
+    restored = LossScaler(enabled=True)
+    restored.load_state_dict(s.state_dict())
+    assert restored.scale == s.scale and restored.good_steps == s.good_steps
+    off = LossScaler(enabled=False, scale=1024.0)
+    assert off.scale == 1.0 and off.scale_loss(torch.tensor(2.0)).item() == 2.0
+
+
+def test_lr_schedule() -> None:
+    cfg = load_config(None, ["optim.lr=1.0", "optim.min_lr=0.1", "optim.warmup_steps=10"]).optim
+    assert lr_at(0, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(9, cfg, 110) == pytest.approx(1.0)
+    assert lr_at(60, cfg, 110) == pytest.approx(0.55)  # half way through the cosine
+    assert lr_at(110, cfg, 110) == pytest.approx(0.1)
+    assert lr_at(500, cfg, 110) == pytest.approx(0.1)
+
+
+def test_weight_decay_only_on_matrices(tmp_path: Path, corpus_file: Path) -> None:
+    trainer = make_trainer(tmp_path / "run", corpus_file)
+    decay, no_decay = trainer.optimizer.param_groups
+    assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
+    assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(trainer.model.parameters()))
