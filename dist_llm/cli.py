@@ -79,6 +79,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
     if args.nproc_per_node > 1 and not _under_torchrun():
+        dp = cfg.parallel.dp or args.nproc_per_node // (cfg.parallel.tp * cfg.parallel.pp)
+        if dp > 1:
+            raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: data parallelism (dp={dp}) is not supported "
+                              "yet; this version trains on one process")
         return relaunch_under_torchrun(args)
 
     from dist_llm.parallel.context import ParallelContext

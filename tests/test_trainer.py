@@ -158,3 +158,16 @@ def test_weight_decay_only_on_matrices(tmp_path: Path, corpus_file: Path) -> Non
     assert decay["weight_decay"] > 0 and no_decay["weight_decay"] == 0
     assert all(p.dim() == 2 for p in decay["params"]) and all(p.dim() == 1 for p in no_decay["params"])
     assert len(decay["params"]) + len(no_decay["params"]) == len(list(trainer.model.parameters()))
+
+
+def test_bpe_run_keeps_its_tokenizer_with_the_checkpoint(tmp_path: Path, corpus_file: Path) -> None:
+    from dist_llm.sample import sample_text
+
+    out = tmp_path / "run"
+    make_trainer(out, corpus_file, data__tokenizer="bpe", model__vocab_size=512, train__max_steps=4).fit()
+    step = out / "checkpoints" / "step_000004"
+    assert (step / "tokenizer.json").is_file()
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert "tokenizer.json" in manifest["files"]
+    text = sample_text(out, "import ", max_new_tokens=10, temperature=1.0, top_k=None, seed=0, device="cpu")
+    assert text.startswith("import ") and len(text) > len("import ")
