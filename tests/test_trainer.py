@@ -171,3 +171,14 @@ def test_bpe_run_keeps_its_tokenizer_with_the_checkpoint(tmp_path: Path, corpus_
     assert "tokenizer.json" in manifest["files"]
     text = sample_text(out, "import ", max_new_tokens=10, temperature=1.0, top_k=None, seed=0, device="cpu")
     assert text.startswith("import ") and len(text) > len("import ")
+
+
+def test_compile_matches_eager(tmp_path: Path, corpus_file: Path) -> None:
+    kw = dict(train__max_steps=3, train__eval_interval=0, model__n_layer=1)
+    make_trainer(tmp_path / "eager", corpus_file, **kw).fit()
+    compiled = make_trainer(tmp_path / "compiled", corpus_file, train__compile=True, **kw)
+    compiled.fit()
+    assert compiled.model.blocks[0]._compiled_call_impl is not None  # nn.Module.compile() took effect
+    eager, comp = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
+    for step in eager:
+        assert comp[step] == pytest.approx(eager[step], rel=1e-5)
