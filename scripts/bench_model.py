@@ -43,6 +43,7 @@ from dist_llm.config import ModelConfig, load_config  # noqa: E402
 from dist_llm.model import GPT  # noqa: E402
 
 LOSS_TOL = 1e-4
+NOISY = 1.15  # max/min step time above which a result is flagged as noisy
 
 
 @dataclasses.dataclass
@@ -61,7 +62,7 @@ def gpt2_compatible(cfg: ModelConfig) -> ModelConfig:
                                n_kv_head=0, tie_embeddings=True, dropout=0.0)
 
 
-def shapes(args: argparse.Namespace) -> dict[str, Shape]:
+def shapes() -> dict[str, Shape]:
     tiny_yaml = load_config(ROOT / "configs" / "tiny.yaml").model
     tiny = gpt2_compatible(tiny_yaml)
     changed = [f"{f.name}: {getattr(tiny_yaml, f.name)} -> {getattr(tiny, f.name)}"
@@ -72,7 +73,7 @@ def shapes(args: argparse.Namespace) -> dict[str, Shape]:
         "tiny": Shape(tiny, 32, 128, 20, 3,
                       "configs/tiny.yaml sizes, made GPT-2-compatible for the comparison ("
                       + (", ".join(changed) or "no change") + ")"),
-        "gpt2-124m": Shape(big, 1, 1024, 3, 1, "GPT-2 small: 12 layers, 12 heads, 768 wide, vocab 50304"),
+        "gpt2-124m": Shape(big, 1, 1024, 5, 2, "GPT-2 small: 12 layers, 12 heads, 768 wide, vocab 50304"),
     }
 
 
@@ -83,9 +84,11 @@ def build_hf(cfg: ModelConfig, *, act: str) -> nn.Module:
     hf_cfg = GPT2Config(vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
                         n_layer=cfg.n_layer, n_head=cfg.n_head, n_inner=cfg.ffn_hidden, activation_function=act,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, layer_norm_epsilon=cfg.norm_eps,
-                        initializer_range=cfg.init_std, use_cache=False, tie_word_embeddings=True)
+                        initializer_range=cfg.init_std, use_cache=False, tie_word_embeddings=True,
+                        bos_token_id=None, eos_token_id=None)
     hf_cfg._attn_implementation = "sdpa"
     model = GPT2LMHeadModel(hf_cfg)
+    model.loss_type = "ForCausalLM"  # what HF falls back to anyway for this class name, minus the warning
     impl = model.config._attn_implementation
     if impl != "sdpa":
         raise RuntimeError(f"HF model built with attn_implementation={impl!r}, expected 'sdpa'")
@@ -177,7 +180,7 @@ def bench_shape(name: str, shape: Shape, *, hf_act: str, seed: int = 0) -> dict:
     g_ours, g_hf = ours.wte.weight.grad, hf.transformer.wte.weight.grad
     grad_diff = (g_ours - g_hf).abs().max().item() / max(g_ours.abs().max().item(), 1e-30)
 
-    times = run_interleaved(steps, warmup=max(shape.warmup - 1, 0), timed=shape.steps)
+    times = run_interleaved(steps, warmup=shape.warmup - 1, timed=shape.steps)
     tokens = shape.batch * shape.seq
     rows = {}
     for model_name, ts in times.items():
@@ -199,11 +202,16 @@ def print_table(name: str, r: dict) -> None:
     header = f"{'model':<24} {'params':>12} {'step ms (median)':>17} {'step ms (min)':>14} {'tokens/s':>11}"
     print(header)
     print("-" * len(header))
-    labels = {"ours": "ours (dist_llm GPT)", "HF": f"HF GPT2 (sdpa)"}
+    labels = {"ours": "ours (dist_llm GPT)", "HF": "HF GPT2 (sdpa)"}
     for model_name, row in r["models"].items():
-        print(f"{labels[model_name]:<24} {row['params']:>12,} {row['step_ms_median']:>17.1f} {row['step_ms_min']:>14.1f} "
-              f"{row['tokens_per_s']:>11,.0f}")
+        print(f"{labels[model_name]:<24} {row['params']:>12,} {row['step_ms_median']:>17.1f} "
+              f"{row['step_ms_min']:>14.1f} {row['tokens_per_s']:>11,.0f}")
     print(f"ours/HF tokens/s: {r['ratio']:.2f}")
+    for model_name, row in r["models"].items():
+        spread = max(row["step_ms_all"]) / row["step_ms_min"]
+        if spread > NOISY:
+            print(f"warning: {labels[model_name]} step times vary {spread:.2f}x (max/min); the machine was busy or "
+                  f"still warming up: rerun with more --warmup/--steps")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -211,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--models", default="tiny,gpt2-124m", help="comma-separated: tiny, gpt2-124m")
     p.add_argument("--batch", type=int, help="sequences per step (default: tiny 32, gpt2-124m 1)")
     p.add_argument("--seq", type=int, help="tokens per sequence (default: tiny 128, gpt2-124m 1024)")
-    p.add_argument("--steps", type=int, help="timed steps per model (default: tiny 20, gpt2-124m 3)")
-    p.add_argument("--warmup", type=int, help="warm-up steps per model (default: tiny 3, gpt2-124m 1)")
+    p.add_argument("--steps", type=int, help="timed steps per model (default: tiny 20, gpt2-124m 5)")
+    p.add_argument("--warmup", type=int, help="warm-up steps per model, at least 1 (default: tiny 3, gpt2-124m 2)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: all cores)")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--hf-act", default="gelu_pytorch_tanh", choices=["gelu_pytorch_tanh", "gelu_new"],
@@ -223,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(threads)
     import transformers
 
-    known = shapes(args)
+    known = shapes()
     wanted = [m.strip() for m in args.models.split(",") if m.strip()]
     for m in wanted:
         if m not in known:
@@ -235,11 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for m in wanted:
         shape = known[m]
-        for field in ("batch", "seq", "steps", "warmup"):
-            if getattr(args, field) is not None:
-                setattr(shape, field, getattr(args, field))
-        if shape.steps < 1:
-            p.error("--steps must be at least 1")
+        for key in ("batch", "seq", "steps", "warmup"):
+            if getattr(args, key) is not None:
+                setattr(shape, key, getattr(args, key))
+        if shape.steps < 1 or shape.warmup < 1:
+            p.error("--steps and --warmup must be at least 1 (the first warm-up step also compares gradients)")
         results[m] = bench_shape(m, shape, hf_act=args.hf_act)
         print_table(m, results[m])
 
