@@ -79,10 +79,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
     if args.nproc_per_node > 1 and not _under_torchrun():
-        dp = cfg.parallel.dp or args.nproc_per_node // (cfg.parallel.tp * cfg.parallel.pp)
-        if dp > 1:
-            raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: data parallelism (dp={dp}) is not supported "
-                              "yet; this version trains on one process")
+        from dist_llm.parallel.context import resolve_degrees
+
+        try:
+            resolve_degrees(args.nproc_per_node, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp)
+        except ConfigError as e:
+            raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {e}") from None
         return relaunch_under_torchrun(args)
 
     from dist_llm.parallel.context import ParallelContext

@@ -124,6 +124,12 @@ class ParallelConfig:
     """Shard norm/dropout regions along the sequence across tp ranks."""
     backend: Literal["native", "deepspeed"] = "native"
     """Training engine: dist_llm's own, or DeepSpeed."""
+    bucket_mb: float = 25.0
+    """Gradient bucket size in MiB (DDP buckets, ZeRO-1/2 reduce-scatter buckets)."""
+    reshard_after_forward: bool = True
+    """ZeRO-3 (FSDP2): free gathered parameters after forward and gather again in backward."""
+    offload: Literal["none", "cpu"] = "none"
+    """ZeRO-3: keep sharded parameters, gradients and optimizer states in CPU memory."""
     timeout_s: float = 600.0
     """Timeout of collectives, in seconds."""
 
@@ -383,6 +389,11 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.resume: must be auto, never or a checkpoint directory; not found: {t.resume}")
     if t.stop_after_step > t.max_steps:
         raise ConfigError(f"train.stop_after_step: {t.stop_after_step} is beyond train.max_steps={t.max_steps}")
+    if p.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"parallel.zero_stage: must be 0, 1, 2 or 3, got {p.zero_stage}")
+    if p.offload != "none" and p.zero_stage != 3:
+        raise ConfigError(f"parallel.offload={p.offload} needs parallel.zero_stage=3, got {p.zero_stage}")
+    _positive(cfg, "parallel.bucket_mb")
     _check_not_yet_supported(cfg)
 
 
@@ -390,15 +401,12 @@ def validate(cfg: Config) -> None:
 _NOT_YET: dict[str, Any] = {
     "parallel.tp": 1,
     "parallel.pp": 1,
-    "parallel.zero_stage": 0,
     "parallel.sequence_parallel": False,
     "parallel.backend": "native",
 }
 
 
 def _check_not_yet_supported(cfg: Config) -> None:
-    if cfg.parallel.dp > 1:
-        raise ConfigError(f"parallel.dp={cfg.parallel.dp} is not supported yet (only 0 or 1 in this version)")
     for key, allowed in _NOT_YET.items():
         section, name = key.split(".")
         value = getattr(getattr(cfg, section), name)

@@ -18,6 +18,7 @@ import functools
 import importlib
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import traceback
 from datetime import timedelta
@@ -59,7 +60,9 @@ def _rank_main(ref: Any, rank: int, world_size: int, port: int, init_group: bool
         if init_group:
             dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=120))
         result = _resolve(ref)(rank, world_size, *args, **kwargs)
-        queue.put((rank, True, result))
+        # plain pickle copies tensor data; the queue's own pickler would pass shared-memory handles that
+        # die with this process
+        queue.put((rank, True, pickle.dumps(result)))
     except BaseException:  # noqa: BLE001 - everything goes back to the test
         queue.put((rank, False, traceback.format_exc()))
     finally:
@@ -97,7 +100,7 @@ def run_distributed(fn: Callable[..., Any] | tuple[str, str], world_size: int, *
                                  f"{sorted(set(range(world_size)) - set(results))}"
                                  + (f"; ranks {dead} died" if dead else "")) from None
             if ok:
-                results[rank] = payload
+                results[rank] = pickle.loads(payload)
             else:
                 failures.append(f"--- rank {rank} ---\n{payload}")
                 break  # the other ranks are likely stuck in a collective with the failed one

@@ -1,19 +1,25 @@
 """ParallelContext: who this process is in the job, built once from the config and the torchrun environment.
 
 It is passed explicitly to everything that needs a rank, a group or the device; nothing reads a global
-process group. A single process started without torchrun is a valid context of size 1.
+process group. A single process started without torchrun is a valid context of size 1 (no process group,
+every group None, every collective a no-op).
+
+Ranks are laid out on a DeviceMesh with dims ("pp", "dp", "tp"), tp innermost: consecutive ranks (one node's
+GPUs under torchrun) share a tensor-parallel group, pipeline stages are the outermost split.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.parallel.comm import CommStats
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
@@ -28,6 +34,17 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_degrees(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) with dp filled in when 0; raises ConfigError when they do not multiply to the world size."""
+    if dp == 0:
+        if world_size % (tp * pp):
+            raise ConfigError(f"parallel: WORLD_SIZE={world_size} is not divisible by tp*pp = {tp}*{pp}")
+        dp = world_size // (tp * pp)
+    if dp * tp * pp != world_size:
+        raise ConfigError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not match WORLD_SIZE={world_size}")
+    return dp, tp, pp
+
+
 @dataclass
 class ParallelContext:
     rank: int
@@ -37,45 +54,80 @@ class ParallelContext:
     tp: int
     pp: int
     device: torch.device
-    initialized_group: bool = False
+    mesh: DeviceMesh | None = None
+    comm: CommStats = field(default_factory=CommStats)
+    owns_group: bool = False
 
+    # -- coordinates ------------------------------------------------------------------------------------------
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def _coord(self, dim: str) -> int:
+        return 0 if self.mesh is None else self.mesh.get_local_rank(dim)
+
     @property
     def dp_rank(self) -> int:
-        return self.rank // (self.tp * self.pp) if self.dp > 1 else 0
+        return self._coord("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self._coord("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self._coord("pp")
+
+    def _group(self, dim: str) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        return self._group("dp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        return self._group("tp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        return self._group("pp")
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        return None if self.mesh is None else self.mesh["dp"]
 
     def layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
 
+    # -- construction -----------------------------------------------------------------------------------------
     @classmethod
     def from_config(cls, cfg: Config) -> "ParallelContext":
+        """Read RANK/WORLD_SIZE/LOCAL_RANK (torchrun's), check the degrees, initialise the process group
+        (NCCL on CUDA, gloo on CPU) unless one exists, and build the mesh."""
         env = os.environ
         world_size = int(env.get("WORLD_SIZE", "1"))
         rank = int(env.get("RANK", "0"))
         local_rank = int(env.get("LOCAL_RANK", "0"))
         p = cfg.parallel
-        dp = p.dp or world_size // (p.tp * p.pp)
-        if dp * p.tp * p.pp != world_size:
-            raise ConfigError(
-                f"parallel: dp*tp*pp = {dp}*{p.tp}*{p.pp} = {dp * p.tp * p.pp} does not match WORLD_SIZE={world_size}")
-        if dp > 1:
-            raise ConfigError(f"parallel.dp={dp} (WORLD_SIZE={world_size}) is not supported yet: this version "
-                              "trains on one process")
+        dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp)
         device = pick_device(cfg.train.device, local_rank)
-        ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=p.tp, pp=p.pp, device=device)
-        if world_size > 1 and not dist.is_initialized():
-            backend = "nccl" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend, timeout=timedelta(seconds=p.timeout_s))
-            ctx.initialized_group = True
+        ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device)
+        if world_size > 1:
+            if not dist.is_initialized():
+                backend = "nccl" if device.type == "cuda" else "gloo"
+                dist.init_process_group(backend, timeout=timedelta(seconds=p.timeout_s),
+                                        device_id=device if device.type == "cuda" else None)
+                ctx.owns_group = True
+            ctx.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
         return ctx
 
+    # -- whole-job operations ------------------------------------------------------------------------------------
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
 
     def destroy(self) -> None:
-        if self.initialized_group and dist.is_initialized():
+        """Tear down the process group this context created (DeepSpeed ZeRO-2 offload aborts at exit without it)."""
+        if self.owns_group and dist.is_initialized():
             dist.destroy_process_group()

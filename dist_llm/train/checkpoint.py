@@ -1,8 +1,9 @@
 """Checkpoints: model and optimizer through torch.distributed.checkpoint, the rest as JSON, manifest last.
 
 Layout of `checkpoints/step_NNNNNN/`:
-  .metadata, __*.distcp      model and optimizer tensors (DCP: each rank writes its own shards, and a load
-                             reshards into whatever layout asks for them)
+  .metadata, __*.distcp      model and optimizer tensors, keyed by parameter name with their full shapes
+                             (DCP: each rank writes its own shards, and a load reshards into whatever
+                             layout asks for them); tensors only, so loading unpickles nothing
   train_state.json           step, tokens seen, sampler, loss scaler (identical on every rank)
   rng/rank_KKKKK.json        each rank's RNG states
   config.yaml                the resolved config, so `dist-llm sample` needs nothing else
@@ -27,12 +28,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from dist_llm.config import Config
 from dist_llm.parallel.context import ParallelContext
@@ -91,17 +87,16 @@ def set_rng_state(state: dict[str, str], device: torch.device) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]), device)
 
 
-def save_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer, train_state: dict[str, Any],
-                    cfg: Config, ctx: ParallelContext, extra_files: dict[str, Path] | None = None) -> None:
+def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
+                    ctx: ParallelContext, extra_files: dict[str, Path] | None = None) -> None:
     """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
     are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own."""
     if ctx.is_main and path.exists():
         shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
     ctx.barrier()
     (path / "rng").mkdir(parents=True, exist_ok=True)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
     with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(path))
+        dcp.save(state, checkpoint_id=str(path))
     _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
     ctx.barrier()
     if ctx.is_main:
@@ -159,14 +154,11 @@ def load_model_weights(path: Path, model: nn.Module) -> None:
     set_model_state_dict(model, state["model"])
 
 
-def load_checkpoint(path: Path, *, model: nn.Module, optimizer: torch.optim.Optimizer,
-                    ctx: ParallelContext) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG; return the train state saved with them."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext) -> dict[str, Any]:
+    """Fill `state` (tensors of this layout's shapes and shards) from the checkpoint, resharding as needed,
+    restore this rank's RNG, and return the train state saved with them."""
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
     if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine
         set_rng_state(read_json(rng_file), ctx.device)

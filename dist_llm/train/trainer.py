@@ -17,10 +17,12 @@ from tqdm import tqdm
 from dist_llm.config import Config, ConfigError
 from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
 from dist_llm.model import GPT
+from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data import build_data_parallel
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
-from dist_llm.train.optim import build_optimizer, lr_at, set_lr
+from dist_llm.train.optim import lr_at
 from dist_llm.train.precision import LossScaler, autocast
 
 log = logging.getLogger("dist_llm")
@@ -71,8 +73,10 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
 
-        self.model = build_model(cfg, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim, self.device)
+        self.dp = build_data_parallel(build_model(cfg, self.device), cfg, ctx)
+        self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
+        self.module = self.dp.module  # the GPT
+        self.optimizer = self.dp.optimizer
         self.scaler = LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init)
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.tokens_per_step = t.global_batch_size * m.block_size
@@ -98,7 +102,9 @@ class Trainer:
         manifest = ckpt.read_json(path / ckpt.MANIFEST)
         if manifest["model_fingerprint"] != self.cfg.fingerprint():
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
-        state = ckpt.load_checkpoint(path, model=self.model, optimizer=self.optimizer, ctx=self.ctx)
+        template = self.dp.checkpoint_state()
+        state = ckpt.load_checkpoint(path, state=template, ctx=self.ctx)
+        self.dp.load_checkpoint_state(template)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
@@ -123,25 +129,28 @@ class Trainer:
     def train_step(self) -> StepOutput:
         t = self.cfg.train
         self.model.train()
+        self.ctx.comm.reset()
         loss_sum = torch.zeros((), device=self.device)
-        for x, y in self._micro_batches(self.sampler, self.step, self.train_tokens):
-            with autocast(t.precision, self.device):
-                loss = self.model(x, y)
-            loss_sum += loss.detach()
-            self.scaler.scale_loss(loss / self.accum_steps).backward()
+        micro_batches = self._micro_batches(self.sampler, self.step, self.train_tokens)
+        for i, (x, y) in enumerate(micro_batches):
+            with self.dp.micro_step(last=i == len(micro_batches) - 1):
+                with autocast(t.precision, self.device):
+                    loss = self.model(x, y)
+                loss_sum += loss.detach()
+                self.scaler.scale_loss(loss / self.accum_steps).backward()
+        self.dp.finish_grads()
 
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        self.scaler.unscale_([p.grad for p in params])
-        max_norm = self.cfg.optim.grad_clip or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        self.scaler.unscale_(self.dp.local_grads())
+        grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
         # One host sync a step: whether to skip it (fp16 overflow, or a non-finite guard in bf16/fp32).
+        # The norm is global, so every rank takes the same decision.
         finite = bool(torch.isfinite(grad_norm))
         self.scaler.update(finite)
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         if finite:
-            set_lr(self.optimizer, lr)
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+            self.dp.step(lr)
+        self.dp.zero_grad()
+        self.comm_bytes = self.ctx.comm.snapshot()
         self.step += 1
         self.sampler.step = self.step
         self.tokens_seen += self.tokens_per_step
@@ -161,7 +170,13 @@ class Trainer:
                 with autocast(self.cfg.train.precision, self.device):
                     total += self.model(x, y).float()
         self.model.train()
-        return (total / (self.cfg.train.eval_steps * self.accum_steps)).item()
+        return self._dp_mean(total / (self.cfg.train.eval_steps * self.accum_steps)).item()
+
+    def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
+        """The mean of a per-rank scalar over the dp group (for metrics: not counted as training traffic)."""
+        t = t.detach().clone()
+        comm.all_reduce(t, self.ctx.dp_group, None)
+        return t / self.ctx.dp
 
     # -- checkpoints --------------------------------------------------------------------------------------
     def train_state(self) -> dict[str, Any]:
@@ -174,19 +189,26 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = ckpt.step_dir(self.ckpt_root, self.step)
-        ckpt.save_checkpoint(path, model=self.model, optimizer=self.optimizer, train_state=self.train_state(),
-                             cfg=self.cfg, ctx=self.ctx, extra_files=self.tokenizer_files())
+        ckpt.save_checkpoint(path, state=self.dp.checkpoint_state(), train_state=self.train_state(), cfg=self.cfg,
+                             ctx=self.ctx, extra_files=self.tokenizer_files())
         if self.ctx.is_main:
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)
         return path
 
     # -- the loop -----------------------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
-        return {"event": "start", "step": self.step, "n_params": self.model.num_params(),
+        return {"event": "start", "step": self.step, "n_params": self.module.num_params(),
                 "layout": self.ctx.layout(), "device": str(self.device), "precision": self.cfg.train.precision,
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None}
+
+    def _log_accounting(self) -> None:
+        """Once, after the first step (when gradients exist): what this rank holds and sends per step."""
+        held = self.dp.model_state_bytes()
+        log.info("data parallel: %s | model states on rank 0: %s | comm per step on rank 0: %s",
+                 self.dp.name, ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in held.items()),
+                 ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.comm_bytes.items()) or "none")
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
@@ -197,26 +219,29 @@ class Trainer:
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
         log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | %s | %s | global batch %d x %d "
-                 "tokens in %d micro-step(s) | out %s", self.model.num_params() / 1e6, self.ctx.world_size,
+                 "tokens in %d micro-step(s) | out %s", self.module.num_params() / 1e6, self.ctx.world_size,
                  self.ctx.dp, self.ctx.tp, self.ctx.pp, self.device, t.precision, t.global_batch_size,
                  self.cfg.model.block_size, self.accum_steps, self.out_dir)
         last: dict[str, Any] = {}
         bar = tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=not self.ctx.is_main,
                    mininterval=1.0, dynamic_ncols=True)
-        run_start, prior_elapsed = time.perf_counter(), self.elapsed_s
+        run_start, prior_elapsed, start_step = time.perf_counter(), self.elapsed_s, self.step
         window_start, window_steps = run_start, 0
         try:
             while self.step < stop:
                 out = self.train_step()
                 window_steps += 1
                 bar.update(1)
+                if window_steps == 1 and self.step == start_step + 1:
+                    self._log_accounting()
                 if self.step % t.log_interval == 0 or self.step == stop:
                     now = time.perf_counter()
                     self.elapsed_s = prior_elapsed + now - run_start
-                    last = {"step": self.step, "loss": out.loss.item(), "lr": out.lr,
+                    last = {"step": self.step, "loss": self._dp_mean(out.loss).item(), "lr": out.lr,
                             "grad_norm": out.grad_norm.item(),
                             "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
-                            "elapsed_s": round(self.elapsed_s, 3)}
+                            "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
+                            "model_state_bytes": self.dp.model_state_bytes()}
                     if t.precision == "fp16":
                         last["loss_scale"] = self.scaler.scale
                     if self.scaler.skipped_steps:

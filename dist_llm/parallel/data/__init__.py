@@ -1,0 +1,31 @@
+"""Data parallelism: `parallel.zero_stage` 0 (DDP), 1 and 2 (ZeRO over flat buffers, written here), 3 (FSDP2)."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dist_llm.config import Config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data.base import DataParallel
+
+
+def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext) -> DataParallel:
+    """Wrap `model` for `parallel.zero_stage` over the context's dp group (a plain single-process form at dp=1,
+    except stage 3, which shards even over one rank so that its code path is the same)."""
+    stage = cfg.parallel.zero_stage
+    if stage == 3:
+        from dist_llm.parallel.data.fsdp import FSDPDataParallel
+
+        return FSDPDataParallel(model, cfg, ctx)
+    if ctx.dp == 1:
+        return DataParallel(model, cfg, ctx)
+    if stage == 0:
+        from dist_llm.parallel.data.ddp import DDPDataParallel
+
+        return DDPDataParallel(model, cfg, ctx)
+    from dist_llm.parallel.data.zero import ZeroDataParallel
+
+    return ZeroDataParallel(model, cfg, ctx, stage=stage)
+
+
+__all__ = ["DataParallel", "build_data_parallel"]

@@ -1,0 +1,97 @@
+"""The interface the trainer drives, and its single-process form (no data parallelism).
+
+A data-parallel form owns the model wrapper, the optimizer and the gradients. The trainer only says when
+(micro-step boundaries, clipping, the step) and never how: DDP all-reduces, ZeRO reduce-scatters into
+shards and all-gathers parameters, FSDP2 shards everything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dist_llm.config import Config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.train.optim import build_optimizer, set_lr
+
+
+def tensor_bytes(tensors: Any) -> int:
+    """Bytes of the local storage of `tensors` (DTensors count their local shard), each counted once."""
+    seen: set[int] = set()
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        local = t.to_local() if hasattr(t, "to_local") else t
+        key = local.data_ptr() if local.numel() else id(local)
+        if key in seen:
+            continue
+        seen.add(key)
+        total += local.numel() * local.element_size()
+    return total
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+class DataParallel:
+    """One process: the model as built, torch AdamW over all its parameters."""
+
+    name = "none"
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
+        self.cfg, self.ctx = cfg, ctx
+        self.module = model  # the unwrapped GPT: parameter names, counts, checkpoints
+        self.model: nn.Module = model  # what the trainer calls
+        self.optimizer = self.build_optimizer()
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.model, self.cfg.optim, self.ctx.device)
+
+    # -- a step, in the order the trainer calls it ----------------------------------------------------------
+    def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
+        """Context for one micro-step's forward and backward; `last` is the one whose backward must sync."""
+        return contextlib.nullcontext()
+
+    def finish_grads(self) -> None:
+        """Wait for the gradient reduction of this step to complete."""
+
+    def local_grads(self) -> list[torch.Tensor]:
+        """The gradient tensors this rank holds (to unscale in place)."""
+        return [p.grad for p in self.model.parameters() if p.grad is not None]
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip to `max_norm` (inf: no clipping) by the global norm over all ranks; return that norm."""
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # -- checkpoints: full-shape tensors keyed by parameter name, so any layout can load them ---------------------
+    # Only tensors are saved: DCP unpickles any other object on load. param_groups (hyperparameters) come from
+    # the config instead, so they are left out and put back from the live optimizer.
+    def checkpoint_state(self) -> dict[str, Any]:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {"model": model_sd, "optim": {"state": optim_sd["state"]}}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        _, current = get_state_dict(self.model, self.optimizer)
+        optim_sd = {"state": state["optim"]["state"], "param_groups": current["param_groups"]}
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
+
+    # -- accounting ------------------------------------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds in parameters, gradients, fp32 master weights and optimizer states."""
+        params = list(self.model.parameters())
+        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params), "master": 0,
+                "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}

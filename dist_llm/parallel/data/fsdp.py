@@ -1,0 +1,77 @@
+"""ZeRO stage 3: PyTorch FSDP2 (`fully_shard` on each block, then the root).
+
+Its all-gathers and reduce-scatters are routed through comm.py (`set_custom_all_gather` /
+`set_custom_reduce_scatter`), which counts their bytes and, on gloo, replaces the emulated reduce-scatter
+(a full all-reduce, twice the bytes) by all-to-all plus a local sum.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+
+from dist_llm.config import Config
+from dist_llm.parallel import comm
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data.base import DataParallel
+
+_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class _Alloc:
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+
+class CountedAllGather(_Alloc, AllGather):
+    def __init__(self, stats: comm.CommStats) -> None:
+        self.stats = stats
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 async_op: bool = False) -> dist.Work | None:
+        return comm.all_gather(output_tensor, input_tensor, group, self.stats, async_op=async_op)
+
+
+class CountedReduceScatter(_Alloc, ReduceScatter):
+    def __init__(self, stats: comm.CommStats) -> None:
+        self.stats = stats
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
+                 op: object, async_op: bool = False) -> object | None:
+        return comm.reduce_scatter(output_tensor, input_tensor, group, self.stats, op=op, async_op=async_op)
+
+
+class FSDPDataParallel(DataParallel):
+    name = "fsdp2"
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
+        p, precision = cfg.parallel, cfg.train.precision
+        # fp32 sharded parameters are the master weights; forward/backward run in param_dtype, grads reduce in fp32
+        mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(precision), reduce_dtype=torch.float32)
+        offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if p.offload == "cpu" else OffloadPolicy()
+        kwargs = dict(mesh=ctx.dp_mesh, mp_policy=mp, offload_policy=offload)
+        blocks = list(model.blocks)
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kwargs)
+        fully_shard(model, reshard_after_forward=p.reshard_after_forward, **kwargs)
+        for unit in [*blocks, model]:
+            assert isinstance(unit, FSDPModule)
+            unit.set_custom_all_gather(CountedAllGather(ctx.comm))
+            unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
+        self.fsdp_units = [*blocks, model]
+        super().__init__(model, cfg, ctx)
+
+    def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
+        # accumulate unsharded grads locally on the non-last micro-steps; reduce-scatter on the last
+        for unit in self.fsdp_units:
+            unit.set_requires_gradient_sync(last, recurse=False)
+        return contextlib.nullcontext()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        norm = super().clip_grad_norm_(max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm

@@ -1,0 +1,341 @@
+"""ZeRO stages 1 and 2, written here over flat buffers (Rajbhandari et al. 2020).
+
+Layout. The parameters, in reverse registration order (about the order backward produces their
+gradients), are packed into buckets of about `parallel.bucket_mb`; each bucket is padded to a multiple of
+dp, and dp rank r owns slice r of every bucket. Every parameter becomes a view into one flat buffer, so a
+bucket's all-gather writes straight into the model.
+
+  stage 1: gradients accumulate into a flat buffer (each .grad a view into it); after the last micro-step
+           each bucket is reduce-scattered in place, so rank r's slice holds the mean gradient of its shard.
+  stage 2: no full gradient buffer. A hook on each parameter notices when a bucket's gradients are all
+           computed, copies them into a bucket buffer, frees them, and starts that bucket's reduce-scatter
+           while backward goes on; the results accumulate into a gradient shard of 1/dp of the parameters.
+
+Each rank's AdamW steps only its shard: fp32 master weights (in bf16/fp16 runs; in fp32 runs the shard of
+the parameters itself) and moments for 1/dp of the parameters. Then every bucket is all-gathered.
+Reduce-scatter plus all-gather moves the same bytes as one all-reduce.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from dist_llm.config import Config
+from dist_llm.parallel import comm
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
+from dist_llm.train.optim import set_lr
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass
+class Entry:
+    name: str
+    param: nn.Parameter
+    offset: int  # in the flat buffer
+    numel: int
+
+
+@dataclass
+class Bucket:
+    index: int
+    start: int  # in the flat buffer
+    numel: int  # padded to a multiple of dp
+    shard_numel: int  # numel / dp: each rank's slice
+    shard_start: int  # where this bucket's slice sits in a rank's shard
+    entries: list[Entry] = field(default_factory=list)
+
+
+@dataclass
+class Segment:
+    """The part of one parameter inside this rank's slice of one bucket, in flat-buffer coordinates."""
+
+    entry: Entry
+    bucket: Bucket
+    lo: int
+    hi: int
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        base = self.bucket.start + rank * self.bucket.shard_numel
+        return self.bucket.shard_start + self.lo - base, self.bucket.shard_start + self.hi - base
+
+
+def plan_buckets(named_params: list[tuple[str, nn.Parameter]], dp: int, bucket_numel: int) -> list[Bucket]:
+    """Pack parameters (in the given order) into buckets of at least `bucket_numel`, each padded to dp."""
+    buckets: list[Bucket] = []
+    offset = shard_offset = 0
+    current: list[tuple[str, nn.Parameter]] = []
+
+    def close() -> None:
+        nonlocal offset, shard_offset, current
+        size = sum(p.numel() for _, p in current)
+        padded = -(-size // dp) * dp
+        b = Bucket(index=len(buckets), start=offset, numel=padded, shard_numel=padded // dp, shard_start=shard_offset)
+        at = offset
+        for name, p in current:
+            b.entries.append(Entry(name, p, at, p.numel()))
+            at += p.numel()
+        buckets.append(b)
+        offset += padded
+        shard_offset += padded // dp
+        current = []
+
+    for name, p in named_params:
+        current.append((name, p))
+        if sum(q.numel() for _, q in current) >= bucket_numel:
+            close()
+    if current:
+        close()
+    return buckets
+
+
+class ZeroDataParallel(DataParallel):
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int) -> None:
+        self.stage = stage
+        self.name = f"zero{stage}"
+        self.cfg, self.ctx = cfg, ctx
+        self.module = self.model = model
+        self.dp, self.rank, self.group = ctx.dp, ctx.dp_rank, ctx.dp_group
+        device = ctx.device
+        self.mixed = cfg.train.precision != "fp32"
+        self.param_dtype = _DTYPES[cfg.train.precision]
+
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+        bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / torch.tensor([], dtype=self.param_dtype).element_size()))
+        self.buckets = plan_buckets(named, self.dp, bucket_numel)
+        self.entries = [e for b in self.buckets for e in b.entries]
+        total = sum(b.numel for b in self.buckets)
+        self.shard_numel = total // self.dp
+
+        # Parameters become views of one flat buffer, in the compute dtype (16-bit in mixed precision).
+        self.flat_params = torch.zeros(total, dtype=self.param_dtype, device=device)
+        master_full = torch.zeros(total, dtype=torch.float32, device=device)
+        for e in self.entries:
+            master_full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            self.flat_params[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+            e.param.data = self.flat_params[e.offset : e.offset + e.numel].view_as(e.param)
+        # fp32 master weights of this rank's shard only (in fp32 runs the parameter shard is its own master)
+        self.master = self._my_pieces(master_full).clone() if self.mixed else None
+        del master_full
+
+        grad_dtype = self.param_dtype
+        if stage == 1:
+            self.flat_grads = torch.zeros(total, dtype=grad_dtype, device=device)
+            for e in self.entries:
+                e.param.grad = self.flat_grads[e.offset : e.offset + e.numel].view_as(e.param)
+            self.grad_shard = None
+        else:
+            self.flat_grads = None
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
+            self._ready = [0] * len(self.buckets)
+            self._launched = [False] * len(self.buckets)
+            self._pending: list[tuple[Bucket, Any, torch.Tensor]] = []
+            bucket_of = {id(e.param): b for b in self.buckets for e in b.entries}
+            for e in self.entries:
+                e.param.register_post_accumulate_grad_hook(lambda p, b=bucket_of[id(e.param)]: self._grad_ready(b))
+
+        self.segments = self._segments()
+        self.optimizer = self.build_optimizer()
+
+    # -- layout helpers -----------------------------------------------------------------------------------
+    def _piece(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
+        """This rank's slice of bucket `b` in a full flat buffer."""
+        lo = b.start + self.rank * b.shard_numel
+        return flat[lo : lo + b.shard_numel]
+
+    def _my_pieces(self, flat: torch.Tensor) -> torch.Tensor:
+        return torch.cat([self._piece(flat, b) for b in self.buckets])
+
+    def _shard_of(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
+        return shard[b.shard_start : b.shard_start + b.shard_numel]
+
+    def _segments(self) -> list[Segment]:
+        out = []
+        for b in self.buckets:
+            lo, hi = b.start + self.rank * b.shard_numel, b.start + (self.rank + 1) * b.shard_numel
+            for e in b.entries:
+                s, t = max(lo, e.offset), min(hi, e.offset + e.numel)
+                if s < t:
+                    out.append(Segment(e, b, s, t))
+        return out
+
+    def _grad_pieces(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient, bucket by bucket."""
+        if self.flat_grads is not None:
+            return [self._piece(self.flat_grads, b) for b in self.buckets]
+        return [self._shard_of(b, self.grad_shard) for b in self.buckets]
+
+    def _grad_shard_view(self, seg: Segment) -> torch.Tensor:
+        if self.flat_grads is not None:
+            return self.flat_grads[seg.lo : seg.hi]
+        a, z = seg.shard_range(self.rank)
+        return self.grad_shard[a:z]
+
+    # -- optimizer over the shard ---------------------------------------------------------------------------
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        o = self.cfg.optim
+        decay, no_decay = [], []
+        self._opt_params: list[torch.Tensor] = []
+        for seg in self.segments:
+            if self.master is not None:
+                a, z = seg.shard_range(self.rank)
+                view = self.master[a:z]
+            else:
+                view = self.flat_params[seg.lo : seg.hi]
+            p = nn.Parameter(view)  # aliases the shard's storage: stepping it updates the shard in place
+            if self.master is None:
+                p.grad = self._grad_shard_view(seg)
+            self._opt_params.append(p)
+            (decay if seg.entry.param.dim() >= 2 else no_decay).append(p)
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                 fused=True if self.ctx.device.type == "cuda" else None)
+
+    # -- gradients ------------------------------------------------------------------------------------------
+    def _grad_ready(self, b: Bucket) -> None:
+        self._ready[b.index] += 1
+        if self._ready[b.index] == len(b.entries):
+            self._launch(b)
+
+    def _launch(self, b: Bucket) -> None:
+        """Stage 2: gather the bucket's gradients into one buffer, free them, start its reduce-scatter."""
+        buffer = torch.zeros(b.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        for e in b.entries:
+            if e.param.grad is not None:
+                buffer[e.offset - b.start : e.offset - b.start + e.numel].copy_(e.param.grad.reshape(-1))
+                e.param.grad = None
+        out = torch.empty(b.shard_numel, dtype=buffer.dtype, device=buffer.device)
+        handle = comm.reduce_scatter(out, buffer, self.group, self.ctx.comm, op=torch.distributed.ReduceOp.AVG,
+                                     async_op=True)
+        self._pending.append((b, handle, out))
+        self._launched[b.index] = True
+
+    @contextlib.contextmanager
+    def _stage2_micro_step(self) -> Iterator[None]:
+        self._ready = [0] * len(self.buckets)
+        self._launched = [False] * len(self.buckets)
+        yield
+        for b in self.buckets:  # buckets with parameters that got no gradient this time
+            if not self._launched[b.index]:
+                self._launch(b)
+
+    def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
+        return self._stage2_micro_step() if self.stage == 2 else contextlib.nullcontext()
+
+    def finish_grads(self) -> None:
+        if self.stage == 1:
+            for b in self.buckets:
+                full = self.flat_grads[b.start : b.start + b.numel]
+                comm.reduce_scatter(self._piece(self.flat_grads, b), full, self.group, self.ctx.comm,
+                                    op=torch.distributed.ReduceOp.AVG)
+            return
+        for b, handle, out in self._pending:
+            if handle is not None:
+                handle.wait()
+            self._shard_of(b, self.grad_shard).add_(out)
+        self._pending.clear()
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return self._grad_pieces()
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        pieces = self._grad_pieces()
+        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for g in pieces:
+            sq += g.float().pow(2).sum()
+        comm.all_reduce(sq, self.group, self.ctx.comm)
+        norm = sq.sqrt()
+        if max_norm != float("inf"):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_(pieces, coef.to(pieces[0].dtype))
+        return norm
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def step(self, lr: float) -> None:
+        set_lr(self.optimizer, lr)
+        if self.master is not None:
+            # the optimizer works in fp32: give the master shard fp32 copies of the 16-bit gradient shard
+            for seg, p in zip(self.segments, self._opt_params):
+                p.grad = self._grad_shard_view(seg).float()
+        self.optimizer.step()
+        if self.master is not None:
+            for p in self._opt_params:
+                p.grad = None
+            for b in self.buckets:
+                self._piece(self.flat_params, b).copy_(self._shard_of(b, self.master))
+        for b in self.buckets:
+            piece = self._piece(self.flat_params, b).clone()
+            comm.all_gather(self.flat_params[b.start : b.start + b.numel], piece, self.group, self.ctx.comm)
+
+    def zero_grad(self) -> None:
+        if self.flat_grads is not None:
+            self.flat_grads.zero_()
+        else:
+            self.grad_shard.zero_()
+
+    # -- checkpoints: gathered to full per-parameter tensors, the format every layout reads ---------------------------
+    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
+        """A full flat fp32 buffer from each rank's shard (a transient of 4 bytes per parameter)."""
+        full = torch.zeros(sum(b.numel for b in self.buckets), dtype=shard.dtype, device=shard.device)
+        for b in self.buckets:
+            comm.all_gather(full[b.start : b.start + b.numel], self._shard_of(b, shard).contiguous(), self.group, None)
+        return full
+
+    def _shard_state(self, key: str) -> torch.Tensor:
+        """The optimizer's `key` moment laid out as this rank's shard."""
+        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.ctx.device)
+        for seg, p in zip(self.segments, self._opt_params):
+            state = self.optimizer.state.get(p)
+            if state and key in state:
+                a, z = seg.shard_range(self.rank)
+                shard[a:z] = state[key]
+        return shard
+
+    def _master_shard(self) -> torch.Tensor:
+        return self.master if self.master is not None else self._my_pieces(self.flat_params).float()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        model_sd = get_model_state_dict(self.module)
+        masters = self._gather_full(self._master_shard())
+        moments = {k: self._gather_full(self._shard_state(k)) for k in ("exp_avg", "exp_avg_sq")}
+        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
+        step = steps[0].detach().clone().float() if steps else torch.tensor(0.0)
+        optim: dict[str, Any] = {}
+        for e in self.entries:
+            sl = slice(e.offset, e.offset + e.numel)
+            model_sd[e.name] = masters[sl].view(e.param.shape)
+            optim[e.name] = {"step": step.clone(), **{k: v[sl].view(e.param.shape) for k, v in moments.items()}}
+        return {"model": model_sd, "optim": {"state": optim}}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        model_sd, optim = state["model"], state["optim"]["state"]
+        total = sum(b.numel for b in self.buckets)
+        full = {k: torch.zeros(total, dtype=torch.float32, device=self.ctx.device)
+                for k in ("master", "exp_avg", "exp_avg_sq")}
+        for e in self.entries:
+            sl = slice(e.offset, e.offset + e.numel)
+            full["master"][sl] = model_sd[e.name].reshape(-1)
+            full["exp_avg"][sl] = optim[e.name]["exp_avg"].reshape(-1)
+            full["exp_avg_sq"][sl] = optim[e.name]["exp_avg_sq"].reshape(-1)
+        self.flat_params.copy_(full["master"])
+        if self.master is not None:
+            self.master.copy_(self._my_pieces(full["master"]))
+        step = next(iter(optim.values()))["step"]
+        mine = {k: self._my_pieces(full[k]) for k in ("exp_avg", "exp_avg_sq")}
+        for seg, p in zip(self.segments, self._opt_params):
+            a, z = seg.shard_range(self.rank)
+            self.optimizer.state[p] = {"step": step.detach().clone().float(),
+                                       **{k: v[a:z].clone() for k, v in mine.items()}}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        grads = self.flat_grads if self.flat_grads is not None else self.grad_shard
+        return {"params": tensor_bytes([self.flat_params]), "grads": tensor_bytes([grads]),
+                "master": tensor_bytes([self.master]) if self.master is not None else 0,
+                "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}
