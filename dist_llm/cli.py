@@ -82,7 +82,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         from dist_llm.parallel.context import resolve_degrees
 
         try:
-            resolve_degrees(args.nproc_per_node, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp)
+            resolve_degrees(args.nproc_per_node, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
+                            global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size)
         except ConfigError as e:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {e}") from None
         return relaunch_under_torchrun(args)

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import REPO
 
 
@@ -61,8 +63,32 @@ def test_sample_bad_checkpoint_exits_2(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [f"dist-llm: error: --checkpoint: no complete checkpoint at {tmp_path}"]
 
 
-def test_nproc_per_node_needs_data_parallelism(tmp_path: Path) -> None:
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", f"train.out_dir={tmp_path}")
+def test_nproc_per_node_relaunches_under_torchrun(tmp_path: Path) -> None:
+    """`--nproc-per-node 2` starts two ranks through torchrun; ZeRO-2 over them gives the one-process losses."""
+    common = ["-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", "train.max_steps=4",
+              "train.log_interval=1", "train.eval_steps=1", "model.n_layer=1", "train.micro_batch_size=8",
+              "train.global_batch_size=16", "train.resume=never"]
+    one = run(*common, f"train.out_dir={tmp_path / 'one'}")
+    assert one.returncode == 0, one.stderr[-2000:]
+    two = run(*common, "--nproc-per-node", "2", "parallel.zero_stage=2", f"train.out_dir={tmp_path / 'two'}")
+    assert two.returncode == 0, two.stderr[-3000:]
+    header = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
+    assert header["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1}
+    a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
+    assert sorted(b) == [1, 2, 3, 4]
+    for step in a:
+        assert b[step] == pytest.approx(a[step], rel=1e-5)
+
+
+def test_bad_layout_exits_2(tmp_path: Path) -> None:
+    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.dp=4", "train.micro_batch_size=8",
+               f"train.out_dir={tmp_path}")
     assert proc.returncode == 2
-    assert "--nproc-per-node 2: data parallelism (dp=2) is not supported yet" in proc.stderr
-    assert len(proc.stderr.strip().splitlines()) == 1
+    assert proc.stderr.strip().splitlines() == [
+        "dist-llm: error: --nproc-per-node 2: parallel: dp*tp*pp = 4*1*1 = 4 does not match WORLD_SIZE=2"]
+    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "3", "train.global_batch_size=32",
+               "train.micro_batch_size=8", f"train.out_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "dist-llm: error: --nproc-per-node 3: train.global_batch_size: 32 is not divisible by "
+        "train.micro_batch_size * dp = 8 * 3"]

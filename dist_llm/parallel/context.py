@@ -34,14 +34,19 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def resolve_degrees(world_size: int, dp: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """(dp, tp, pp) with dp filled in when 0; raises ConfigError when they do not multiply to the world size."""
+def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_size: int = 0,
+                    micro_batch_size: int = 1) -> tuple[int, int, int]:
+    """(dp, tp, pp) with dp filled in when 0; raises ConfigError when they do not multiply to the world size
+    or the global batch does not split over the dp ranks."""
     if dp == 0:
         if world_size % (tp * pp):
             raise ConfigError(f"parallel: WORLD_SIZE={world_size} is not divisible by tp*pp = {tp}*{pp}")
         dp = world_size // (tp * pp)
     if dp * tp * pp != world_size:
         raise ConfigError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not match WORLD_SIZE={world_size}")
+    if global_batch_size % (micro_batch_size * dp):
+        raise ConfigError(f"train.global_batch_size: {global_batch_size} is not divisible by "
+                          f"train.micro_batch_size * dp = {micro_batch_size} * {dp}")
     return dp, tp, pp
 
 
@@ -110,7 +115,8 @@ class ParallelContext:
         rank = int(env.get("RANK", "0"))
         local_rank = int(env.get("LOCAL_RANK", "0"))
         p = cfg.parallel
-        dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp)
+        dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
+                                     micro_batch_size=cfg.train.micro_batch_size)
         device = pick_device(cfg.train.device, local_rank)
         ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device)
         if world_size > 1:
