@@ -35,7 +35,7 @@ def train(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[s
         trainer = Trainer(cfg, ctx)
         trainer.fit()
         params = {n: _full(p) for n, p in trainer.module.named_parameters()}
-        out = {"params": params, "state_bytes": trainer.dp.model_state_bytes(), "comm": trainer.comm_bytes,
+        out = {"params": params, "state_bytes": trainer.state_bytes, "comm": trainer.comm_bytes,
                "n_params": trainer.module.num_params(), "dp": trainer.dp.name}
         if rank == 0:
             lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
@@ -95,3 +95,74 @@ def test_gradient_accumulation(tmp_path: Path, tmp_path_factory: pytest.TempPath
     extra = {"parallel__zero_stage": zero_stage, "train__micro_batch_size": 2}  # dp=2: 2 micro-steps
     results = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False)
     assert_same_run(results[0], reference(tmp_path_factory, corpus), rtol=1e-5)
+
+
+def expected_state_bytes(n: int, dp: int, stage: int, precision: str) -> dict[str, float]:
+    """Per-rank model-state bytes (ZeRO paper, Rajbhandari et al. 2020, with K=12 for mixed precision).
+
+    Mixed precision keeps 16-bit parameters and gradients and 12 bytes of fp32 master + Adam per parameter
+    (the paper's 2+2+12). Stage 0 (DDP) and stage 3 (FSDP2) autocast over fp32 parameters, which are their
+    own master copy: 4+4+8, the same 16 bytes. fp32 runs have no separate master."""
+    p16 = 2 if precision != "fp32" and stage in (1, 2) else 4
+    master = 4 if p16 == 2 else 0
+    shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[stage]  # params, grads, optimizer
+    return {"params": p16 * n / shard[0], "grads": p16 * n / shard[1], "master": master * n / shard[2],
+            "optimizer": 8 * n / shard[2]}
+
+
+def expected_comm_bytes(n: int, dp: int, stage: int, precision: str) -> float:
+    """Per-rank bytes sent per step: a ring all-reduce of the gradients moves 2(dp-1)/dp of them; ZeRO-1/2 the
+    same as reduce-scatter + all-gather; ZeRO-3 gathers parameters twice (forward and backward) and
+    reduce-scatters gradients, 3(dp-1)/dp: 1.5x. In bf16, ZeRO-1/2 move 16-bit gradients and parameters,
+    ZeRO-3 gathers 16-bit parameters and reduces fp32 gradients, DDP reduces fp32 gradients."""
+    mixed = precision != "fp32"
+    per_param = {0: 2 * 4, 1: 2 * (2 if mixed else 4), 2: 2 * (2 if mixed else 4),
+                 3: 2 * (2 if mixed else 4) + 4}[stage]
+    return (dp - 1) / dp * per_param * n
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_state_and_comm_bytes(tmp_path: Path, corpus: Path, zero_stage: int, precision: str) -> None:
+    dp = 2
+    extra = {"parallel__zero_stage": zero_stage, "train__precision": precision}
+    result = run_distributed(train, dp, tmp_path, corpus, extra, init_group=False)[0]
+    n = result["n_params"]
+    for kind, want in expected_state_bytes(n, dp, zero_stage, precision).items():
+        got = result["state_bytes"][kind]
+        # padding (ZeRO buckets to a multiple of dp, FSDP2 rows) and Adam's step counters (4 bytes each)
+        assert want <= got <= want * 1.01 + 512, (kind, got, want)
+    sent = sum(result["comm"].values())
+    want = expected_comm_bytes(n, dp, zero_stage, precision)
+    assert abs(sent - want) <= 0.10 * want, (result["comm"], want)
+    if zero_stage == 3:
+        assert set(result["comm"]) == {"all_gather", "reduce_scatter"}
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
+def test_bf16_close_to_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
+                                      zero_stage: int) -> None:
+    extra = {"parallel__zero_stage": zero_stage, "train__precision": "bf16"}
+    got = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False)[0]
+    ref = reference(tmp_path_factory, corpus, train__precision="bf16")
+    for a, b in zip(got["losses"], ref["losses"]):
+        assert a == pytest.approx(b, abs=1e-2)
+
+
+def test_checkpoint_reshards_across_layouts(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                            corpus: Path) -> None:
+    """Saved at dp=2 ZeRO-2, resumed at dp=1 and at dp=4 ZeRO-3: the next losses are the uninterrupted run's."""
+    import shutil
+
+    first = tmp_path / "first"
+    run_distributed(train, 2, first, corpus, {"parallel__zero_stage": 2, "train__stop_after_step": 4,
+                                              "train__ckpt_interval": 4}, init_group=False)
+    ref = reference(tmp_path_factory, corpus)
+    for dp, stage in [(1, 0), (4, 3)]:
+        out = tmp_path / f"dp{dp}"
+        shutil.copytree(first, out)
+        extra = {"parallel__zero_stage": stage, "train__micro_batch_size": 8 // dp}
+        got = run_distributed(train, dp, out, corpus, extra, init_group=False)[0]
+        assert len(got["losses"]) == STEPS  # the metrics file holds steps 1-4, then 5-8 after the resume
+        for a, b in zip(got["losses"][4:], ref["losses"][4:]):
+            assert a == pytest.approx(b, rel=1e-5)

@@ -80,6 +80,8 @@ class Trainer:
         self.scaler = LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init)
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.tokens_per_step = t.global_batch_size * m.block_size
+        self.state_bytes: dict[str, int] | None = None
+        self.comm_bytes: dict[str, int] = {}
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_s = 0.0
@@ -149,6 +151,8 @@ class Trainer:
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         if finite:
             self.dp.step(lr)
+        if self.state_bytes is None:  # measured once, while gradients and optimizer states all exist
+            self.state_bytes = self.dp.model_state_bytes()
         self.dp.zero_grad()
         self.comm_bytes = self.ctx.comm.snapshot()
         self.step += 1
@@ -205,7 +209,7 @@ class Trainer:
 
     def _log_accounting(self) -> None:
         """Once, after the first step (when gradients exist): what this rank holds and sends per step."""
-        held = self.dp.model_state_bytes()
+        held = self.state_bytes or {}
         log.info("data parallel: %s | model states on rank 0: %s | comm per step on rank 0: %s",
                  self.dp.name, ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in held.items()),
                  ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.comm_bytes.items()) or "none")
@@ -241,7 +245,7 @@ class Trainer:
                             "grad_norm": out.grad_norm.item(),
                             "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
                             "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
-                            "model_state_bytes": self.dp.model_state_bytes()}
+                            "model_state_bytes": self.state_bytes}
                     if t.precision == "fp16":
                         last["loss_scale"] = self.scaler.scale
                     if self.scaler.skipped_steps:
