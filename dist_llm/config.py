@@ -391,8 +391,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"train.stop_after_step: {t.stop_after_step} is beyond train.max_steps={t.max_steps}")
     if p.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"parallel.zero_stage: must be 0, 1, 2 or 3, got {p.zero_stage}")
-    if p.offload != "none" and p.zero_stage != 3:
-        raise ConfigError(f"parallel.offload={p.offload} needs parallel.zero_stage=3, got {p.zero_stage}")
+    if p.offload != "none" and (p.zero_stage != 3 or p.backend != "native"):
+        raise ConfigError(f"parallel.offload={p.offload} needs parallel.zero_stage=3 with parallel.backend=native")
     _positive(cfg, "parallel.bucket_mb")
     _check_not_yet_supported(cfg)
 
@@ -402,7 +402,6 @@ _NOT_YET: dict[str, Any] = {
     "parallel.tp": 1,
     "parallel.pp": 1,
     "parallel.sequence_parallel": False,
-    "parallel.backend": "native",
 }
 
 

@@ -11,6 +11,8 @@ REPO = Path(__file__).resolve().parents[1]
 # Prepared token files are shared by all workers (writes are atomic renames); CI points this into the checkout.
 os.environ.setdefault("DIST_LLM_CACHE", str(REPO / ".cache" / "dist_llm"))
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# DeepSpeed JIT-builds a C++ op on first use; one cache for the whole run
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
 def tiny_overrides(out_dir: Path, **extra: object) -> list[str]:

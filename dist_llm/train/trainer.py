@@ -77,7 +77,9 @@ class Trainer:
         self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
         self.module = self.dp.module  # the GPT
         self.optimizer = self.dp.optimizer
-        self.scaler = LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init)
+        # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
+        self.scaler = LossScaler(enabled=t.precision == "fp16" and not self.dp.handles_loss_scaling,
+                                 scale=t.loss_scale_init)
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.tokens_per_step = t.global_batch_size * m.block_size
         self.state_bytes: dict[str, int] | None = None
@@ -139,7 +141,7 @@ class Trainer:
                 with autocast(t.precision, self.device):
                     loss = self.model(x, y)
                 loss_sum += loss.detach()
-                self.scaler.scale_loss(loss / self.accum_steps).backward()
+                self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
         self.dp.finish_grads()
 
         self.scaler.unscale_(self.dp.local_grads())
@@ -150,7 +152,9 @@ class Trainer:
         self.scaler.update(finite)
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         if finite:
-            self.dp.step(lr)
+            engine_norm = self.dp.step(lr)
+            if engine_norm is not None:
+                grad_norm = engine_norm
         if self.state_bytes is None:  # measured once, while gradients and optimizer states all exist
             self.state_bytes = self.dp.model_state_bytes()
         self.dp.zero_grad()

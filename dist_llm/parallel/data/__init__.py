@@ -1,4 +1,5 @@
-"""Data parallelism: `parallel.zero_stage` 0 (DDP), 1 and 2 (ZeRO over flat buffers, written here), 3 (FSDP2)."""
+"""Data parallelism: `parallel.zero_stage` 0 (DDP), 1 and 2 (ZeRO over flat buffers, written here), 3 (FSDP2);
+or `parallel.backend=deepspeed`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext) -> 
     """Wrap `model` for `parallel.zero_stage` over the context's dp group (a plain single-process form at dp=1,
     except stage 3, which shards even over one rank so that its code path is the same)."""
     stage = cfg.parallel.zero_stage
+    if cfg.parallel.backend == "deepspeed":
+        from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
+
+        return DeepSpeedDataParallel(model, cfg, ctx)
     if stage == 3:
         from dist_llm.parallel.data.fsdp import FSDPDataParallel
 

@@ -43,6 +43,8 @@ class DataParallel:
     """One process: the model as built, torch AdamW over all its parameters."""
 
     name = "none"
+    #: True when the engine scales fp16 losses and skips overflowing steps itself (DeepSpeed)
+    handles_loss_scaling = False
 
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
         self.cfg, self.ctx = cfg, ctx
@@ -58,6 +60,9 @@ class DataParallel:
         """Context for one micro-step's forward and backward; `last` is the one whose backward must sync."""
         return contextlib.nullcontext()
 
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
+
     def finish_grads(self) -> None:
         """Wait for the gradient reduction of this step to complete."""
 
@@ -70,9 +75,12 @@ class DataParallel:
         params = [p for p in self.model.parameters() if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
 
-    def step(self, lr: float) -> None:
+    def step(self, lr: float) -> torch.Tensor | None:
+        """The optimizer step at learning rate `lr`. Returns the gradient norm when the engine computes it
+        inside its step (DeepSpeed), else None."""
         set_lr(self.optimizer, lr)
         self.optimizer.step()
+        return None
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad(set_to_none=True)

@@ -258,7 +258,7 @@ class ZeroDataParallel(DataParallel):
         return norm
 
     # -- the step -------------------------------------------------------------------------------------------
-    def step(self, lr: float) -> None:
+    def step(self, lr: float) -> torch.Tensor | None:
         set_lr(self.optimizer, lr)
         if self.master is not None:
             # the optimizer works in fp32: give the master shard fp32 copies of the 16-bit gradient shard
@@ -273,6 +273,7 @@ class ZeroDataParallel(DataParallel):
         for b in self.buckets:
             piece = self._piece(self.flat_params, b).clone()
             comm.all_gather(self.flat_params[b.start : b.start + b.numel], piece, self.group, self.ctx.comm)
+        return None
 
     def zero_grad(self) -> None:
         if self.flat_grads is not None:

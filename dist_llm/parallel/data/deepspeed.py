@@ -1,0 +1,118 @@
+"""`parallel.backend=deepspeed`: the same model and trainer, with DeepSpeed's engine doing data parallelism.
+
+DeepSpeed is optional (`pip install dist-llm[deepspeed]`) and imported only here. The config it gets is
+derived from ours (batch sizes, ZeRO stage, precision, clipping), so users who know DeepSpeed switch with
+one key. A torch AdamW is handed in, which avoids DeepSpeed's fused_adam JIT build. On CPU DeepSpeed
+JIT-compiles a shared-memory comm op on its first `init_distributed` (tens of seconds, then cached under
+TORCH_EXTENSIONS_DIR).
+
+DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
+scaler stands aside and the gradient norm comes back from the engine.
+
+Checkpoints hold the model weights in our format (so they load into any native layout), not DeepSpeed's
+partitioned optimizer state: resuming with this backend restarts the optimizer moments, and says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dist_llm.config import Config, ConfigError
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
+from dist_llm.train.optim import build_optimizer, set_lr
+
+log = logging.getLogger("dist_llm")
+
+
+def deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
+    t, p = cfg.train, cfg.parallel
+    accum = t.global_batch_size // (t.micro_batch_size * dp)
+    return {
+        "train_batch_size": t.global_batch_size,
+        "train_micro_batch_size_per_gpu": t.micro_batch_size,
+        "gradient_accumulation_steps": accum,
+        "gradient_clipping": cfg.optim.grad_clip,
+        "zero_optimization": {"stage": p.zero_stage, "reduce_bucket_size": int(p.bucket_mb * 2**20 / 4),
+                              "allgather_bucket_size": int(p.bucket_mb * 2**20 / 4)},
+        "bf16": {"enabled": t.precision == "bf16"},
+        "fp16": {"enabled": t.precision == "fp16", "initial_scale_power": int(math.log2(t.loss_scale_init)),
+                 "loss_scale_window": 2000},
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+
+
+class DeepSpeedDataParallel(DataParallel):
+    name = "deepspeed"
+    handles_loss_scaling = True
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
+        try:
+            import deepspeed
+        except ImportError:
+            raise ConfigError("parallel.backend=deepspeed: DeepSpeed is not installed "
+                              "(pip install 'dist-llm[deepspeed]')") from None
+        if not dist.is_initialized():  # DeepSpeed wants a process group even for one rank
+            raise ConfigError("parallel.backend=deepspeed: start under torchrun (e.g. --nproc-per-node N)")
+        self.cfg, self.ctx = cfg, ctx
+        self.module = model
+        deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
+        optimizer = build_optimizer(model, cfg.optim, ctx.device)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
+                                               config=deepspeed_config(cfg, ctx.dp))
+        self.engine = engine
+        self.model = engine
+        self.optimizer = engine.optimizer
+
+    @contextlib.contextmanager
+    def _micro(self, last: bool) -> Iterator[None]:
+        self.engine.set_gradient_accumulation_boundary(last)
+        yield
+        if not last:
+            self.engine.step()  # DeepSpeed counts micro-steps in step(); off the boundary it only accumulates
+
+    def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
+        return self._micro(last)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.engine.backward(loss, scale_wrt_gas=False)  # the trainer already divided by the micro-steps
+
+    def local_grads(self) -> list[torch.Tensor]:
+        return []  # DeepSpeed unscales its own gradients
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return torch.zeros((), device=self.ctx.device)  # DeepSpeed clips inside step (gradient_clipping)
+
+    def step(self, lr: float) -> torch.Tensor | None:
+        set_lr(self.optimizer, lr)
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        return torch.tensor(float("nan") if norm is None else float(norm))
+
+    def zero_grad(self) -> None:
+        self.engine.zero_grad()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        model_sd = {name: p.detach().float() for name, p in self.module.named_parameters()}
+        return {"model": model_sd, "optim": {"state": {}}}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        with torch.no_grad():
+            for name, p in self.module.named_parameters():
+                p.copy_(state["model"][name].to(p.dtype))
+        log.warning("parallel.backend=deepspeed: resumed the model weights; optimizer moments start afresh")
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Parameters and the moments of the optimizer DeepSpeed wraps; its gradient partitions and fp32 master
+        copies live in DeepSpeed's internals and are not counted here."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return {"params": tensor_bytes(self.module.parameters()),
+                "optimizer": tensor_bytes(optimizer_state_tensors(inner))}
