@@ -139,14 +139,32 @@ def test_state_and_comm_bytes(tmp_path: Path, corpus: Path, zero_stage: int, pre
         assert set(result["comm"]) == {"all_gather", "reduce_scatter"}
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
 @pytest.mark.parametrize("zero_stage", [0, 1, 2, 3])
-def test_bf16_close_to_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
-                                      zero_stage: int) -> None:
-    extra = {"parallel__zero_stage": zero_stage, "train__precision": "bf16"}
+def test_mixed_precision_close_to_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                 corpus: Path, zero_stage: int, precision: str) -> None:
+    """bf16, and fp16 with dynamic loss scaling, on every stage: within 1e-2 of one process.
+
+    fp16 starts at a scale of 2^10: at 2^16 a rank's backward (over half the batch, so twice the gradient per
+    sample) overflows where the one-process run does not, and the skipped step, correct in itself, makes
+    the runs differ by design."""
+    scale = {"train__loss_scale_init": 1024.0} if precision == "fp16" else {}
+    extra = {"parallel__zero_stage": zero_stage, "train__precision": precision, **scale}
     got = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False)[0]
-    ref = reference(tmp_path_factory, corpus, train__precision="bf16")
+    ref = reference(tmp_path_factory, corpus, train__precision=precision, **scale)
     for a, b in zip(got["losses"], ref["losses"]):
         assert a == pytest.approx(b, abs=1e-2)
+
+
+@pytest.mark.parametrize("extra", [{"parallel__offload": "cpu"}, {"parallel__reshard_after_forward": False}],
+                         ids=["offload", "no-reshard"])
+def test_zero3_options(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
+                       extra: dict[str, Any]) -> None:
+    got = run_distributed(train, 2, tmp_path, corpus, {"parallel__zero_stage": 3, **extra}, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus), rtol=1e-5)
+    if extra.get("parallel__reshard_after_forward") is False:  # parameters gathered once: the all-reduce's bytes
+        assert sum(got["comm"].values()) == pytest.approx(expected_comm_bytes(got["n_params"], 2, 0, "fp32"),
+                                                          rel=0.10)
 
 
 def test_checkpoint_reshards_across_layouts(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
