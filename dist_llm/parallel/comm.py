@@ -20,6 +20,10 @@ import torch.distributed as dist
 
 ProcessGroup = dist.ProcessGroup
 
+# torch 2.13 renames the single-tensor collectives (and warns on the old names); older releases lack the new ones
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
 
 @dataclass
 class CommStats:
@@ -81,7 +85,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
         return None
     if stats is not None:
         stats.add("all_gather", (n - 1) * _nbytes(input))
-    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+    return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 class _AllToAllReduceScatter:
@@ -116,7 +120,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         stats.add("reduce_scatter", (n - 1) / n * _nbytes(input))
     average = op == dist.ReduceOp.AVG
     if not _is_gloo(group):
-        return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise ValueError(f"reduce_scatter on gloo supports SUM and AVG, not {op}")
     received = torch.empty((n, output.numel()), dtype=input.dtype, device=input.device)
