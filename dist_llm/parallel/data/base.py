@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from dist_llm.config import Config
+from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.train.optim import build_optimizer, set_lr
 
@@ -66,14 +67,39 @@ class DataParallel:
     def finish_grads(self) -> None:
         """Wait for the gradient reduction of this step to complete."""
 
+    #: True when ranks hold disjoint pieces of the reduced gradient (ZeRO, FSDP), False when replicas (DDP)
+    dp_sharded_grads = False
+
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(parameter, the reduced gradient of it that this rank holds), for every parameter with one."""
+        return [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+
     def local_grads(self) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (to unscale in place)."""
-        return [p.grad for p in self.model.parameters() if p.grad is not None]
+        return [g for _, g in self.grad_shards()]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip to `max_norm` (inf: no clipping) by the global norm over all ranks; return that norm."""
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+        """Clip to `max_norm` (inf: no clipping) by the global L2 norm, and return that norm.
+
+        Squares are summed per rank, then over the dp group where ranks hold disjoint gradient pieces, and
+        over the tp group for tensor-parallel shards (replicated parameters are counted once)."""
+        pairs = self.grad_shards()
+        device = self.ctx.device
+        sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated across tp]
+        if pairs:
+            norms = torch._foreach_norm([g for _, g in pairs])
+            sharded = torch.tensor([hasattr(p, "tp_partition_dim") for p, _ in pairs], device=device)
+            squares = torch.stack(norms).float().pow(2)
+            sums = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
+        if self.dp_sharded_grads:
+            comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
+        tp_part = sums[:1].clone()
+        comm.all_reduce(tp_part, self.ctx.tp_group, self.ctx.comm)
+        norm = (tp_part[0] + sums[1]).sqrt()
+        if pairs and max_norm != float("inf"):
+            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+            torch._foreach_mul_([g for _, g in pairs], coef)
+        return norm
 
     def step(self, lr: float) -> torch.Tensor | None:
         """The optimizer step at learning rate `lr`. Returns the gradient norm when the engine computes it

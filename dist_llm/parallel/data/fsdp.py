@@ -72,6 +72,8 @@ class FSDPDataParallel(DataParallel):
             unit.set_requires_gradient_sync(last, recurse=False)
         return contextlib.nullcontext()
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        norm = super().clip_grad_norm_(max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+    dp_sharded_grads = True
+
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        # DTensor gradients: this rank's local shard (empty where a small parameter has no rows here)
+        return [(p, p.grad.to_local()) for p in self.module.parameters() if p.grad is not None]

@@ -166,12 +166,6 @@ class ZeroDataParallel(DataParallel):
                     out.append(Segment(e, b, s, t))
         return out
 
-    def _grad_pieces(self) -> list[torch.Tensor]:
-        """This rank's reduced gradient, bucket by bucket."""
-        if self.flat_grads is not None:
-            return [self._piece(self.flat_grads, b) for b in self.buckets]
-        return [self._shard_of(b, self.grad_shard) for b in self.buckets]
-
     def _grad_shard_view(self, seg: Segment) -> torch.Tensor:
         if self.flat_grads is not None:
             return self.flat_grads[seg.lo : seg.hi]
@@ -242,20 +236,10 @@ class ZeroDataParallel(DataParallel):
             self._shard_of(b, self.grad_shard).add_(out)
         self._pending.clear()
 
-    def local_grads(self) -> list[torch.Tensor]:
-        return self._grad_pieces()
+    dp_sharded_grads = True
 
-    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        pieces = self._grad_pieces()
-        sq = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for g in pieces:
-            sq += g.float().pow(2).sum()
-        comm.all_reduce(sq, self.group, self.ctx.comm)
-        norm = sq.sqrt()
-        if max_norm != float("inf"):
-            coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_(pieces, coef.to(pieces[0].dtype))
-        return norm
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        return [(seg.entry.param, self._grad_shard_view(seg)) for seg in self.segments]
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self, lr: float) -> torch.Tensor | None:

@@ -1,0 +1,183 @@
+"""Megatron-style tensor-parallel layers, written here.
+
+Each layer holds only its rank's slice of the weight, taken from a full weight initialised exactly as the
+unsharded layer would be (`init_from_full`), so a model built at tp=N holds the slices of the tp=1 model.
+Sharded parameters carry `tp_partition_dim`; parameters that are replicated across tp ranks but see only
+a slice of the sequence (sequence parallelism) carry `sequence_parallel = True`, so the trainer can
+all-reduce their gradients over tp.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.autograd import Function
+
+from dist_llm.parallel import comm
+from dist_llm.parallel.tensor import mappings as tpc
+
+Init = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _mark(param: nn.Parameter, *, dim: int | None = None, sequence_parallel: bool = False) -> nn.Parameter:
+    if dim is not None:
+        param.tp_partition_dim = dim  # type: ignore[attr-defined]
+    if sequence_parallel:
+        param.sequence_parallel = True  # type: ignore[attr-defined]
+    return param
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W split by output rows: this rank holds rows `rows` of the full weight.
+
+    `rows` defaults to the rank's contiguous 1/tp; the fused QKV projection passes its own (whole heads per
+    rank, replicated KV heads when there are fewer than tp). The input is copied into the tp region (its
+    gradient all-reduced), or with sequence parallelism all-gathered along the sequence."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group: dist.ProcessGroup | None,
+                 stats: comm.CommStats | None = None, rows: torch.Tensor | None = None, gather_output: bool = False,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        tp, rank = comm.group_size(group), tpc._rank(group)
+        if rows is None:
+            if out_features % tp:
+                raise ValueError(f"{out_features} output features do not split over {tp} tensor-parallel ranks")
+            rows = torch.arange(rank * out_features // tp, (rank + 1) * out_features // tp)
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.stats = group, stats
+        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.register_buffer("rows", rows, persistent=False)
+        self.weight = _mark(nn.Parameter(torch.empty(len(rows), in_features)), dim=0)
+        self.bias = _mark(nn.Parameter(torch.zeros(len(rows))), dim=0) if bias else None
+
+    @torch.no_grad()
+    def init_from_full(self, init: Init) -> None:
+        full = torch.empty(self.out_features, self.in_features, device=self.weight.device)
+        init(full)
+        self.weight.copy_(full[self.rows])
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            x = tpc.gather_from_sequence(x, self.group, self.stats)  # (B, T/tp, C) -> (B, T, C)
+        else:
+            x = tpc.copy_to_tp(x, self.group, self.stats)
+        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        return tpc.gather_from_tp(y, self.group, self.stats) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W split by input columns; the partial products are all-reduced (or, with sequence
+    parallelism, reduce-scattered along the sequence) and the bias, held whole, is added once after."""
+
+    def __init__(self, in_features: int, out_features: int, *, bias: bool, group: dist.ProcessGroup | None,
+                 stats: comm.CommStats | None = None, input_is_parallel: bool = True,
+                 sequence_parallel: bool = False) -> None:
+        super().__init__()
+        tp, rank = comm.group_size(group), tpc._rank(group)
+        if in_features % tp:
+            raise ValueError(f"{in_features} input features do not split over {tp} tensor-parallel ranks")
+        self.in_features, self.out_features = in_features, out_features
+        self.group, self.stats = group, stats
+        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
+        self.cols = slice(rank * in_features // tp, (rank + 1) * in_features // tp)
+        self.weight = _mark(nn.Parameter(torch.empty(out_features, in_features // tp)), dim=1)
+        self.bias = _mark(nn.Parameter(torch.zeros(out_features)), sequence_parallel=sequence_parallel) if bias else None
+
+    @torch.no_grad()
+    def init_from_full(self, init: Init) -> None:
+        full = torch.empty(self.out_features, self.in_features, device=self.weight.device)
+        init(full)
+        self.weight.copy_(full[:, self.cols])
+        if self.bias is not None:
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = tpc.scatter_to_tp(x, self.group, self.stats)
+        partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
+        if self.sequence_parallel:
+            y = tpc.reduce_scatter_to_sequence(partial, self.group, self.stats)  # (B, T/tp, out)
+        else:
+            y = tpc.reduce_from_tp(partial, self.group, self.stats)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Token embedding with the vocabulary split across tp ranks: each rank looks up the ids it holds, zeros
+    the rest, and the partial embeddings are all-reduced (reduce-scattered along the sequence with
+    sequence parallelism)."""
+
+    def __init__(self, num_embeddings: int, dim: int, *, group: dist.ProcessGroup | None,
+                 stats: comm.CommStats | None = None, sequence_parallel: bool = False) -> None:
+        super().__init__()
+        tp, rank = comm.group_size(group), tpc._rank(group)
+        if num_embeddings % tp:
+            raise ValueError(f"a vocabulary of {num_embeddings} does not split over {tp} tensor-parallel ranks")
+        self.num_embeddings, self.dim = num_embeddings, dim
+        self.group, self.stats, self.sequence_parallel = group, stats, sequence_parallel
+        self.vocab_start = rank * num_embeddings // tp
+        self.vocab_end = (rank + 1) * num_embeddings // tp
+        self.weight = _mark(nn.Parameter(torch.empty(self.vocab_end - self.vocab_start, dim)), dim=0)
+
+    @torch.no_grad()
+    def init_from_full(self, init: Init) -> None:
+        full = torch.empty(self.num_embeddings, self.dim, device=self.weight.device)
+        init(full)
+        self.weight.copy_(full[self.vocab_start : self.vocab_end])
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        outside = (idx < self.vocab_start) | (idx >= self.vocab_end)
+        local = (idx - self.vocab_start).masked_fill(outside, 0)
+        x = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)  # (B, T, C), partial
+        if self.sequence_parallel:
+            return tpc.reduce_scatter_to_sequence(x, self.group, self.stats)
+        return tpc.reduce_from_tp(x, self.group, self.stats)
+
+
+class _VocabParallelCrossEntropy(Function):
+    """Mean cross-entropy over logits split along the vocabulary, without gathering them: the max, the
+    softmax denominator and the target's logit are each all-reduced as (B*T,) vectors."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid: int,  # type: ignore[no-untyped-def]
+                group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()  # (N, V/tp)
+        vocab_local = logits.shape[-1]
+        # padded vocabulary entries (ids >= valid) never win: mask them before anything else
+        padded = torch.arange(vocab_start, vocab_start + vocab_local, device=logits.device) >= valid
+        logits = logits.masked_fill(padded, float("-inf"))
+        local_max = logits.max(dim=-1).values
+        comm.all_reduce(local_max, group, stats, op=dist.ReduceOp.MAX)
+        shifted = logits - local_max.unsqueeze(-1)
+        exp = shifted.exp()
+        sum_exp = exp.sum(dim=-1)
+        mine = (targets >= vocab_start) & (targets < vocab_start + vocab_local)
+        local_t = (targets - vocab_start).masked_fill(~mine, 0)
+        target_logit = shifted.gather(-1, local_t.unsqueeze(-1)).squeeze(-1).masked_fill(~mine, 0.0)
+        both = torch.stack([sum_exp, target_logit])  # one all-reduce for the two sums
+        comm.all_reduce(both, group, stats)
+        sum_exp, target_logit = both
+        loss = sum_exp.log() - target_logit  # (N,)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine)
+        return loss.mean()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        softmax, local_t, mine = ctx.saved_tensors
+        g = softmax.clone()
+        rows = torch.arange(g.shape[0], device=g.device)
+        g[rows[mine], local_t[mine]] -= 1.0
+        return (g * (grad / g.shape[0])).to(ctx.dtype), None, None, None, None, None
+
+
+def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, valid: int,
+                                 group: dist.ProcessGroup | None, stats: comm.CommStats | None = None) -> torch.Tensor:
+    """Mean token cross-entropy of logits (B, T, V/tp), this rank's vocabulary slice, against targets (B, T)."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_start, valid, group, stats)
