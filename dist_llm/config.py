@@ -35,7 +35,10 @@ class ModelConfig:
     n_embd: int = 128
     """Width of the residual stream."""
     vocab_size: int = 256
-    """Rows of the token embedding; at least the tokenizer's vocabulary."""
+    """The vocabulary: at least the tokenizer's."""
+    pad_vocab_to: int = 128
+    """Pad the embedding and output head to a multiple of this (masked out of the loss), so the vocabulary
+    splits over tensor-parallel ranks; the padded model is the same at every tp, so checkpoints move freely."""
     block_size: int = 128
     """Context length in tokens."""
     pos_emb: Literal["learned", "rope", "alibi"] = "learned"
@@ -62,6 +65,10 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_head or self.n_head
+
+    @property
+    def padded_vocab(self) -> int:
+        return -(-self.vocab_size // self.pad_vocab_to) * self.pad_vocab_to
 
     @property
     def head_dim(self) -> int:
@@ -352,7 +359,7 @@ def _non_negative(cfg: Config, *keys: str) -> None:
 def validate(cfg: Config) -> None:
     """Every rule between fields, in one place. Rules that need the world size live in the ParallelContext."""
     m, d, o, p, t = cfg.model, cfg.data, cfg.optim, cfg.parallel, cfg.train
-    _positive(cfg, "model.n_layer", "model.n_head", "model.n_embd", "model.vocab_size", "model.block_size",
+    _positive(cfg, "model.n_layer", "model.n_head", "model.pad_vocab_to", "model.n_embd", "model.vocab_size", "model.block_size",
               "model.rope_theta", "model.norm_eps", "model.init_std",
               "train.micro_batch_size", "train.global_batch_size", "train.max_steps", "train.log_interval",
               "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp",
@@ -394,14 +401,32 @@ def validate(cfg: Config) -> None:
     if p.offload != "none" and (p.zero_stage != 3 or p.backend != "native"):
         raise ConfigError(f"parallel.offload={p.offload} needs parallel.zero_stage=3 with parallel.backend=native")
     _positive(cfg, "parallel.bucket_mb")
+    _check_tensor_parallel(cfg)
     _check_not_yet_supported(cfg)
 
 
 # Parallel forms land issue by issue; until one has, its keys accept only the value that turns it off.
+def _check_tensor_parallel(cfg: Config) -> None:
+    m, tp = cfg.model, cfg.parallel.tp
+    if tp == 1:
+        return
+    if m.n_head % tp:
+        raise ConfigError(f"model.n_head: {m.n_head} is not divisible by parallel.tp={tp}")
+    if m.kv_heads % tp:
+        raise ConfigError(f"model.n_kv_head: {m.kv_heads} KV heads do not split over parallel.tp={tp} "
+                          "(replicating KV heads when n_kv_head < tp is not supported yet)")
+    if m.padded_vocab % tp:
+        raise ConfigError(f"model.pad_vocab_to: the vocabulary padded to {m.padded_vocab} is not divisible by "
+                          f"parallel.tp={tp}; use a multiple of {tp}")
+    if m.ffn_hidden % tp:
+        raise ConfigError(f"model.mlp_hidden: {m.ffn_hidden} is not divisible by parallel.tp={tp}")
+    if cfg.parallel.sequence_parallel and m.block_size % tp:
+        raise ConfigError(f"parallel.sequence_parallel: model.block_size={m.block_size} is not divisible by "
+                          f"parallel.tp={tp}")
+
+
 _NOT_YET: dict[str, Any] = {
-    "parallel.tp": 1,
     "parallel.pp": 1,
-    "parallel.sequence_parallel": False,
 }
 
 

@@ -20,9 +20,11 @@ The reference scenarios are written inline here and use no dist_llm data-paralle
 
 Timing: every scenario is built, warmed up, timed and freed in turn; rounds alternate the order (reversed on odd
 rounds) so drift falls on all alike. A timed step sits between two barriers and is timed on rank 0; the table
-gives the median and the min over the timed steps of all rounds. Ratios are step times, ours / reference
-(below 1: ours is faster). Correctness, cheaply: the step-1 loss (same weights, same batch) must agree across
-scenarios; the step-2 loss (after one clipped AdamW step) is shown as a check of the update.
+gives the median and the min over the timed steps of all rounds, and the median of rank 0's process CPU time per
+step (all its threads, barriers excluded), which other load on a shared machine inflates less than wall time.
+Ratios are step times, ours / reference (below 1: ours is faster). Correctness, cheaply: the step-1 loss (same
+weights, same batch) must agree across scenarios; the step-2 loss (after one clipped AdamW step) is shown as a
+check of the update.
 """
 
 from __future__ import annotations
@@ -114,6 +116,7 @@ class Built:
 @dataclass
 class Result:
     times: list[float] = field(default_factory=list)  # seconds, rank 0
+    cpu: list[float] = field(default_factory=list)  # rank 0's process CPU seconds over the same steps
     losses: list[float] = field(default_factory=list)  # rank 0's loss at steps 1 and 2 of the first round
     comm: dict[str, int] = field(default_factory=dict)
     error: str = ""
@@ -142,7 +145,8 @@ def worker(args: argparse.Namespace) -> int:
     torch.set_num_threads(threads)
     overrides = [f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.width // 64}",
                  "model.vocab_size=256", f"model.block_size={args.seq}", "model.dropout=0.0",
-                 f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch * args.nproc}",
+                 f"train.micro_batch_size={args.micro_batch}",
+                 f"train.global_batch_size={args.micro_batch * args.nproc}",
                  "train.device=cpu", "train.precision=fp32", "optim.grad_clip=1.0", "parallel.timeout_s=300"]
     base_cfg = load_config(None, overrides)
     ctx0 = ParallelContext.from_config(base_cfg)  # creates the process group that every scenario reuses
@@ -304,11 +308,13 @@ def worker(args: argparse.Namespace) -> int:
                     timed = i >= args.warmup
                     if timed:
                         dist.barrier()
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.process_time()
                     loss = built.step(x, y)
                     if timed:
+                        c1 = time.process_time()
                         dist.barrier()
                         res.times.append(time.perf_counter() - t0)
+                        res.cpu.append(c1 - c0)
                     if rnd == 0 and i < 2:
                         res.losses.append(float(loss))
                 if built.comm is not None:
@@ -364,8 +370,8 @@ def report(args: argparse.Namespace, results: dict[str, Result], n_params: int, 
     print(f"\n{world} ranks, global batch {args.micro_batch * world} x {args.seq} = {tokens:,} tokens/step, "
           f"{max((len(r.times) for r in results.values()), default=0)} timed steps per scenario; ratio = step time "
           f"ours / reference (median)")
-    header = (f"{'scenario':<12} {'step ms (med)':>13} {'step ms (min)':>13} {'tokens/s':>9} {'ratio':>16} "
-              f"{'comm MiB/step':>13} {'theory MiB':>10}  ours: comm by kind (MiB)")
+    header = (f"{'scenario':<12} {'step ms (med)':>13} {'step ms (min)':>13} {'cpu ms (med)':>12} {'tokens/s':>9} "
+              f"{'ratio':>16} {'comm MiB/step':>13} {'theory MiB':>10}  ours: comm by kind (MiB)")
     print(header)
     print("-" * len(header))
     for s, r in results.items():
@@ -377,7 +383,8 @@ def report(args: argparse.Namespace, results: dict[str, Result], n_params: int, 
         comm_total = f"{sum(r.comm.values()) / 2**20:.2f}" if r.comm else ""
         # the ZeRO grad-norm all-reduce is one fp32 scalar: show tiny kinds in bytes
         kinds = ", ".join(f"{k} {v / 2**20:.2f}" if v >= 2**20 / 100 else f"{k} {v} B" for k, v in r.comm.items())
-        print(f"{s:<12} {med[s] * 1e3:>13.1f} {min(r.times) * 1e3:>13.1f} {tokens / med[s]:>9,.0f} {ratio:>16} "
+        print(f"{s:<12} {med[s] * 1e3:>13.1f} {min(r.times) * 1e3:>13.1f} {statistics.median(r.cpu) * 1e3:>12.1f} "
+              f"{tokens / med[s]:>9,.0f} {ratio:>16} "
               f"{comm_total:>13} {theory_bytes(s, n_params, world) / 2**20:>10.2f}  {kinds}")
 
     print("\ntargets (step time ours / reference, median; min-based in brackets):")
@@ -398,13 +405,15 @@ def report(args: argparse.Namespace, results: dict[str, Result], n_params: int, 
     noisy = [s for s, r in results.items() if r.times and max(r.times) / min(r.times) > 1.15]
     if noisy:
         print(f"note: step times vary more than 15% (max/min) in {', '.join(noisy)}: the machine was busy or still "
-              "warming up; compare the min column too, or rerun with more --steps/--rounds")
+              "warming up; compare the min column and 'cpu ms' (rank 0's process CPU time per step, all its threads, "
+              "less sensitive to other load) too, or rerun with more --steps/--rounds")
     if args.json:
         args.json.write_text(json.dumps({
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "world": world, "n_params": n_params, "tokens_per_step": tokens, "targets": summary,
             "scenarios": {s: {"step_ms_median": med.get(s, math.nan) * 1e3,
-                              "step_ms_all": [t * 1e3 for t in r.times], "losses": r.losses, "comm_bytes": r.comm,
+                              "step_ms_all": [t * 1e3 for t in r.times], "cpu_ms_all": [t * 1e3 for t in r.cpu],
+                              "losses": r.losses, "comm_bytes": r.comm,
                               "theory_bytes": theory_bytes(s, n_params, world), "error": r.error}
                           for s, r in results.items()}}, indent=2))
         print(f"wrote {args.json}")

@@ -8,6 +8,7 @@ each rank holds.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Literal
 
 import torch
@@ -22,12 +23,34 @@ class LayerFactory:
 
     #: how many ranks share one attention layer's heads (tensor-parallel degree)
     shards: int = 1
+    def __init__(self, vocab_size: int = 0) -> None:
+        #: the real vocabulary (the model's embedding may be padded beyond it); 0 = no padding to mask
+        self.vocab_size = vocab_size
+
+    def summary(self) -> str:
+        return ""
 
     def linear(self, in_features: int, out_features: int, *, bias: bool, role: LinearRole) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, dim)
+
+    def replicated(self, module: nn.Module) -> nn.Module:
+        """A layer that every rank of a parallel group holds whole (norms, position embeddings)."""
+        return module
+
+    def sequence_slice(self, x: torch.Tensor) -> torch.Tensor:
+        """The part of a (B, T, C) activation this rank works on between parallel layers (all of it here)."""
+        return x
+
+    def attention_rng(self) -> contextlib.AbstractContextManager:
+        """The random stream attention dropout draws from."""
+        return contextlib.nullcontext()
+
+    def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Logits of the real vocabulary from the head's output (which is padded to model.pad_vocab_to)."""
+        return logits[..., : self.vocab_size] if self.vocab_size else logits
 
     def local_heads(self, n_head: int, n_kv_head: int) -> tuple[int, int]:
         """(query heads, kv heads) held by this rank."""
@@ -38,5 +61,10 @@ class LayerFactory:
         return 0
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of logits (B, T, V) against targets (B, T); computed in fp32."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        """Mean token cross-entropy of logits (B, T, V) against targets (B, T); computed in fp32, with the
+        vocabulary padding (ids >= vocab_size) masked out."""
+        logits = logits.float()
+        if self.vocab_size and logits.shape[-1] > self.vocab_size:
+            logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size,
+                                        float("-inf"))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

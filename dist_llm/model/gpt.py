@@ -7,6 +7,7 @@ and `embed`, `blocks` and `head` are separate so a pipeline can cut the model in
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Literal
 
@@ -22,10 +23,10 @@ from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
 Checkpointing = Literal["none", "full", "selective"]
 
 
-def make_norm(cfg: ModelConfig) -> nn.Module:
+def make_norm(cfg: ModelConfig, layers: LayerFactory) -> nn.Module:
     if cfg.norm == "rmsnorm":
-        return nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias)
+        return layers.replicated(nn.RMSNorm(cfg.n_embd, eps=cfg.norm_eps))
+    return layers.replicated(nn.LayerNorm(cfg.n_embd, eps=cfg.norm_eps, bias=cfg.bias))
 
 
 class Attention(nn.Module):
@@ -34,6 +35,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory, rope: RotaryEmbedding | None) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.layers = layers
         self.n_head, self.n_kv_head = layers.local_heads(cfg.n_head, cfg.kv_heads)
         qkv_out = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
         self.qkv = layers.linear(cfg.n_embd, qkv_out, bias=cfg.bias, role="qkv")
@@ -53,10 +55,10 @@ class Attention(nn.Module):
         """Scaled dot-product attention over (B, nh, T, hs) queries and (B, nkv, T, hs) keys/values."""
         dropout = self.dropout if self.training else 0.0
         gqa = self.n_kv_head != self.n_head
-        if self.alibi_slopes is not None:
-            bias = alibi_bias(self.alibi_slopes, q.shape[-2], q.dtype)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout, enable_gqa=gqa)
+        bias = alibi_bias(self.alibi_slopes, q.shape[-2], q.dtype) if self.alibi_slopes is not None else None
+        with self.layers.attention_rng() if dropout else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
+                                                  dropout_p=dropout, enable_gqa=gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -98,43 +100,37 @@ class MLP(nn.Module):
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory, rope: RotaryEmbedding | None) -> None:
         super().__init__()
-        self.ln_1 = make_norm(cfg)
+        self.ln_1 = make_norm(cfg, layers)
         self.attn = Attention(cfg, layers, rope)
-        self.ln_2 = make_norm(cfg)
+        self.ln_2 = make_norm(cfg, layers)
         self.mlp = MLP(cfg, layers)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.recompute = False  # full activation checkpointing: keep only the input, recompute in backward
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
-
-class CheckpointedBlock(nn.Module):
-    """Recomputes the wrapped block's forward during backward instead of keeping its activations."""
-
-    def __init__(self, block: Block) -> None:
-        super().__init__()
-        self.block = block
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.training:
-            return self.block(x)
-        return checkpoint(self.block, x, use_reentrant=False)
+        if self.recompute and self.training:
+            return checkpoint(self._forward, x, use_reentrant=False)
+        return self._forward(x)
 
 
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        layers = layers or LayerFactory()
+        layers = layers or LayerFactory(vocab_size=cfg.vocab_size)
         self.layers = layers
-        self.wte = layers.embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
+        self.wte = layers.embedding(cfg.padded_vocab, cfg.n_embd)
+        self.wpe = layers.replicated(nn.Embedding(cfg.block_size, cfg.n_embd)) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         rope = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.rope = rope
         self.blocks = nn.ModuleList(Block(cfg, layers, rope) for _ in range(cfg.n_layer))
-        self.ln_f = make_norm(cfg)
-        self.lm_head = layers.linear(cfg.n_embd, cfg.vocab_size, bias=False, role="lm_head")
+        self.ln_f = make_norm(cfg, layers)
+        self.lm_head = layers.linear(cfg.n_embd, cfg.padded_vocab, bias=False, role="lm_head")
         if cfg.tie_embeddings:
             self.lm_head.weight = self.wte.weight
         self.reset_parameters()
@@ -145,9 +141,11 @@ class GPT(nn.Module):
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layer)
         for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                is_residual = name.endswith(("attn.proj", "mlp.down"))
-                nn.init.normal_(module.weight, mean=0.0, std=residual_std if is_residual else std)
+            sd = residual_std if name.endswith(("attn.proj", "mlp.down")) else std
+            if hasattr(module, "init_from_full"):  # a sharded layer: initialise the full weight, keep its slice
+                module.init_from_full(lambda t, sd=sd: nn.init.normal_(t, mean=0.0, std=sd))
+            elif isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=sd)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
@@ -158,18 +156,18 @@ class GPT(nn.Module):
             self.rope.reset_parameters()
 
     def set_activation_checkpointing(self, mode: Checkpointing) -> None:
-        """'full' wraps each block in a recomputing wrapper; 'selective' recomputes only the attention core."""
-        for i, block in enumerate(self.blocks):
-            inner = block.block if isinstance(block, CheckpointedBlock) else block
-            inner.attn.checkpoint_core = mode == "selective"
-            self.blocks[i] = CheckpointedBlock(inner) if mode == "full" else inner
+        """'full' recomputes each block in backward; 'selective' only the attention core. Parameter names
+        do not change, so checkpoints move between runs with and without it."""
+        for block in self.blocks:
+            block.recompute = mode == "full"
+            block.attn.checkpoint_core = mode == "selective"
 
     # -- forward, in pieces a pipeline stage can take -----------------------------------------------------
     def embed(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> residual stream (B, T, C)."""
-        x = self.wte(idx)
+        x = self.wte(idx)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
         if self.wpe is not None:
-            x = x + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+            x = x + self.layers.sequence_slice(self.wpe(torch.arange(idx.shape[1], device=idx.device))[None])
         return self.drop(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -180,14 +178,14 @@ class GPT(nn.Module):
         return self.layers.cross_entropy(logits, targets)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, V) for token ids (B, T); with targets, the mean cross-entropy instead."""
+        """Logits (B, T, vocab_size) for token ids (B, T); with targets, the mean cross-entropy instead."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.block_size={self.cfg.block_size}")
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return logits if targets is None else self.loss(logits, targets)
+        return self.layers.output_logits(logits) if targets is None else self.loss(logits, targets)
 
     # -- accounting ---------------------------------------------------------------------------------------
     def num_params(self, *, non_embedding: bool = False) -> int:

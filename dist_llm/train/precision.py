@@ -15,13 +15,13 @@ from typing import Any, Literal
 import torch
 
 Precision = Literal["fp32", "bf16", "fp16"]
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def autocast(precision: Precision, device: torch.device) -> contextlib.AbstractContextManager:
     if precision == "fp32":
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
+    return torch.autocast(device_type=device.type, dtype=DTYPES[precision])
 
 
 @dataclass

@@ -16,10 +16,12 @@ from tqdm import tqdm
 
 from dist_llm.config import Config, ConfigError
 from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
-from dist_llm.model import GPT
+from dist_llm.model import GPT, LayerFactory
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import build_data_parallel
+from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
+from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
 from dist_llm.train.optim import lr_at
@@ -42,10 +44,16 @@ class StepOutput:
     skipped: bool
 
 
-def build_model(cfg: Config, device: torch.device) -> GPT:
-    """The GPT for `cfg`, initialised from `train.seed`, with checkpointing and compilation as configured."""
-    torch.manual_seed(cfg.train.seed)
-    model = GPT(cfg.model).to(device)
+def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
+    """The GPT for `cfg` (its layers tensor-parallel when parallel.tp > 1), initialised from `train.seed`
+    identically at every tp, with checkpointing and compilation as configured."""
+    layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
+    model = GPT(cfg.model, layers)
+    torch.manual_seed(cfg.train.seed)  # after construction, whose own RNG use differs between layouts
+    model.reset_parameters()
+    model = model.to(ctx.device)
+    if layers.summary():
+        log.info(layers.summary())
     if cfg.train.activation_checkpointing != "none":
         model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     if cfg.train.compile:
@@ -73,9 +81,10 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
 
-        self.dp = build_data_parallel(build_model(cfg, self.device), cfg, ctx)
+        self.dp = build_data_parallel(build_model(cfg, ctx), cfg, ctx)
         self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
         self.module = self.dp.module  # the GPT
+        self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 else None
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
         self.scaler = LossScaler(enabled=t.precision == "fp16" and not self.dp.handles_loss_scaling,
@@ -107,8 +116,11 @@ class Trainer:
         if manifest["model_fingerprint"] != self.cfg.fingerprint():
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
         template = self.dp.checkpoint_state()
-        state = ckpt.load_checkpoint(path, state=template, ctx=self.ctx)
-        self.dp.load_checkpoint_state(template)
+        buffers = self.tp_state.empty_full(template) if self.tp_state else template
+        state = ckpt.load_checkpoint(path, state=buffers, ctx=self.ctx)
+        if self.tp_state:
+            buffers = self.tp_state.to_local(buffers, template, self.ctx.tp_rank)
+        self.dp.load_checkpoint_state(buffers)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
@@ -143,6 +155,8 @@ class Trainer:
                 loss_sum += loss.detach()
                 self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
         self.dp.finish_grads()
+        if self.cfg.parallel.sequence_parallel:
+            sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
 
         self.scaler.unscale_(self.dp.local_grads())
         grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
@@ -197,7 +211,10 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = ckpt.step_dir(self.ckpt_root, self.step)
-        ckpt.save_checkpoint(path, state=self.dp.checkpoint_state(), train_state=self.train_state(), cfg=self.cfg,
+        state = self.dp.checkpoint_state()
+        if self.tp_state:
+            state = self.tp_state.to_full(state)
+        ckpt.save_checkpoint(path, state=state, train_state=self.train_state(), cfg=self.cfg,
                              ctx=self.ctx, extra_files=self.tokenizer_files())
         if self.ctx.is_main:
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)

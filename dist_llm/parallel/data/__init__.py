@@ -11,19 +11,19 @@ from dist_llm.parallel.data.base import DataParallel
 
 
 def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext) -> DataParallel:
-    """Wrap `model` for `parallel.zero_stage` over the context's dp group (a plain single-process form at dp=1,
-    except stage 3, which shards even over one rank so that its code path is the same)."""
+    """Wrap `model` for `parallel.zero_stage` over the context's dp group (the plain form at dp=1; stage 3
+    still wraps in FSDP2 over a 1-rank dp dim when tp/pp ranks exist, so the code path stays the same)."""
     stage = cfg.parallel.zero_stage
     if cfg.parallel.backend == "deepspeed":
         from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
 
         return DeepSpeedDataParallel(model, cfg, ctx)
+    if ctx.dp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over
+        return DataParallel(model, cfg, ctx)
     if stage == 3:
         from dist_llm.parallel.data.fsdp import FSDPDataParallel
 
         return FSDPDataParallel(model, cfg, ctx)
-    if ctx.dp == 1:
-        return DataParallel(model, cfg, ctx)
     if stage == 0:
         from dist_llm.parallel.data.ddp import DDPDataParallel
 

@@ -87,7 +87,7 @@ class DataParallel:
         device = self.ctx.device
         sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated across tp]
         if pairs:
-            norms = torch._foreach_norm([g for _, g in pairs])
+            norms = torch._foreach_norm([g for _, g in pairs], dtype=torch.float32)  # fp16 squares overflow
             sharded = torch.tensor([hasattr(p, "tp_partition_dim") for p, _ in pairs], device=device)
             squares = torch.stack(norms).float().pow(2)
             sums = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])

@@ -23,6 +23,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
@@ -100,14 +101,27 @@ class DeepSpeedDataParallel(DataParallel):
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
+    def _gathered(self, *, modify: bool) -> contextlib.AbstractContextManager:
+        """ZeRO-3 partitions the module's parameters: gather them whole for reading or writing."""
+        if self.cfg.parallel.zero_stage != 3:
+            return contextlib.nullcontext()
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=0 if modify else None)
+
     def checkpoint_state(self) -> dict[str, Any]:
-        model_sd = {name: p.detach().float() for name, p in self.module.named_parameters()}
+        # every key the native model has (the tied lm_head.weight too), in fp32
+        with self._gathered(modify=False):
+            model_sd = {k: v.detach().float().clone() for k, v in get_model_state_dict(self.module).items()}
         return {"model": model_sd, "optim": {"state": {}}}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
+        with self._gathered(modify=True), torch.no_grad():
             for name, p in self.module.named_parameters():
                 p.copy_(state["model"][name].to(p.dtype))
+        refresh = getattr(self.optimizer, "refresh_fp32_params", None)
+        if refresh is not None:  # DeepSpeed's fp32 master partitions follow the loaded weights
+            refresh()
         log.warning("parallel.backend=deepspeed: resumed the model weights; optimizer moments start afresh")
 
     def model_state_bytes(self) -> dict[str, int]:

@@ -19,8 +19,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
-
-_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+from dist_llm.train.precision import DTYPES
 
 
 class _Alloc:
@@ -52,7 +51,8 @@ class FSDPDataParallel(DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
         p, precision = cfg.parallel, cfg.train.precision
         # fp32 sharded parameters are the master weights; forward/backward run in param_dtype, grads reduce in fp32
-        mp = MixedPrecisionPolicy(param_dtype=_DTYPES.get(precision), reduce_dtype=torch.float32)
+        mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else DTYPES[precision],
+                                  reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if p.offload == "cpu" else OffloadPolicy()
         kwargs = dict(mesh=ctx.dp_mesh, mp_policy=mp, offload_policy=offload)
         blocks = list(model.blocks)

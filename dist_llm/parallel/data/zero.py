@@ -31,8 +31,8 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
 from dist_llm.train.optim import set_lr
+from dist_llm.train.precision import DTYPES
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 @dataclass
@@ -105,7 +105,7 @@ class ZeroDataParallel(DataParallel):
         self.dp, self.rank, self.group = ctx.dp, ctx.dp_rank, ctx.dp_group
         device = ctx.device
         self.mixed = cfg.train.precision != "fp32"
-        self.param_dtype = _DTYPES[cfg.train.precision]
+        self.param_dtype = DTYPES[cfg.train.precision]
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
         bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / torch.tensor([], dtype=self.param_dtype).element_size()))
@@ -205,9 +205,9 @@ class ZeroDataParallel(DataParallel):
             if e.param.grad is not None:
                 buffer[e.offset - b.start : e.offset - b.start + e.numel].copy_(e.param.grad.reshape(-1))
                 e.param.grad = None
+        buffer.div_(self.dp)  # divide before summing, as DDP does: an fp16 sum of dp gradients could overflow
         out = torch.empty(b.shard_numel, dtype=buffer.dtype, device=buffer.device)
-        handle = comm.reduce_scatter(out, buffer, self.group, self.ctx.comm, op=torch.distributed.ReduceOp.AVG,
-                                     async_op=True)
+        handle = comm.reduce_scatter(out, buffer, self.group, self.ctx.comm, async_op=True)
         self._pending.append((b, handle, out))
         self._launched[b.index] = True
 
@@ -219,17 +219,24 @@ class ZeroDataParallel(DataParallel):
         for b in self.buckets:  # buckets with parameters that got no gradient this time
             if not self._launched[b.index]:
                 self._launch(b)
+        # the reduce-scatters overlapped this backward; completing them here frees their buffers, so memory
+        # never holds more than one micro-step's buckets in flight
+        self._drain()
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         return self._stage2_micro_step() if self.stage == 2 else contextlib.nullcontext()
 
     def finish_grads(self) -> None:
         if self.stage == 1:
+            self.flat_grads.div_(self.dp)  # divide before summing (see _launch)
             for b in self.buckets:
                 full = self.flat_grads[b.start : b.start + b.numel]
-                comm.reduce_scatter(self._piece(self.flat_grads, b), full, self.group, self.ctx.comm,
-                                    op=torch.distributed.ReduceOp.AVG)
+                comm.reduce_scatter(self._piece(self.flat_grads, b), full, self.group, self.ctx.comm)
             return
+        self._drain()
+
+    def _drain(self) -> None:
+        """Stage 2: wait for the launched reduce-scatters and add them into the gradient shard."""
         for b, handle, out in self._pending:
             if handle is not None:
                 handle.wait()
@@ -293,10 +300,14 @@ class ZeroDataParallel(DataParallel):
         steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
         step = steps[0].detach().clone().float() if steps else torch.tensor(0.0)
         optim: dict[str, Any] = {}
-        for e in self.entries:
+        entry_of = {id(e.param): e for e in self.entries}
+        # every name of a parameter, tied aliases (lm_head.weight = wte.weight) too, gets the fp32 master
+        for name, p in self.module.named_parameters(remove_duplicate=False):
+            e = entry_of[id(p)]
             sl = slice(e.offset, e.offset + e.numel)
-            model_sd[e.name] = masters[sl].view(e.param.shape)
-            optim[e.name] = {"step": step.clone(), **{k: v[sl].view(e.param.shape) for k, v in moments.items()}}
+            model_sd[name] = masters[sl].view(e.param.shape)
+            if name == e.name:
+                optim[name] = {"step": step.clone(), **{k: v[sl].view(e.param.shape) for k, v in moments.items()}}
         return {"model": model_sd, "optim": {"state": optim}}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -314,9 +325,11 @@ class ZeroDataParallel(DataParallel):
             self.master.copy_(self._my_pieces(full["master"]))
         step = next(iter(optim.values()))["step"]
         mine = {k: self._my_pieces(full[k]) for k in ("exp_avg", "exp_avg_sq")}
+        # torch's fused AdamW keeps `step` on the parameters' device, the others on the CPU
+        step_device = self._opt_params[0].device if self.optimizer.defaults.get("fused") else "cpu"
         for seg, p in zip(self.segments, self._opt_params):
             a, z = seg.shard_range(self.rank)
-            self.optimizer.state[p] = {"step": step.detach().clone().float(),
+            self.optimizer.state[p] = {"step": step.detach().to(step_device, torch.float32, copy=True),
                                        **{k: v[a:z].clone() for k, v in mine.items()}}
 
     def model_state_bytes(self) -> dict[str, int]:

@@ -1,0 +1,126 @@
+"""The tensor-parallel plan: which layer of the GPT becomes which parallel layer, as a LayerFactory.
+
+  qkv             column-parallel, whole heads per rank (and whole KV groups under GQA)
+  attn_out        row-parallel
+  mlp_up, gate    column-parallel
+  mlp_down        row-parallel
+  wte, lm_head    vocab-parallel (tied when tie_embeddings), and a vocab-parallel cross-entropy
+
+With sequence parallelism the regions between those layers (norms, dropout, residual adds) hold 1/tp of
+the sequence; the norms and the learned position embedding then carry `sequence_parallel`, so their
+gradients, computed from a slice of the sequence, are all-reduced over tp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from dist_llm.config import Config, ModelConfig
+from dist_llm.model.factory import LayerFactory, LinearRole
+from dist_llm.parallel import comm
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> torch.Tensor:
+    """Rows of the fused [q; k; v] weight that rank `rank` holds: its n_head/tp query heads and the
+    n_kv_head/tp KV heads they read (the GQA groups line up because query head h reads KV head
+    h // (n_head / n_kv_head))."""
+    hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.kv_heads
+    q_heads, kv_heads = nh // tp, nkv // tp
+
+    def head_rows(offset: int, first: int, count: int) -> torch.Tensor:
+        return offset + torch.arange(first * hd, (first + count) * hd)
+
+    return torch.cat([head_rows(0, rank * q_heads, q_heads),
+                      head_rows(nh * hd, rank * kv_heads, kv_heads),
+                      head_rows((nh + nkv) * hd, rank * kv_heads, kv_heads)])
+
+
+class TensorParallelFactory(LayerFactory):
+    def __init__(self, cfg: Config, ctx: ParallelContext) -> None:
+        super().__init__(vocab_size=cfg.model.vocab_size)
+        self.model_cfg = cfg.model
+        self.group, self.stats = ctx.tp_group, ctx.comm
+        self.shards, self.rank = ctx.tp, ctx.tp_rank
+        self.sequence_parallel = cfg.parallel.sequence_parallel
+        self.device = ctx.device
+        self.applied: dict[str, int] = {"column": 0, "row": 0, "vocab": 0}
+
+    def linear(self, in_features: int, out_features: int, *, bias: bool, role: LinearRole) -> nn.Module:
+        sp = self.sequence_parallel
+        if role in ("attn_out", "mlp_down"):
+            self.applied["row"] += 1
+            return RowParallelLinear(in_features, out_features, bias=bias, group=self.group, stats=self.stats,
+                                     sequence_parallel=sp)
+        rows = qkv_rows(self.model_cfg, self.shards, self.rank) if role == "qkv" else None
+        self.applied["vocab" if role == "lm_head" else "column"] += 1
+        return ColumnParallelLinear(in_features, out_features, bias=bias, group=self.group, stats=self.stats,
+                                    rows=rows, sequence_parallel=sp)
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        self.applied["vocab"] += 1
+        return VocabParallelEmbedding(num_embeddings, dim, group=self.group, stats=self.stats,
+                                      sequence_parallel=self.sequence_parallel)
+
+    def replicated(self, module: nn.Module) -> nn.Module:
+        """A layer every tp rank holds whole (norms, position embeddings): with sequence parallelism it sees a
+        slice of the sequence, so its gradients are partial sums to all-reduce over tp."""
+        if self.sequence_parallel:
+            for p in module.parameters():
+                p.sequence_parallel = True  # type: ignore[attr-defined]
+        return module
+
+    def sequence_slice(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) replicated -> this rank's slice of the sequence under sequence parallelism."""
+        return tpc.scatter_to_sequence(x, self.group, self.stats) if self.sequence_parallel else x
+
+    def local_heads(self, n_head: int, n_kv_head: int) -> tuple[int, int]:
+        return n_head // self.shards, n_kv_head // self.shards
+
+    def first_head(self, n_head: int) -> int:
+        return self.rank * (n_head // self.shards)
+
+    @contextlib.contextmanager
+    def attention_rng(self) -> Iterator[None]:
+        """Attention dropout acts on this rank's heads: draw its mask from a tp-local stream, seeded from the
+        shared stream (so activation recomputation, which replays the shared stream, replays it too)."""
+        seed = int(torch.randint(0, 2**62, (1,)).item())
+        devices = [torch.cuda.current_device()] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed + self.rank)
+            yield
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.rank * logits.shape[-1],
+                                            valid=self.vocab_size, group=self.group, stats=self.stats)
+
+    def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full logits for the real vocabulary (gathered from the vocab-parallel slices)."""
+        return tpc.gather_from_tp(logits, self.group, self.stats)[..., : self.vocab_size]
+
+    def summary(self) -> str:
+        a = self.applied
+        sp = ", sequence parallel" if self.sequence_parallel else ""
+        return f"applied tensor parallel (tp={self.shards}{sp}): {a['column']} column, {a['row']} row, {a['vocab']} vocab"
+
+
+def sync_sequence_parallel_grads(grad_shards: list[tuple[nn.Parameter, torch.Tensor]], ctx: ParallelContext) -> None:
+    """All-reduce over tp the gradients of replicated parameters that saw only a slice of the sequence
+    (norms, position embeddings, row-parallel biases under sequence parallelism), in one collective."""
+    grads = [g for p, g in grad_shards if getattr(p, "sequence_parallel", False) and g.numel()]
+    if not grads or ctx.tp == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    comm.all_reduce(flat, ctx.tp_group, ctx.comm)
+    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
