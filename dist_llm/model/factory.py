@@ -37,7 +37,7 @@ class LayerFactory:
         return nn.Embedding(num_embeddings, dim)
 
     def replicated(self, module: nn.Module) -> nn.Module:
-        """A layer that every rank of a parallel group holds whole (norms, position embeddings)."""
+        """A layer that every rank of a parallel group holds whole and that works on activations (the norms)."""
         return module
 
     def sequence_slice(self, x: torch.Tensor) -> torch.Tensor:

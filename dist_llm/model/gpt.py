@@ -61,8 +61,9 @@ class Attention(nn.Module):
                                                   dropout_p=dropout, enable_gqa=gqa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q, k, v = self.qkv(x).split(
+        qkv = self.qkv(x)  # under sequence parallelism x holds a slice of the sequence and qkv all of it
+        B, T, _ = qkv.shape
+        q, k, v = qkv.split(
             [self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.n_kv_head * self.head_dim], dim=-1)
         q = q.view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, nh, T, hs)
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
@@ -124,7 +125,9 @@ class GPT(nn.Module):
         layers = layers or LayerFactory(vocab_size=cfg.vocab_size)
         self.layers = layers
         self.wte = layers.embedding(cfg.padded_vocab, cfg.n_embd)
-        self.wpe = layers.replicated(nn.Embedding(cfg.block_size, cfg.n_embd)) if cfg.pos_emb == "learned" else None
+        # (under sequence parallelism the slice of its output is taken by an op whose backward gathers the
+        # gradient, so unlike the norms it needs no all-reduce)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
         self.drop = nn.Dropout(cfg.dropout)
         rope = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.rope = rope

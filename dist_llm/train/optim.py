@@ -21,7 +21,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    # the fused kernel is the fastest on CUDA; on CPU foreach is the default and well tested
+    # the fused kernel is the fastest on CUDA; on CPU torch picks its per-tensor loop (foreach is GPU-only by default)
     fused = device.type == "cuda"
     return torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr, betas=(cfg.beta1, cfg.beta2),
                              eps=cfg.eps, fused=fused or None)

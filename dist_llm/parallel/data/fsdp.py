@@ -22,6 +22,9 @@ from dist_llm.parallel.data.base import DataParallel
 from dist_llm.train.precision import DTYPES
 
 
+_PARAM_MARKS = ("tp_partition_dim", "sequence_parallel")
+
+
 class _Alloc:
     def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         return torch.empty(*size, dtype=dtype, device=device)
@@ -55,6 +58,9 @@ class FSDPDataParallel(DataParallel):
                                   reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if p.offload == "cpu" else OffloadPolicy()
         kwargs = dict(mesh=ctx.dp_mesh, mp_policy=mp, offload_policy=offload)
+        # fully_shard swaps every parameter for a new DTensor one: carry the tensor-parallel marks across
+        marks = {name: {a: getattr(p, a) for a in _PARAM_MARKS if hasattr(p, a)}
+                 for name, p in model.named_parameters()}
         blocks = list(model.blocks)
         for block in blocks:
             fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kwargs)
@@ -64,6 +70,9 @@ class FSDPDataParallel(DataParallel):
             unit.set_custom_all_gather(CountedAllGather(ctx.comm))
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
         self.fsdp_units = [*blocks, model]
+        for name, p in model.named_parameters():
+            for attr, value in marks[name].items():
+                setattr(p, attr, value)
         super().__init__(model, cfg, ctx)
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:

@@ -7,8 +7,8 @@
   wte, lm_head    vocab-parallel (tied when tie_embeddings), and a vocab-parallel cross-entropy
 
 With sequence parallelism the regions between those layers (norms, dropout, residual adds) hold 1/tp of
-the sequence; the norms and the learned position embedding then carry `sequence_parallel`, so their
-gradients, computed from a slice of the sequence, are all-reduced over tp.
+the sequence; the norms (and row-parallel biases) then carry `sequence_parallel`, so their gradients,
+computed from a slice of the sequence, are all-reduced over tp.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class TensorParallelFactory(LayerFactory):
                                       sequence_parallel=self.sequence_parallel)
 
     def replicated(self, module: nn.Module) -> nn.Module:
-        """A layer every tp rank holds whole (norms, position embeddings): with sequence parallelism it sees a
-        slice of the sequence, so its gradients are partial sums to all-reduce over tp."""
+        """A layer every tp rank holds whole (the norms): with sequence parallelism it sees a slice of the
+        sequence, so its gradients are partial sums to all-reduce over tp."""
         if self.sequence_parallel:
             for p in module.parameters():
                 p.sequence_parallel = True  # type: ignore[attr-defined]

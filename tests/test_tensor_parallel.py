@@ -1,0 +1,197 @@
+"""Tensor (and sequence) parallelism against the unsharded computation, on gloo ranks."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from dist_llm.config import load_config
+from dist_llm.model import GPT
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.tensor.checkpoint import TensorParallelState
+from dist_llm.parallel.tensor.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+from dist_llm.train.trainer import build_model
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401
+
+# Parameters after 8 steps are compared to an absolute 1e-5 (a few thousandths of one Adam step at lr 3e-3):
+# rows of the embedding for bytes the corpus never contains get gradients of ~1e-9 from the softmax alone,
+# whose rounding differs once the vocabulary-parallel loss sums in another order, and Adam scales any such
+# noise up to a step of size lr. The losses are compared at 1e-5 relative.
+PARAM_ATOL = 1e-5
+
+
+def _seeded(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def _normal_init(seed: int):  # type: ignore[no-untyped-def]
+    return lambda t: t.copy_(_seeded(tuple(t.shape), seed))
+
+
+def _layers(rank: int, world_size: int, sequence_parallel: bool) -> None:
+    group = dist.group.WORLD
+    B, T, C, H, V = 2, 8, 12, 16, 24
+    x = _seeded((B, T, C), 1).requires_grad_()
+    w1, w2 = _seeded((H, C), 2), _seeded((C, H), 3)
+    # column then row parallel, as in the MLP, against the same two full linears
+    col = ColumnParallelLinear(C, H, bias=True, group=group, sequence_parallel=sequence_parallel)
+    row = RowParallelLinear(H, C, bias=True, group=group, sequence_parallel=sequence_parallel)
+    col.init_from_full(_normal_init(2))
+    row.init_from_full(_normal_init(3))
+    with torch.no_grad():
+        col.bias.copy_(_seeded((H,), 4)[col.rows])
+        row.bias.copy_(_seeded((C,), 5))
+    x_in = x.chunk(world_size, dim=1)[rank] if sequence_parallel else x
+    y = row(F.gelu(col(x_in)))
+    want = F.gelu(x @ w1.T + _seeded((H,), 4)) @ w2.T + _seeded((C,), 5)
+    if sequence_parallel:
+        want = want.chunk(world_size, dim=1)[rank]
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5)
+    g = _seeded(tuple(want.shape), 6)
+    (y * g).sum().backward()
+    xr = x.detach().clone().requires_grad_()
+    w1r, w2r = w1.clone().requires_grad_(), w2.clone().requires_grad_()
+    full = F.gelu(xr @ w1r.T + _seeded((H,), 4)) @ w2r.T + _seeded((C,), 5)
+    g_full = torch.zeros_like(full)
+    if sequence_parallel:  # each rank's loss covers its slice: the reference sums all slices' weights
+        parts = [_seeded(tuple(want.shape), 6) for _ in range(world_size)]
+        g_full = torch.cat(parts, dim=1)
+        (full * g_full).sum().backward()
+    else:
+        (full * g).sum().backward()
+    if sequence_parallel:
+        dist.all_reduce(x.grad)  # each rank holds the gradient of its loss slice w.r.t. the whole input
+        row_bias = row.bias.grad.clone()
+        dist.all_reduce(row_bias)  # a sequence-parallel parameter: partial sums over the sequence
+    else:
+        row_bias = row.bias.grad
+    torch.testing.assert_close(x.grad, xr.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(col.weight.grad, w1r.grad[col.rows], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row.weight.grad, w2r.grad[:, row.cols], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(row_bias, g_full.sum(dim=(0, 1)) if sequence_parallel else g.sum(dim=(0, 1)),
+                               rtol=1e-5, atol=1e-5)
+
+    # vocab-parallel embedding
+    emb = VocabParallelEmbedding(V, C, group=group)
+    emb.init_from_full(_normal_init(7))
+    idx = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(8))
+    out = emb(idx)
+    torch.testing.assert_close(out, F.embedding(idx, _seeded((V, C), 7)))
+    out.sum().backward()
+    full_grad = torch.zeros(V, C).index_add_(0, idx.flatten(), torch.ones(B * T, C))
+    torch.testing.assert_close(emb.weight.grad, full_grad[emb.vocab_start : emb.vocab_end])
+
+    # vocab-parallel cross-entropy, with the last 5 ids as padding that must not count
+    valid = V - 5
+    logits = _seeded((B, T, V), 9)
+    local = logits.chunk(world_size, dim=-1)[rank].clone().requires_grad_()
+    targets = torch.randint(0, valid, (B, T), generator=torch.Generator().manual_seed(10))
+    loss = vocab_parallel_cross_entropy(local, targets, vocab_start=rank * (V // world_size), valid=valid,
+                                        group=group)
+    ref_logits = logits.clone().requires_grad_()
+    ref = F.cross_entropy(ref_logits[..., :valid].flatten(0, 1), targets.flatten())
+    torch.testing.assert_close(loss, ref)
+    loss.backward()
+    ref.backward()
+    torch.testing.assert_close(local.grad, ref_logits.grad.chunk(world_size, dim=-1)[rank], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_layers_match_unsharded(tp: int, sequence_parallel: bool) -> None:
+    run_distributed(_layers, tp, sequence_parallel)
+
+
+MODEL_VARIANTS = {
+    "gpt2": {},
+    "sp": {"parallel__sequence_parallel": True},
+    "gqa": {"model__n_head": 4, "model__n_kv_head": 2, "model__pos_emb": "rope"},
+    "llama": {"model__pos_emb": "rope", "model__norm": "rmsnorm", "model__mlp": "swiglu", "model__bias": False,
+              "model__tie_embeddings": False},
+    "alibi-sp": {"model__pos_emb": "alibi", "parallel__sequence_parallel": True},
+}
+
+
+def _whole_model(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> None:
+    cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size, **extra))
+    ctx = ParallelContext.from_config(cfg)
+    model = build_model(cfg, ctx)
+    torch.manual_seed(cfg.train.seed)
+    ref = GPT(cfg.model)
+    torch.manual_seed(cfg.train.seed)
+    ref.reset_parameters()
+    idx = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
+    tgt = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
+    model.train(), ref.train()
+    torch.testing.assert_close(model.eval()(idx), ref.eval()(idx), rtol=1e-5, atol=1e-5)  # gathered logits
+    model.train(), ref.train()
+    loss, ref_loss = model(idx, tgt), ref(idx, tgt)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    ref_loss.backward()
+    from dist_llm.parallel.tensor import sync_sequence_parallel_grads
+
+    sync_sequence_parallel_grads([(p, p.grad) for p in model.parameters()], ctx)
+    state = TensorParallelState(model, ctx)
+    grads = {"model": {n: p.grad for n, p in model.named_parameters()}, "optim": {"state": {}}}
+    full = state.to_full(grads)["model"]
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(full[name], p.grad, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    ctx.destroy()
+
+
+@pytest.mark.parametrize("variant", list(MODEL_VARIANTS))
+@pytest.mark.parametrize("tp", [2, 4])
+def test_whole_model_logits_and_grads(tmp_path: Path, tp: int, variant: str) -> None:
+    extra = dict(MODEL_VARIANTS[variant])
+    if variant == "gqa" and tp == 4:
+        extra["model__n_kv_head"] = 4  # whole KV heads per rank
+    run_distributed(_whole_model, tp, tmp_path, extra, init_group=False)
+
+
+@pytest.mark.parametrize("variant", ["gpt2", "sp", "gqa"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_training_matches_tp1(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                              tp: int, variant: str) -> None:
+    variant_keys = dict(MODEL_VARIANTS[variant])
+    if variant == "gqa" and tp == 4:
+        variant_keys["model__n_kv_head"] = 4  # whole KV heads per rank
+    extra = {"parallel__tp": tp, **variant_keys}
+    model_only = {k: v for k, v in variant_keys.items() if k.startswith("model__")}
+    got = run_distributed(train, tp, tmp_path, corpus, extra, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model_only), rtol=1e-5, param_atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+def test_dp2_tp2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                 zero_stage: int) -> None:
+    extra = {"parallel__tp": 2, "parallel__zero_stage": zero_stage, "train__micro_batch_size": 4}
+    got = run_distributed(train, 4, tmp_path, corpus, extra, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus), rtol=1e-5, param_atol=PARAM_ATOL)
+
+
+def test_checkpoint_moves_between_tp(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                     corpus: Path) -> None:  # noqa: F811
+    first = tmp_path / "first"
+    run_distributed(train, 2, first, corpus, {"parallel__tp": 2, "train__stop_after_step": 4,
+                                              "train__ckpt_interval": 4}, init_group=False)
+    ref = reference(tmp_path_factory, corpus)
+    for tp in (1, 4):
+        out = tmp_path / f"tp{tp}"
+        shutil.copytree(first, out)
+        got = run_distributed(train, tp, out, corpus, {"parallel__tp": tp}, init_group=False)[0]
+        for a, b in zip(got["losses"][4:], ref["losses"][4:]):
+            assert a == pytest.approx(b, rel=1e-5)
