@@ -92,3 +92,10 @@ def test_bad_layout_exits_2(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [
         "dist-llm: error: --nproc-per-node 3: train.global_batch_size: 32 is not divisible by "
         "train.micro_batch_size * dp = 8 * 3"]
+
+
+def test_tp_larger_than_the_world_exits_2(tmp_path: Path) -> None:
+    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.tp=4", f"train.out_dir={tmp_path}")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "dist-llm: error: --nproc-per-node 2: parallel: WORLD_SIZE=2 is not divisible by tp*pp = 4*1"]

@@ -195,3 +195,65 @@ def test_checkpoint_moves_between_tp(tmp_path: Path, tmp_path_factory: pytest.Te
         got = run_distributed(train, tp, out, corpus, {"parallel__tp": tp}, init_group=False)[0]
         for a, b in zip(got["losses"][4:], ref["losses"][4:]):
             assert a == pytest.approx(b, rel=1e-5)
+
+
+SHARDED = ("qkv.weight", "qkv.bias", "attn.proj.weight", "mlp.up.weight", "mlp.up.bias", "mlp.gate.weight",
+           "mlp.down.weight", "wte.weight")
+
+
+def _param_bytes(rank: int, world_size: int, out_dir: Path) -> dict[str, int]:
+    cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size))
+    ctx = ParallelContext.from_config(cfg)
+    model = build_model(cfg, ctx)
+    ctx.destroy()
+    return {n: p.numel() * p.element_size() for n, p in model.named_parameters()}
+
+
+def test_block_parameters_are_split_by_tp(tmp_path: Path) -> None:
+    full = _param_bytes(0, 1, tmp_path)
+    for tp in (2, 4):
+        got = run_distributed(_param_bytes, tp, tmp_path, init_group=False)[0]
+        assert got.keys() == full.keys()
+        for name, nbytes in full.items():
+            sharded = name.endswith(SHARDED)
+            assert got[name] == (nbytes // tp if sharded else nbytes), name
+        blocks = sum(v for k, v in got.items() if k.startswith("blocks."))
+        replicated = sum(v for k, v in full.items() if k.startswith("blocks.") and not k.endswith(SHARDED))
+        assert blocks == (sum(v for k, v in full.items() if k.startswith("blocks.")) - replicated) // tp + replicated
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "sp"])
+def test_tp_communication_matches_megatron(tmp_path: Path, corpus: Path, sequence_parallel: bool) -> None:  # noqa: F811
+    """Per step, a transformer layer all-reduces b*s*h activations twice in forward and twice in backward;
+    the embedding adds one (forward) and the LM head's input one (backward). With sequence parallelism each
+    all-reduce becomes an all-gather plus a reduce-scatter: the same bytes."""
+    tp = 2
+    got = run_distributed(train, tp, tmp_path, corpus, {"parallel__tp": tp,
+                                                         "parallel__sequence_parallel": sequence_parallel},
+                          init_group=False)[0]
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    tokens = cfg.train.global_batch_size * cfg.model.block_size  # b*s over the step's micro-batches
+    activations = (4 * cfg.model.n_layer + 2) * tokens * cfg.model.n_embd * 4  # bytes of all those tensors
+    want = 2 * (tp - 1) / tp * activations
+    sent = sum(got["comm"].values())
+    assert abs(sent - want) <= 0.10 * want, (got["comm"], want)
+    if sequence_parallel:
+        assert got["comm"]["all_gather"] > 0.4 * want and got["comm"]["reduce_scatter"] > 0.4 * want
+    else:
+        assert set(got["comm"]) == {"all_reduce"}
+
+
+@pytest.mark.parametrize("extra", [{"train__activation_checkpointing": "full"},
+                                   {"train__activation_checkpointing": "selective", "parallel__sequence_parallel": True}],
+                         ids=["full", "selective-sp"])
+def test_with_activation_checkpointing(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                       extra: dict[str, Any]) -> None:
+    got = run_distributed(train, 2, tmp_path, corpus, {"parallel__tp": 2, **extra}, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus), rtol=1e-5, param_atol=PARAM_ATOL)
+
+
+def test_bf16(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:  # noqa: F811
+    got = run_distributed(train, 2, tmp_path, corpus, {"parallel__tp": 2, "train__precision": "bf16"},
+                          init_group=False)[0]
+    for a, b in zip(got["losses"], reference(tmp_path_factory, corpus, train__precision="bf16")["losses"]):
+        assert a == pytest.approx(b, abs=1e-2)
