@@ -27,7 +27,9 @@ def setup_logging(rank: int) -> None:
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    print(f"dist-llm: error: {message}", file=sys.stderr)
+    """One line on stderr, from rank 0 only (under torchrun every rank meets the same bad input)."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"dist-llm: error: {message}", file=sys.stderr)
     return code
 
 
