@@ -182,3 +182,12 @@ def test_compile_matches_eager(tmp_path: Path, corpus_file: Path) -> None:
     eager, comp = losses(tmp_path / "eager"), losses(tmp_path / "compiled")
     for step in eager:
         assert comp[step] == pytest.approx(eager[step], rel=1e-5)
+
+
+def test_loss_scale_is_not_taken_from_an_unscaled_run() -> None:
+    fp16 = LossScaler(enabled=True, scale=1024.0)
+    fp16.load_state_dict(LossScaler(enabled=False).state_dict())
+    assert fp16.scale == 1024.0
+    other = LossScaler(enabled=True, scale=8.0)
+    fp16.load_state_dict(other.state_dict())
+    assert fp16.scale == 8.0

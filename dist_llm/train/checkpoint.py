@@ -3,13 +3,14 @@
 Layout of `checkpoints/step_NNNNNN/`:
   .metadata, __*.distcp      model and optimizer tensors, keyed by parameter name with their full shapes
                              (DCP: each rank writes its own shards, and a load reshards into whatever
-                             layout asks for them); tensors only, so loading unpickles nothing
+                             layout asks for them); tensors only
   train_state.json           step, tokens seen, sampler, loss scaler (identical on every rank)
   rng/rank_KKKKK.json        each rank's RNG states
   config.yaml                the resolved config, so `dist-llm sample` needs nothing else
   manifest.json              written last, atomically: the checkpoint is complete only once it exists
 
-Nothing here unpickles: tensors come back through DCP, everything else is JSON.
+Only tensors go through DCP (it would unpickle any other object on load) and everything else is JSON.
+DCP's own `.metadata` index is a pickle, so, as with any PyTorch checkpoint, load only checkpoints you trust.
 """
 
 from __future__ import annotations

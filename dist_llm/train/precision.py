@@ -65,9 +65,13 @@ class LossScaler:
             self.scale = max(self.scale * self.backoff, self.min_scale)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"scale": self.scale, "good_steps": self.good_steps, "bad_steps_in_row": self.bad_steps_in_row,
-                "skipped_steps": self.skipped_steps}
+        return {"enabled": self.enabled, "scale": self.scale, "good_steps": self.good_steps,
+                "bad_steps_in_row": self.bad_steps_in_row, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counters; the scale only from a run that scaled too (a bf16/fp32 run's is 1)."""
+        state = dict(state)
+        if not (state.pop("enabled", self.enabled) and self.enabled):
+            state.pop("scale", None)
         for key, value in state.items():
             setattr(self, key, value)
