@@ -218,10 +218,8 @@ def worker(args: argparse.Namespace) -> int:
         return Built(step, comm=ctx.comm)
 
     # -- plain PyTorch references -------------------------------------------------------------------------
-    def build_torch_ddp() -> Built:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        model = DDP(make_model())
+    def plain_training(model: torch.nn.Module) -> Built:
+        """The textbook step over a wrapped model: forward, backward, clip, AdamW."""
         opt = torch.optim.AdamW(adamw_groups(model, o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -233,6 +231,11 @@ def worker(args: argparse.Namespace) -> int:
             return loss.detach()
 
         return Built(step)
+
+    def build_torch_ddp() -> Built:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return plain_training(DDP(make_model()))
 
     def build_torch_fsdp2() -> Built:
         from torch.distributed.device_mesh import init_device_mesh
@@ -243,17 +246,7 @@ def worker(args: argparse.Namespace) -> int:
         for block in model.blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(adamw_groups(model, o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-        def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-            loss = model(x, y)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            return loss.detach()
-
-        return Built(step)
+        return plain_training(model)
 
     def build_deepspeed(stage: int) -> Built:
         if not ds.comm.is_initialized():
