@@ -412,9 +412,9 @@ def _check_tensor_parallel(cfg: Config) -> None:
         return
     if m.n_head % tp:
         raise ConfigError(f"model.n_head: {m.n_head} is not divisible by parallel.tp={tp}")
-    if m.kv_heads % tp:
-        raise ConfigError(f"model.n_kv_head: {m.kv_heads} KV heads do not split over parallel.tp={tp} "
-                          "(replicating KV heads when n_kv_head < tp is not supported yet)")
+    if (m.kv_heads % tp) if m.kv_heads >= tp else (tp % m.kv_heads):
+        raise ConfigError(f"model.n_kv_head: {m.kv_heads} KV heads neither split over parallel.tp={tp} nor "
+                          f"divide it (for replication)")
     if m.padded_vocab % tp:
         raise ConfigError(f"model.pad_vocab_to: the vocabulary padded to {m.padded_vocab} is not divisible by "
                           f"parallel.tp={tp}; use a multiple of {tp}")

@@ -26,11 +26,11 @@ from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401
 
-# Parameters after 8 steps are compared to an absolute 1e-5 (a few thousandths of one Adam step at lr 3e-3):
+# Parameters after 8 steps are compared to an absolute 3e-5 (1% of one Adam step at lr 3e-3):
 # rows of the embedding for bytes the corpus never contains get gradients of ~1e-9 from the softmax alone,
 # whose rounding differs once the vocabulary-parallel loss sums in another order, and Adam scales any such
 # noise up to a step of size lr. The losses are compared at 1e-5 relative.
-PARAM_ATOL = 1e-5
+PARAM_ATOL = 3e-5
 
 
 def _seeded(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -118,7 +118,8 @@ def test_layers_match_unsharded(tp: int, sequence_parallel: bool) -> None:
 MODEL_VARIANTS = {
     "gpt2": {},
     "sp": {"parallel__sequence_parallel": True},
-    "gqa": {"model__n_head": 4, "model__n_kv_head": 2, "model__pos_emb": "rope"},
+    "gqa": {"model__n_head": 4, "model__n_kv_head": 2, "model__pos_emb": "rope"},  # at tp=4: KV replicated
+    "mqa-sp": {"model__n_head": 4, "model__n_kv_head": 1, "parallel__sequence_parallel": True},
     "llama": {"model__pos_emb": "rope", "model__norm": "rmsnorm", "model__mlp": "swiglu", "model__bias": False,
               "model__tie_embeddings": False},
     "alibi-sp": {"model__pos_emb": "alibi", "parallel__sequence_parallel": True},
@@ -144,7 +145,7 @@ def _whole_model(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any
     ref_loss.backward()
     from dist_llm.parallel.tensor import sync_sequence_parallel_grads
 
-    sync_sequence_parallel_grads([(p, p.grad) for p in model.parameters()], ctx)
+    sync_sequence_parallel_grads([(p, p.grad, 0) for p in model.parameters()], ctx)
     state = TensorParallelState(model, ctx)
     grads = {"model": {n: p.grad for n, p in model.named_parameters()}, "optim": {"state": {}}}
     full = state.to_full(grads)["model"]
@@ -156,19 +157,14 @@ def _whole_model(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any
 @pytest.mark.parametrize("variant", list(MODEL_VARIANTS))
 @pytest.mark.parametrize("tp", [2, 4])
 def test_whole_model_logits_and_grads(tmp_path: Path, tp: int, variant: str) -> None:
-    extra = dict(MODEL_VARIANTS[variant])
-    if variant == "gqa" and tp == 4:
-        extra["model__n_kv_head"] = 4  # whole KV heads per rank
-    run_distributed(_whole_model, tp, tmp_path, extra, init_group=False)
+    run_distributed(_whole_model, tp, tmp_path, MODEL_VARIANTS[variant], init_group=False)
 
 
-@pytest.mark.parametrize("variant", ["gpt2", "sp", "gqa"])
+@pytest.mark.parametrize("variant", ["gpt2", "sp", "gqa", "mqa-sp"])
 @pytest.mark.parametrize("tp", [2, 4])
 def test_training_matches_tp1(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
                               tp: int, variant: str) -> None:
     variant_keys = dict(MODEL_VARIANTS[variant])
-    if variant == "gqa" and tp == 4:
-        variant_keys["model__n_kv_head"] = 4  # whole KV heads per rank
     extra = {"parallel__tp": tp, **variant_keys}
     model_only = {k: v for k, v in variant_keys.items() if k.startswith("model__")}
     got = run_distributed(train, tp, tmp_path, corpus, extra, init_group=False)[0]
@@ -257,3 +253,26 @@ def test_bf16(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: 
                           init_group=False)[0]
     for a, b in zip(got["losses"], reference(tmp_path_factory, corpus, train__precision="bf16")["losses"]):
         assert a == pytest.approx(b, abs=1e-2)
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_dp2_tp2_replicated_kv(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                               zero_stage: int) -> None:
+    """One KV head over tp=2: both ranks hold it and sum its gradient; the global norm counts it once, also
+    when ZeRO-2 (small buckets) or FSDP2 splits that gradient over dp."""
+    kv = {"model__n_kv_head": 1}
+    extra = {"parallel__tp": 2, "parallel__zero_stage": zero_stage, "train__micro_batch_size": 4,
+             "parallel__bucket_mb": 0.01, **kv}
+    got = run_distributed(train, 4, tmp_path, corpus, extra, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus, **kv), rtol=1e-5, param_atol=PARAM_ATOL)
+
+
+def test_dropout_replays_under_recomputation(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """With dropout, attention masks come from a tp-local stream seeded from the shared one, so recomputing
+    blocks in backward (activation checkpointing) replays them: the run is the same with and without it."""
+    runs = [run_distributed(train, 2, tmp_path / mode, corpus,
+                            {"parallel__tp": 2, "model__dropout": 0.1, "train__activation_checkpointing": mode},
+                            init_group=False)[0] for mode in ("none", "full")]
+    assert runs[0]["losses"] == runs[1]["losses"]
+    no_dropout = run_distributed(train, 2, tmp_path / "off", corpus, {"parallel__tp": 2}, init_group=False)[0]
+    assert no_dropout["losses"][0] != runs[0]["losses"][0]  # dropout really was on

@@ -40,6 +40,16 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
 
+def replicated_rows_square_sum(p: nn.Parameter, g: torch.Tensor, offset: int) -> torch.Tensor:
+    """Sum of squares of a gradient piece, rows that `factor` tp ranks hold alike weighted 1/factor, so the
+    sum over the tp group counts them once. `p.tp_replicated_rows` = (first row, end row, factor)."""
+    first, end, factor = p.tp_replicated_rows  # type: ignore[attr-defined]
+    row_len = p[0].numel() if p.dim() > 1 else 1
+    rows = (offset + torch.arange(g.numel(), device=g.device)) // row_len
+    weight = torch.where((rows >= first) & (rows < end), 1.0 / factor, 1.0)
+    return (g.reshape(-1).float().pow(2) * weight).sum()
+
+
 class DataParallel:
     """One process: the model as built, torch AdamW over all its parameters."""
 
@@ -70,35 +80,39 @@ class DataParallel:
     #: True when ranks hold disjoint pieces of the reduced gradient (ZeRO, FSDP), False when replicas (DDP)
     dp_sharded_grads = False
 
-    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        """(parameter, the reduced gradient of it that this rank holds), for every parameter with one."""
-        return [(p, p.grad) for p in self.module.parameters() if p.grad is not None]
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+        """(parameter, the reduced gradient of it that this rank holds, where that piece starts among the
+        parameter's flattened elements), for every parameter with a gradient."""
+        return [(p, p.grad, 0) for p in self.module.parameters() if p.grad is not None]
 
     def local_grads(self) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (to unscale in place)."""
-        return [g for _, g in self.grad_shards()]
+        return [g for _, g, _ in self.grad_shards()]
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip to `max_norm` (inf: no clipping) by the global L2 norm, and return that norm.
 
         Squares are summed per rank, then over the dp group where ranks hold disjoint gradient pieces, and
         over the tp group for tensor-parallel shards (replicated parameters are counted once)."""
-        pairs = self.grad_shards()
+        shards = self.grad_shards()
         device = self.ctx.device
         sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated across tp]
-        if pairs:
-            norms = torch._foreach_norm([g for _, g in pairs], dtype=torch.float32)  # fp16 squares overflow
-            sharded = torch.tensor([hasattr(p, "tp_partition_dim") for p, _ in pairs], device=device)
+        if shards:
+            norms = torch._foreach_norm([g for _, g, _ in shards], dtype=torch.float32)  # fp16 squares overflow
             squares = torch.stack(norms).float().pow(2)
+            for i, (p, g, offset) in enumerate(shards):
+                if hasattr(p, "tp_replicated_rows"):  # rows held by several tp ranks: count them once
+                    squares[i] = replicated_rows_square_sum(p, g, offset)
+            sharded = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=device)
             sums = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
         if self.dp_sharded_grads:
             comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
         tp_part = sums[:1].clone()
         comm.all_reduce(tp_part, self.ctx.tp_group, self.ctx.comm)
         norm = (tp_part[0] + sums[1]).sqrt()
-        if pairs and max_norm != float("inf"):
+        if shards and max_norm != float("inf"):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([g for _, g in pairs], coef)
+            torch._foreach_mul_([g for _, g, _ in shards], coef)
         return norm
 
     def step(self, lr: float) -> torch.Tensor | None:

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dist_llm.config import Config
 from dist_llm.parallel import comm
@@ -22,7 +23,7 @@ from dist_llm.parallel.data.base import DataParallel
 from dist_llm.train.precision import DTYPES
 
 
-_PARAM_MARKS = ("tp_partition_dim", "sequence_parallel")
+_PARAM_MARKS = ("tp_partition_dim", "sequence_parallel", "tp_replicated_rows")
 
 
 class _Alloc:
@@ -83,6 +84,13 @@ class FSDPDataParallel(DataParallel):
 
     dp_sharded_grads = True
 
-    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        # DTensor gradients: this rank's local shard (empty where a small parameter has no rows here)
-        return [(p, p.grad.to_local()) for p in self.module.parameters() if p.grad is not None]
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+        # DTensor gradients: this rank's local shard of dim 0 (empty where a small parameter has no rows here)
+        out = []
+        for p in self.module.parameters():
+            if p.grad is not None:
+                local = p.grad.to_local()
+                _, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+                row_len = p[0].numel() if p.dim() > 1 else 1
+                out.append((p, local, global_offset[0] * row_len if global_offset else 0))
+        return out

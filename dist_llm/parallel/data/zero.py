@@ -245,8 +245,8 @@ class ZeroDataParallel(DataParallel):
 
     dp_sharded_grads = True
 
-    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
-        return [(seg.entry.param, self._grad_shard_view(seg)) for seg in self.segments]
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+        return [(seg.entry.param, self._grad_shard_view(seg), seg.lo - seg.entry.offset) for seg in self.segments]
 
     # -- the step -------------------------------------------------------------------------------------------
     def step(self, lr: float) -> torch.Tensor | None:

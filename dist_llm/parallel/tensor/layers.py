@@ -31,16 +31,42 @@ def _mark(param: nn.Parameter, *, dim: int | None = None, sequence_parallel: boo
     return param
 
 
+class _SumReplicatedRows(Function):
+    """fwd: identity / bwd: sum the gradient of rows [first, end) over the tp ranks that hold the same rows.
+
+    For KV heads shared by several ranks (n_kv_head < tp): each rank's gradient of its KV rows covers only
+    its own query heads. The rows of every group are stacked in a (groups, ...) buffer, each rank filling
+    its group's slot, and one all-reduce over tp sums each group's partial gradients."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, first: int, end: int, index: int, groups: int,  # type: ignore[no-untyped-def]
+                group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> torch.Tensor:
+        ctx.args = (first, end, index, groups, group, stats)
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
+        first, end, index, groups, group, stats = ctx.args
+        grad = grad.clone()
+        stacked = torch.zeros((groups, *grad[first:end].shape), dtype=grad.dtype, device=grad.device)
+        stacked[index] = grad[first:end]
+        comm.all_reduce(stacked, group, stats)
+        grad[first:end] = stacked[index]
+        return grad, None, None, None, None, None, None
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: this rank holds rows `rows` of the full weight.
 
     `rows` defaults to the rank's contiguous 1/tp; the fused QKV projection passes its own (whole heads per
-    rank, replicated KV heads when there are fewer than tp). The input is copied into the tp region (its
-    gradient all-reduced), or with sequence parallelism all-gathered along the sequence."""
+    rank). `replicated=(first, end, index, groups)` says that local rows [first, end) are the same rows on
+    every rank of group `index` of `groups` (KV heads fewer than tp): their gradients are summed over those
+    ranks in backward. The input is copied into the tp region (its gradient all-reduced), or with sequence
+    parallelism all-gathered along the sequence."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group: dist.ProcessGroup | None,
                  stats: comm.CommStats | None = None, rows: torch.Tensor | None = None, gather_output: bool = False,
-                 sequence_parallel: bool = False) -> None:
+                 sequence_parallel: bool = False, replicated: tuple[int, int, int, int] | None = None) -> None:
         super().__init__()
         tp, rank = comm.group_size(group), tpc._rank(group)
         if rows is None:
@@ -53,6 +79,12 @@ class ColumnParallelLinear(nn.Module):
         self.register_buffer("rows", rows, persistent=False)
         self.weight = _mark(nn.Parameter(torch.empty(len(rows), in_features)), dim=0)
         self.bias = _mark(nn.Parameter(torch.zeros(len(rows))), dim=0) if bias else None
+        self.replicated = replicated
+        if replicated is not None:
+            first, end, _, groups = replicated
+            for p in (self.weight, self.bias):
+                if p is not None:  # counted once in the global gradient norm
+                    p.tp_replicated_rows = (first, end, tp // groups)  # type: ignore[attr-defined]
 
     @torch.no_grad()
     def init_from_full(self, init: Init) -> None:
@@ -62,12 +94,17 @@ class ColumnParallelLinear(nn.Module):
         if self.bias is not None:
             self.bias.zero_()
 
+    def _synced(self, p: torch.Tensor | None) -> torch.Tensor | None:
+        if p is None or self.replicated is None:
+            return p
+        return _SumReplicatedRows.apply(p, *self.replicated, self.group, self.stats)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
             x = tpc.gather_from_sequence(x, self.group, self.stats)  # (B, T/tp, C) -> (B, T, C)
         else:
             x = tpc.copy_to_tp(x, self.group, self.stats)
-        y = F.linear(x, self.weight, self.bias)  # (B, T, out/tp)
+        y = F.linear(x, self._synced(self.weight), self._synced(self.bias))  # (B, T, out/tp)
         return tpc.gather_from_tp(y, self.group, self.stats) if self.gather_output else y
 
 

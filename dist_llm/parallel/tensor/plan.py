@@ -1,6 +1,7 @@
 """The tensor-parallel plan: which layer of the GPT becomes which parallel layer, as a LayerFactory.
 
-  qkv             column-parallel, whole heads per rank (and whole KV groups under GQA)
+  qkv             column-parallel, whole heads per rank (and whole KV groups under GQA; with fewer KV heads
+                  than ranks, each rank holds the KV head its queries read, its gradient summed over sharers)
   attn_out        row-parallel
   mlp_up, gate    column-parallel
   mlp_down        row-parallel
@@ -32,19 +33,24 @@ from dist_llm.parallel.tensor.layers import (
 )
 
 
-def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> torch.Tensor:
-    """Rows of the fused [q; k; v] weight that rank `rank` holds: its n_head/tp query heads and the
-    n_kv_head/tp KV heads they read (the GQA groups line up because query head h reads KV head
-    h // (n_head / n_kv_head))."""
+def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> tuple[torch.Tensor, tuple[int, int, int, int] | None]:
+    """Rows of the fused [q; k; v] weight that rank `rank` holds: its n_head/tp query heads and the KV heads
+    they read (query head h reads KV head h // (n_head / n_kv_head), so the groups line up). With fewer KV
+    heads than ranks, each rank holds the one KV head its queries read, shared with tp/n_kv_head - 1 other
+    ranks; the second value then says which local rows are shared, and by which group: (first, end,
+    group index, number of groups)."""
     hd, nh, nkv = cfg.head_dim, cfg.n_head, cfg.kv_heads
-    q_heads, kv_heads = nh // tp, nkv // tp
+    q_heads = nh // tp
+    first_kv, kv_heads = (rank * nkv // tp, nkv // tp) if nkv >= tp else ((rank * q_heads) // (nh // nkv), 1)
 
     def head_rows(offset: int, first: int, count: int) -> torch.Tensor:
         return offset + torch.arange(first * hd, (first + count) * hd)
 
-    return torch.cat([head_rows(0, rank * q_heads, q_heads),
-                      head_rows(nh * hd, rank * kv_heads, kv_heads),
-                      head_rows((nh + nkv) * hd, rank * kv_heads, kv_heads)])
+    rows = torch.cat([head_rows(0, rank * q_heads, q_heads),
+                      head_rows(nh * hd, first_kv, kv_heads),
+                      head_rows((nh + nkv) * hd, first_kv, kv_heads)])
+    shared = (q_heads * hd, (q_heads + 2) * hd, first_kv, nkv) if nkv < tp else None
+    return rows, shared
 
 
 class TensorParallelFactory(LayerFactory):
@@ -63,10 +69,10 @@ class TensorParallelFactory(LayerFactory):
             self.applied["row"] += 1
             return RowParallelLinear(in_features, out_features, bias=bias, group=self.group, stats=self.stats,
                                      sequence_parallel=sp)
-        rows = qkv_rows(self.model_cfg, self.shards, self.rank) if role == "qkv" else None
+        rows, shared = qkv_rows(self.model_cfg, self.shards, self.rank) if role == "qkv" else (None, None)
         self.applied["vocab" if role == "lm_head" else "column"] += 1
         return ColumnParallelLinear(in_features, out_features, bias=bias, group=self.group, stats=self.stats,
-                                    rows=rows, sequence_parallel=sp)
+                                    rows=rows, sequence_parallel=sp, replicated=shared)
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         self.applied["vocab"] += 1
@@ -86,7 +92,7 @@ class TensorParallelFactory(LayerFactory):
         return tpc.scatter_to_sequence(x, self.group, self.stats) if self.sequence_parallel else x
 
     def local_heads(self, n_head: int, n_kv_head: int) -> tuple[int, int]:
-        return n_head // self.shards, n_kv_head // self.shards
+        return n_head // self.shards, max(1, n_kv_head // self.shards)
 
     def first_head(self, n_head: int) -> int:
         return self.rank * (n_head // self.shards)
@@ -115,10 +121,11 @@ class TensorParallelFactory(LayerFactory):
         return f"applied tensor parallel (tp={self.shards}{sp}): {a['column']} column, {a['row']} row, {a['vocab']} vocab"
 
 
-def sync_sequence_parallel_grads(grad_shards: list[tuple[nn.Parameter, torch.Tensor]], ctx: ParallelContext) -> None:
+def sync_sequence_parallel_grads(grad_shards: list[tuple[nn.Parameter, torch.Tensor, int]],
+                                 ctx: ParallelContext) -> None:
     """All-reduce over tp the gradients of replicated parameters that saw only a slice of the sequence
-    (norms, position embeddings, row-parallel biases under sequence parallelism), in one collective."""
-    grads = [g for p, g in grad_shards if getattr(p, "sequence_parallel", False) and g.numel()]
+    (norms and row-parallel biases under sequence parallelism), in one collective."""
+    grads = [g for p, g, _ in grad_shards if getattr(p, "sequence_parallel", False) and g.numel()]
     if not grads or ctx.tp == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
