@@ -69,7 +69,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def assert_same_run(got: dict[str, Any], ref: dict[str, Any], *, rtol: float, param_atol: float | None = None) -> None:
     assert len(got["losses"]) == STEPS
-    for a, b in zip(got["losses"], ref["losses"]):
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert a == pytest.approx(b, rel=rtol)
     for name, p in ref["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=rtol, atol=rtol * 1e-2 if param_atol is None else param_atol,
@@ -155,7 +155,7 @@ def test_mixed_precision_close_to_single_process(tmp_path: Path, tmp_path_factor
     extra = {"parallel__zero_stage": zero_stage, "train__precision": precision, **scale}
     got = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False)[0]
     ref = reference(tmp_path_factory, corpus, train__precision=precision, **scale)
-    for a, b in zip(got["losses"], ref["losses"]):
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert a == pytest.approx(b, abs=1e-2)
 
 
@@ -185,5 +185,5 @@ def test_checkpoint_reshards_across_layouts(tmp_path: Path, tmp_path_factory: py
         extra = {"parallel__zero_stage": stage, "train__micro_batch_size": 8 // dp}
         got = run_distributed(train, dp, out, corpus, extra, init_group=False)[0]
         assert len(got["losses"]) == STEPS  # the metrics file holds steps 1-4, then 5-8 after the resume
-        for a, b in zip(got["losses"][4:], ref["losses"][4:]):
+        for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
             assert a == pytest.approx(b, rel=1e-5)

@@ -17,5 +17,5 @@ def test_deepspeed_zero2_matches_ours(tmp_path: Path, corpus: Path) -> None:  # 
                              init_group=False, timeout=600)[0]
     assert theirs["dp"] == "deepspeed"
     assert len(theirs["losses"]) == STEPS
-    for a, b in zip(theirs["losses"], ours["losses"]):
+    for a, b in zip(theirs["losses"], ours["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5)

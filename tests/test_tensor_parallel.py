@@ -189,7 +189,7 @@ def test_checkpoint_moves_between_tp(tmp_path: Path, tmp_path_factory: pytest.Te
         out = tmp_path / f"tp{tp}"
         shutil.copytree(first, out)
         got = run_distributed(train, tp, out, corpus, {"parallel__tp": tp}, init_group=False)[0]
-        for a, b in zip(got["losses"][4:], ref["losses"][4:]):
+        for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
             assert a == pytest.approx(b, rel=1e-5)
 
 
@@ -251,7 +251,8 @@ def test_with_activation_checkpointing(tmp_path: Path, tmp_path_factory: pytest.
 def test_bf16(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:  # noqa: F811
     got = run_distributed(train, 2, tmp_path, corpus, {"parallel__tp": 2, "train__precision": "bf16"},
                           init_group=False)[0]
-    for a, b in zip(got["losses"], reference(tmp_path_factory, corpus, train__precision="bf16")["losses"]):
+    ref = reference(tmp_path_factory, corpus, train__precision="bf16")
+    for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert a == pytest.approx(b, abs=1e-2)
 
 

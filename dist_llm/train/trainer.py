@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm import tqdm
 
 from dist_llm.config import Config, ConfigError
