@@ -1,0 +1,50 @@
+"""Which transformer blocks each pipeline stage holds."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from dist_llm.config import ConfigError
+
+
+def partition_layers(n_layer: int, stages: int, *, block_weight: float = 1.0, first_extra: float = 0.0,
+                     last_extra: float = 0.0, explicit: list[int] | None = None) -> list[range]:
+    """Contiguous block ranges, one per stage.
+
+    `explicit` (parallel.pp_layers) gives the block count of each stage. Otherwise the split minimises the
+    heaviest stage, counting `block_weight` per block plus `first_extra` on the first stage (the embedding)
+    and `last_extra` on the last (final norm and LM head): stages are balanced by parameter count."""
+    if explicit is not None:
+        if len(explicit) != stages or any(c < 1 for c in explicit) or sum(explicit) != n_layer:
+            raise ConfigError(f"parallel.pp_layers: {explicit} must be {stages} positive counts summing to "
+                              f"model.n_layer={n_layer}")
+        counts = list(explicit)
+    else:
+        if stages > n_layer:
+            raise ConfigError(f"parallel.pp: {stages} stages need at least as many blocks, model.n_layer={n_layer}")
+        counts = _balanced_counts(n_layer, stages, block_weight, first_extra, last_extra)
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def _balanced_counts(n_layer: int, stages: int, block: float, first: float, last: float) -> list[int]:
+    def weight(stage: int, count: int) -> float:
+        return count * block + (first if stage == 0 else 0.0) + (last if stage == stages - 1 else 0.0)
+
+    @lru_cache(maxsize=None)
+    def best(stage: int, remaining: int) -> tuple[float, tuple[int, ...]]:
+        """(heaviest stage, counts) for stages `stage`.. holding `remaining` blocks, each at least one."""
+        if stage == stages - 1:
+            return weight(stage, remaining), (remaining,)
+        options = []
+        for c in range(1, remaining - (stages - 1 - stage) + 1):
+            rest, counts = best(stage + 1, remaining - c)
+            # prefer the lighter heaviest stage, then the earlier stages holding more (a stable tie-break)
+            options.append((max(weight(stage, c), rest), -c, (c, *counts)))
+        heaviest, _, counts = min(options)
+        return heaviest, counts
+
+    return list(best(0, n_layer)[1])
