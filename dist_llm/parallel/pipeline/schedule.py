@@ -101,7 +101,8 @@ def simulate(plans: list[list[Action]], *, forward_cost: float = 1.0,
                 pos[s] += 1
                 progressed = True
         if not progressed:
-            raise ValueError(f"the schedule deadlocks at actions {[plans[s][pos[s]] for s in range(stages) if pos[s] < len(plans[s])]}")
+            waiting = [plans[s][pos[s]] for s in range(stages) if pos[s] < len(plans[s])]
+            raise ValueError(f"the schedule deadlocks at actions {waiting}")
     return max(clock), busy
 
 
