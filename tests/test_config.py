@@ -61,6 +61,8 @@ def test_shipped_configs_load() -> None:
         (["parallel.tp=2", "parallel.sequence_parallel=true", "model.block_size=127"],
          "parallel.sequence_parallel: model.block_size=127 is not divisible by parallel.tp=2"),
         (["parallel.offload=cpu"], "parallel.offload=cpu needs parallel.zero_stage=3"),
+        (["parallel.backend=megatron"], "parallel.backend: must be one of native|deepspeed, got 'megatron'"),
+        (["parallel.zero_stage=4"], "parallel.zero_stage: must be 0, 1, 2 or 3, got 4"),
         (["optim.min_lr=1", "optim.lr=0.1"], "optim.min_lr: 1.0 is above optim.lr=0.1"),
         (["model.n_layer"], "override 'model.n_layer': expected section.key=value"),
     ],
