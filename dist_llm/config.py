@@ -127,6 +127,8 @@ class ParallelConfig:
     """0 = DDP, 1/2 = optimizer (+gradient) sharding, 3 = FSDP2."""
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule."""
+    pp_layers: list[int] = field(default_factory=list)
+    """Blocks per pipeline stage; empty balances them by parameter count."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence across tp ranks."""
     backend: Literal["native", "deepspeed"] = "native"
@@ -402,7 +404,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"parallel.offload={p.offload} needs parallel.zero_stage=3 with parallel.backend=native")
     _positive(cfg, "parallel.bucket_mb")
     _check_tensor_parallel(cfg)
-    _check_not_yet_supported(cfg)
+    _check_pipeline(cfg)
 
 
 # Parallel forms land issue by issue; until one has, its keys accept only the value that turns it off.
@@ -425,14 +427,13 @@ def _check_tensor_parallel(cfg: Config) -> None:
                           f"parallel.tp={tp}")
 
 
-_NOT_YET: dict[str, Any] = {
-    "parallel.pp": 1,
-}
-
-
-def _check_not_yet_supported(cfg: Config) -> None:
-    for key, allowed in _NOT_YET.items():
-        section, name = key.split(".")
-        value = getattr(getattr(cfg, section), name)
-        if value != allowed:
-            raise ConfigError(f"{key}={value} is not supported yet (only {allowed!r} in this version)")
+def _check_pipeline(cfg: Config) -> None:
+    p = cfg.parallel
+    if p.pp > cfg.model.n_layer:
+        raise ConfigError(f"parallel.pp: {p.pp} stages need at least as many blocks, model.n_layer={cfg.model.n_layer}")
+    if p.pp_layers and (len(p.pp_layers) != p.pp or sum(p.pp_layers) != cfg.model.n_layer or min(p.pp_layers) < 1):
+        raise ConfigError(f"parallel.pp_layers: {p.pp_layers} must be {p.pp} positive counts summing to "
+                          f"model.n_layer={cfg.model.n_layer}")
+    if p.pp > 1 and (p.zero_stage != 0 or p.backend != "native" or p.dp > 1):
+        raise ConfigError("parallel.pp>1 works with one data-parallel rank and parallel.zero_stage=0 in this "
+                          "version (pipeline with data parallelism is not supported yet)")

@@ -79,6 +79,17 @@ def run_distributed(fn: Callable[..., Any] | tuple[str, str], world_size: int, *
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` processes; return the ranks' results in
     rank order. `fn` must be importable by name (a module-level function). With `init_group=False` the
     process group is left to `fn` (to test code that initialises it from the environment)."""
+    try:
+        return _run(fn, world_size, args, kwargs, timeout, init_group, env)
+    except RankFailed as e:
+        # the free port can be taken by a parallel test between our probe and the rendezvous: retry once
+        if "Address already in use" not in str(e) and "EADDRINUSE" not in str(e):
+            raise
+        return _run(fn, world_size, args, kwargs, timeout, init_group, env)
+
+
+def _run(fn: Callable[..., Any] | tuple[str, str], world_size: int, args: tuple, kwargs: dict, timeout: float,
+         init_group: bool, env: dict[str, str] | None) -> list[Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()

@@ -44,6 +44,8 @@ def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_
         dp = world_size // (tp * pp)
     if dp * tp * pp != world_size:
         raise ConfigError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not match WORLD_SIZE={world_size}")
+    if pp > 1 and dp > 1:
+        raise ConfigError(f"parallel.pp={pp} with dp={dp}: pipeline with data parallelism is not supported yet")
     if global_batch_size % (micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {global_batch_size} is not divisible by "
                           f"train.micro_batch_size * dp = {micro_batch_size} * {dp}")
@@ -62,6 +64,8 @@ class ParallelContext:
     mesh: DeviceMesh | None = None
     comm: CommStats = field(default_factory=CommStats)
     owns_group: bool = False
+    #: the first and last pipeline stages of this rank's (dp, tp) position, for the tied embedding's gradient
+    embedding_group: dist.ProcessGroup | None = None
 
     # -- coordinates ------------------------------------------------------------------------------------------
     @property
@@ -102,6 +106,19 @@ class ParallelContext:
     def dp_mesh(self) -> DeviceMesh | None:
         return None if self.mesh is None else self.mesh["dp"]
 
+    def pp_neighbours(self) -> tuple[int | None, int | None]:
+        """Global ranks of the previous and next pipeline stage at this rank's (dp, tp) position."""
+        if self.pp == 1:
+            return None, None
+        ranks = dist.get_process_group_ranks(self.pp_group)
+        r = self.pp_rank
+        return (ranks[r - 1] if r > 0 else None), (ranks[r + 1] if r < self.pp - 1 else None)
+
+    @property
+    def pp_last_rank(self) -> int:
+        """Global rank of the last pipeline stage at this rank's (dp, tp) position (this rank when pp=1)."""
+        return dist.get_process_group_ranks(self.pp_group)[-1] if self.pp > 1 else self.rank
+
     def layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
 
@@ -126,6 +143,15 @@ class ParallelContext:
                                         device_id=device if device.type == "cuda" else None)
                 ctx.owns_group = True
             ctx.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            if pp > 1:
+                # every rank creates every group, in the same order, and keeps its own
+                grid = torch.arange(world_size).reshape(pp, dp, tp)
+                for d in range(dp):
+                    for t in range(tp):
+                        pair = [int(grid[0, d, t]), int(grid[-1, d, t])]
+                        group = dist.new_group(pair)
+                        if rank in pair:
+                            ctx.embedding_group = group
         return ctx
 
     # -- whole-job operations ------------------------------------------------------------------------------------

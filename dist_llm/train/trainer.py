@@ -19,6 +19,9 @@ from dist_llm.model import GPT, LayerFactory
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import build_data_parallel
+from dist_llm.parallel.pipeline.executor import PointToPoint, StageModel, forward_only, run_schedule
+from dist_llm.parallel.pipeline.schedule import SCHEDULES
+from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
@@ -80,7 +83,17 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
 
-        self.dp = build_data_parallel(build_model(cfg, ctx), cfg, ctx)
+        model = build_model(cfg, ctx)
+        self.stage: StageModel | None = None
+        if ctx.pp > 1:  # keep this pipeline stage's part of the model, and its neighbours' addresses
+            layers, first, last = cut_to_stage(model, cfg, ctx.pp, ctx.pp_rank)
+            self.stage = StageModel(model, layers, first, last)
+            self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
+            log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, layers.start, layers.stop - 1,
+                     ", embedding" if first else "", ", head and loss" if last else "")
+        self.dp = build_data_parallel(model, cfg, ctx)
+        with torch.device("meta"):  # the whole model's count, whatever part of it this rank holds
+            self.n_params = GPT(cfg.model).num_params()
         self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
         self.module = self.dp.module  # the GPT
         self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 else None
@@ -147,13 +160,19 @@ class Trainer:
         self.ctx.comm.reset()
         loss_sum = torch.zeros((), device=self.device)
         micro_batches = self._micro_batches(self.sampler, self.step, self.train_tokens)
-        for i, (x, y) in enumerate(micro_batches):
-            with self.dp.micro_step(last=i == len(micro_batches) - 1):
-                with autocast(t.precision, self.device):
-                    loss = self.model(x, y)
-                loss_sum += loss.detach()
-                self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
+        if self.stage is not None:
+            loss_sum = self._pipeline(micro_batches, train=True)
+        else:
+            for i, (x, y) in enumerate(micro_batches):
+                with self.dp.micro_step(last=i == len(micro_batches) - 1):
+                    with autocast(t.precision, self.device):
+                        loss = self.model(x, y)
+                    loss_sum += loss.detach()
+                    self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
         self.dp.finish_grads()
+        if self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings:
+            # the first stage's embedding and the last stage's head are one weight: sum their gradients
+            comm.all_reduce(self.module.wte.weight.grad, self.ctx.embedding_group, self.ctx.comm)
         if self.cfg.parallel.sequence_parallel:
             sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
 
@@ -181,17 +200,43 @@ class Trainer:
                                 "the last complete checkpoint is kept")
         return StepOutput(loss=loss_sum / self.accum_steps, grad_norm=grad_norm, lr=lr, skipped=not finite)
 
+    def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool) -> torch.Tensor:
+        """One step's (or one eval batch's) micro-batches through the pipeline; the loss sum on the last stage."""
+        ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
+        if train:
+            plan = SCHEDULES[self.cfg.parallel.pp_schedule](ctx.pp, len(micro_batches))[ctx.pp_rank]
+        else:
+            plan = forward_only(ctx.pp, ctx.pp_rank, len(micro_batches))
+        seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
+        return run_schedule(plan, self.stage, self.p2p, batches=micro_batches,
+                            act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=torch.float32,
+                            loss_fn=lambda loss: self.scaler.scale_loss(loss / self.accum_steps),
+                            backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
+                            autocast=lambda: autocast(t.precision, self.device), device=self.device, train=train)
+
+    def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
+        """The loss lives on the last pipeline stage: hand it to every stage (rank 0 writes the metrics)."""
+        if self.ctx.pp > 1:
+            t = t.detach().clone()
+            torch.distributed.broadcast(t, src=self.ctx.pp_last_rank, group=self.ctx.pp_group)
+        return t
+
     @torch.no_grad()
     def evaluate(self) -> float:
         """Mean loss over `train.eval_steps` fixed global batches of the validation split."""
         self.model.eval()
         total = torch.zeros((), device=self.device)
         for i in range(self.cfg.train.eval_steps):
-            for x, y in self._micro_batches(self.val_sampler, i, self.val_tokens):
+            batches = self._micro_batches(self.val_sampler, i, self.val_tokens)
+            if self.stage is not None:
+                total += self._pipeline(batches, train=False)
+                continue
+            for x, y in batches:
                 with autocast(self.cfg.train.precision, self.device):
                     total += self.model(x, y).float()
         self.model.train()
-        return self._dp_mean(total / (self.cfg.train.eval_steps * self.accum_steps)).item()
+        mean = self._dp_mean(total / (self.cfg.train.eval_steps * self.accum_steps))
+        return self._from_last_stage(mean).item()
 
     def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the dp group (for metrics: not counted as training traffic)."""
@@ -221,7 +266,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
-        return {"event": "start", "step": self.step, "n_params": self.module.num_params(),
+        return {"event": "start", "step": self.step, "n_params": self.n_params,
                 "layout": self.ctx.layout(), "device": str(self.device), "precision": self.cfg.train.precision,
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
@@ -243,7 +288,7 @@ class Trainer:
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
         log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | %s | %s | global batch %d x %d "
-                 "tokens in %d micro-step(s) | out %s", self.module.num_params() / 1e6, self.ctx.world_size,
+                 "tokens in %d micro-step(s) | out %s", self.n_params / 1e6, self.ctx.world_size,
                  self.ctx.dp, self.ctx.tp, self.ctx.pp, self.device, t.precision, t.global_batch_size,
                  self.cfg.model.block_size, self.accum_steps, self.out_dir)
         last: dict[str, Any] = {}
@@ -261,7 +306,8 @@ class Trainer:
                 if self.step % t.log_interval == 0 or self.step == stop:
                     now = time.perf_counter()
                     self.elapsed_s = prior_elapsed + now - run_start
-                    last = {"step": self.step, "loss": self._dp_mean(out.loss).item(), "lr": out.lr,
+                    last = {"step": self.step, "loss": self._from_last_stage(self._dp_mean(out.loss)).item(),
+                            "lr": out.lr,
                             "grad_norm": out.grad_norm.item(),
                             "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
                             "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,

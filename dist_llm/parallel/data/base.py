@@ -103,10 +103,13 @@ class DataParallel:
             for i, (p, g, offset) in enumerate(shards):
                 if hasattr(p, "tp_replicated_rows"):  # rows held by several tp ranks: count them once
                     squares[i] = replicated_rows_square_sum(p, g, offset)
+                if getattr(p, "pp_duplicate", False):  # the tied embedding, also held by the first stage
+                    squares[i] = 0.0
             sharded = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=device)
             sums = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
         if self.dp_sharded_grads:
             comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
+        comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
         tp_part = sums[:1].clone()
         comm.all_reduce(tp_part, self.ctx.tp_group, self.ctx.comm)
         norm = (tp_part[0] + sums[1]).sqrt()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
-from dist_llm.config import ConfigError
+from torch import nn
+
+from dist_llm.config import Config, ConfigError
 
 
 def partition_layers(n_layer: int, stages: int, *, block_weight: float = 1.0, first_extra: float = 0.0,
@@ -48,3 +50,33 @@ def _balanced_counts(n_layer: int, stages: int, block: float, first: float, last
         return heaviest, counts
 
     return list(best(0, n_layer)[1])
+
+
+def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[range, bool, bool]:
+    """Keep this stage's part of a built GPT in place: other stages' blocks become empty modules (so the
+    parameter names, and checkpoints, stay those of the whole model), the embedding stays on the first
+    stage, the final norm and head on the last. With tied embeddings the last stage keeps the embedding
+    weight too (as the head), marked `pp_duplicate` so the gradient norm counts it once.
+    Returns (block range, first, last)."""
+    m = cfg.model
+    block = sum(p.numel() for p in model.blocks[0].parameters())
+    embed = model.wte.weight.numel()
+    ranges = partition_layers(m.n_layer, pp, block_weight=block, first_extra=embed,
+                              last_extra=0 if m.tie_embeddings else embed,
+                              explicit=cfg.parallel.pp_layers or None)
+    mine = ranges[pp_rank]
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    for i in range(m.n_layer):
+        if i not in mine:
+            model.blocks[i] = nn.Module()
+    if not first:
+        model.wpe = None
+        model.drop = None
+        if not (last and m.tie_embeddings):
+            model.wte = None
+        else:
+            model.wte.weight.pp_duplicate = True  # type: ignore[union-attr]
+    if not last:
+        model.ln_f = None
+        model.lm_head = None
+    return mine, first, last
