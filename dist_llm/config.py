@@ -434,6 +434,10 @@ def _check_pipeline(cfg: Config) -> None:
     if p.pp_layers and (len(p.pp_layers) != p.pp or sum(p.pp_layers) != cfg.model.n_layer or min(p.pp_layers) < 1):
         raise ConfigError(f"parallel.pp_layers: {p.pp_layers} must be {p.pp} positive counts summing to "
                           f"model.n_layer={cfg.model.n_layer}")
-    if p.pp > 1 and (p.zero_stage != 0 or p.backend != "native" or p.dp > 1):
-        raise ConfigError("parallel.pp>1 works with one data-parallel rank and parallel.zero_stage=0 in this "
-                          "version (pipeline with data parallelism is not supported yet)")
+    # The pipeline drives its own forwards and backwards stage by stage, so it composes with the data-parallel
+    # forms whose gradient reduction it can time (after the last micro-batch's backward): the flat-buffer
+    # all-reduce, ZeRO-1 and ZeRO-2. FSDP2's and DeepSpeed's own wrappers expect to run the whole forward.
+    if p.pp > 1 and p.zero_stage == 3:
+        raise ConfigError("parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2")
+    if p.pp > 1 and p.backend != "native":
+        raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.pp>1; use backend=native")

@@ -101,10 +101,9 @@ def test_tp_larger_than_the_world_exits_2(tmp_path: Path) -> None:
         "dist-llm: error: --nproc-per-node 2: parallel: WORLD_SIZE=2 is not divisible by tp*pp = 4*1"]
 
 
-def test_pipeline_with_data_parallelism_exits_2(tmp_path: Path) -> None:
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "4", "parallel.pp=2", "train.micro_batch_size=8",
+def test_pipeline_with_fsdp_exits_2(tmp_path: Path) -> None:
+    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "4", "parallel.pp=2", "parallel.zero_stage=3",
                f"train.out_dir={tmp_path}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "dist-llm: error: --nproc-per-node 4: parallel.pp=2 with dp=2: pipeline with data parallelism is not "
-        "supported yet"]
+        "dist-llm: error: parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2"]

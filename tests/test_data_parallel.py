@@ -28,8 +28,8 @@ def train(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[s
     No biases: the key bias has an exactly-zero true gradient (softmax ignores a constant added to a row of
     scores), so Adam turns its float-rounding noise into steps of size lr and that parameter would differ
     between any two summation orders, parallel or not."""
-    cfg = load_config(None, tiny_overrides(out_dir, data__source=str(corpus), train__max_steps=STEPS,
-                                           train__eval_interval=0, model__bias=False, **extra))
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": STEPS,
+                                                       "train__eval_interval": 0, "model__bias": False, **extra}))
     ctx = ParallelContext.from_config(cfg)
     try:
         trainer = Trainer(cfg, ctx)
@@ -38,10 +38,12 @@ def train(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[s
         if trainer.tp_state is not None:  # tensor-parallel slices -> the full tensors
             params = trainer.tp_state.to_full({"model": params, "optim": {"state": {}}})["model"]
         out = {"params": params, "state_bytes": trainer.state_bytes, "comm": trainer.comm_bytes,
-               "n_params": trainer.module.num_params(), "dp": trainer.dp.name}
+               "n_params": trainer.module.num_params(), "dp": trainer.dp.name,
+               "activation_bytes": trainer.activation_bytes, "pp_rank": ctx.pp_rank}
         if rank == 0:
             lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
             out["losses"] = [r["loss"] for r in lines if "loss" in r]
+            out["records"] = [r for r in lines if "loss" in r]
         return out
     finally:
         ctx.destroy()

@@ -44,8 +44,6 @@ def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_
         dp = world_size // (tp * pp)
     if dp * tp * pp != world_size:
         raise ConfigError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not match WORLD_SIZE={world_size}")
-    if pp > 1 and dp > 1:
-        raise ConfigError(f"parallel.pp={pp} with dp={dp}: pipeline with data parallelism is not supported yet")
     if global_batch_size % (micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {global_batch_size} is not divisible by "
                           f"train.micro_batch_size * dp = {micro_batch_size} * {dp}")

@@ -19,7 +19,7 @@ from dist_llm.model import GPT, LayerFactory
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import build_data_parallel
-from dist_llm.parallel.pipeline.executor import PointToPoint, StageModel, forward_only, run_schedule
+from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, forward_only, run_schedule
 from dist_llm.parallel.pipeline.schedule import SCHEDULES
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
@@ -27,7 +27,8 @@ from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
 from dist_llm.train.optim import lr_at
-from dist_llm.train.precision import LossScaler, autocast
+from dist_llm.train.precision import DTYPES, LossScaler, autocast
+from dist_llm.train.saved_tensors import SavedTensorMeter
 
 log = logging.getLogger("dist_llm")
 
@@ -103,7 +104,14 @@ class Trainer:
                                  scale=t.loss_scale_init)
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.tokens_per_step = t.global_batch_size * m.block_size
+        if ctx.pp > 1 and self.accum_steps < ctx.pp:
+            log.warning("parallel.pp=%d stages run only %d micro-batch(es) a step (train.global_batch_size / "
+                        "(train.micro_batch_size * dp)): each stage idles about %.0f%% of the step; use at least "
+                        "pp micro-batches", ctx.pp, self.accum_steps,
+                        100 * (ctx.pp - 1) / (self.accum_steps + ctx.pp - 1))
         self.state_bytes: dict[str, int] | None = None
+        self.activation_bytes: int | None = None  # peak bytes saved for backward, measured in the first step
+        self.stage_clock: StageClock | None = None
         self.comm_bytes: dict[str, int] = {}
         self.step = 0
         self.tokens_seen = 0
@@ -172,12 +180,16 @@ class Trainer:
         self.dp.finish_grads()
         if self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings:
             # the first stage's embedding and the last stage's head are one weight: sum their gradients
-            comm.all_reduce(self.module.wte.weight.grad, self.ctx.embedding_group, self.ctx.comm)
+            comm.all_reduce(self.dp.tied_embedding_grad(), self.ctx.embedding_group, self.ctx.comm)
         if self.cfg.parallel.sequence_parallel:
             sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
 
         self.scaler.unscale_(self.dp.local_grads())
         grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
+        if self.stage is not None:
+            # the norm's all-reduce over the stages is the step's common end: a stage that finished its
+            # schedule early waits here, and that wait is its share of the pipeline flush
+            self.stage_clock.end = self.stage_clock.mark()
         # One host sync a step: whether to skip it (fp16 overflow, or a non-finite guard in bf16/fp32).
         # The norm is global, so every rank takes the same decision.
         finite = bool(torch.isfinite(grad_norm))
@@ -208,11 +220,25 @@ class Trainer:
         else:
             plan = forward_only(ctx.pp, ctx.pp_rank, len(micro_batches))
         seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
-        return run_schedule(plan, self.stage, self.p2p, batches=micro_batches,
-                            act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=torch.float32,
+        loss_sum, clock = run_schedule(
+                            plan, self.stage, self.p2p, batches=micro_batches,
+                            act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],
                             loss_fn=lambda loss: self.scaler.scale_loss(loss / self.accum_steps),
                             backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
                             autocast=lambda: autocast(t.precision, self.device), device=self.device, train=train)
+        if train:
+            self.stage_clock = clock
+        return loss_sum
+
+    def pipeline_times(self) -> dict[str, list[float]]:
+        """Every stage's busy and idle seconds in the last training step (a collective over the pp group)."""
+        busy, idle = self.stage_clock.busy_idle()
+        mine = torch.tensor([busy, idle], dtype=torch.float64, device=self.device)
+        every = torch.zeros(self.ctx.pp * 2, dtype=torch.float64, device=self.device)
+        comm.all_gather(every, mine, self.ctx.pp_group, None)
+        busy_s, idle_s = every[0::2].tolist(), every[1::2].tolist()
+        return {"pp_busy_s": [round(b, 6) for b in busy_s], "pp_idle_s": [round(i, 6) for i in idle_s],
+                "pp_idle_fraction": [round(i / (b + i), 4) if b + i else 0.0 for b, i in zip(busy_s, idle_s)]}
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
         """The loss lives on the last pipeline stage: hand it to every stage (rank 0 writes the metrics)."""
@@ -298,7 +324,12 @@ class Trainer:
         window_start, window_steps = run_start, 0
         try:
             while self.step < stop:
-                out = self.train_step()
+                if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
+                    with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()]) as meter:
+                        out = self.train_step()
+                    self.activation_bytes = meter.peak_bytes
+                else:
+                    out = self.train_step()
                 window_steps += 1
                 bar.update(1)
                 if window_steps == 1 and self.step == start_step + 1:
@@ -312,6 +343,10 @@ class Trainer:
                             "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
                             "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
                             "model_state_bytes": self.state_bytes}
+                    if self.activation_bytes is not None:
+                        last["activation_bytes"] = self.activation_bytes
+                    if self.stage_clock is not None:
+                        last.update(self.pipeline_times())
                     if t.precision == "fp16":
                         last["loss_scale"] = self.scaler.scale
                     if self.scaler.skipped_steps:

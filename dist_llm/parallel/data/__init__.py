@@ -25,9 +25,9 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext) -> 
 
         return FSDPDataParallel(model, cfg, ctx)
     if stage == 0:
-        from dist_llm.parallel.data.ddp import DDPDataParallel
+        from dist_llm.parallel.data.ddp import DDPDataParallel, FlatAllReduceDataParallel
 
-        return DDPDataParallel(model, cfg, ctx)
+        return FlatAllReduceDataParallel(model, cfg, ctx) if ctx.pp > 1 else DDPDataParallel(model, cfg, ctx)
     from dist_llm.parallel.data.zero import ZeroDataParallel
 
     return ZeroDataParallel(model, cfg, ctx, stage=stage)

@@ -85,6 +85,11 @@ class DataParallel:
         parameter's flattened elements), for every parameter with a gradient."""
         return [(p, p.grad, 0) for p in self.module.parameters() if p.grad is not None]
 
+    def tied_embedding_grad(self) -> torch.Tensor:
+        """After `finish_grads`: the part of the tied embedding's gradient this rank holds, laid out alike on
+        the first and the last pipeline stage, which sum it (the head's and the embedding's contributions)."""
+        return self.module.wte.weight.grad
+
     def local_grads(self) -> list[torch.Tensor]:
         """The gradient tensors this rank holds (to unscale in place)."""
         return [g for _, g, _ in self.grad_shards()]

@@ -43,3 +43,32 @@ class DDPDataParallel(DataParallel):
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+
+class FlatAllReduceDataParallel(DataParallel):
+    """ZeRO stage 0 under a pipeline: gradients accumulate in one flat buffer over all micro-batches, and
+    `finish_grads` all-reduces it in buckets of `parallel.bucket_mb`.
+
+    DDP cannot be used there: it decides in forward whether the next backward syncs, and a 1F1B stage runs
+    the last micro-batch's forward before the earlier micro-batches' backwards. Reducing once after the
+    schedule moves the same bytes as DDP's last-micro-step all-reduce, without the overlap."""
+
+    name = "ddp-flat"
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        self.flat_grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=ctx.device)
+        at = 0
+        for p in params:  # every .grad a view of the flat buffer, so backward accumulates straight into it
+            p.grad = self.flat_grads[at : at + p.numel()].view_as(p)
+            at += p.numel()
+        self.bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / self.flat_grads.element_size()))
+        super().__init__(model, cfg, ctx)
+
+    def finish_grads(self) -> None:
+        self.flat_grads.div_(self.ctx.dp)  # divide before summing, as DDP does: an fp16 sum could overflow
+        for lo in range(0, self.flat_grads.numel(), self.bucket_numel):
+            comm.all_reduce(self.flat_grads[lo : lo + self.bucket_numel], self.ctx.dp_group, self.ctx.comm)
+
+    def zero_grad(self) -> None:
+        self.flat_grads.zero_()  # keep the views: set_to_none would detach .grad from the buffer

@@ -67,8 +67,10 @@ class Segment:
         return self.bucket.shard_start + self.lo - base, self.bucket.shard_start + self.hi - base
 
 
-def plan_buckets(named_params: list[tuple[str, nn.Parameter]], dp: int, bucket_numel: int) -> list[Bucket]:
-    """Pack parameters (in the given order) into buckets of at least `bucket_numel`, each padded to dp."""
+def plan_buckets(named_params: list[tuple[str, nn.Parameter]], dp: int, bucket_numel: int,
+                 alone: frozenset[str] = frozenset()) -> list[Bucket]:
+    """Pack parameters (in the given order) into buckets of at least `bucket_numel`, each padded to dp;
+    the parameters named in `alone` get a bucket of their own."""
     buckets: list[Bucket] = []
     offset = shard_offset = 0
     current: list[tuple[str, nn.Parameter]] = []
@@ -88,8 +90,10 @@ def plan_buckets(named_params: list[tuple[str, nn.Parameter]], dp: int, bucket_n
         current = []
 
     for name, p in named_params:
+        if name in alone and current:
+            close()
         current.append((name, p))
-        if sum(q.numel() for _, q in current) >= bucket_numel:
+        if name in alone or sum(q.numel() for _, q in current) >= bucket_numel:
             close()
     if current:
         close()
@@ -109,7 +113,10 @@ class ZeroDataParallel(DataParallel):
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
         bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / torch.tensor([], dtype=self.param_dtype).element_size()))
-        self.buckets = plan_buckets(named, self.dp, bucket_numel)
+        # Under a pipeline the tied embedding lives on the first and the last stage, whose buckets otherwise
+        # differ; alone in its bucket it is sharded alike on both, so its gradient shards can be summed.
+        self.tied = "wte.weight" if ctx.pp > 1 and cfg.model.tie_embeddings and model.wte is not None else None
+        self.buckets = plan_buckets(named, self.dp, bucket_numel, frozenset([self.tied] if self.tied else []))
         self.entries = [e for b in self.buckets for e in b.entries]
         total = sum(b.numel for b in self.buckets)
         self.shard_numel = total // self.dp
@@ -244,6 +251,10 @@ class ZeroDataParallel(DataParallel):
         self._pending.clear()
 
     dp_sharded_grads = True
+
+    def tied_embedding_grad(self) -> torch.Tensor:
+        bucket = next(b for b in self.buckets if b.entries[0].name == self.tied)
+        return self._piece(self.flat_grads, bucket) if self.flat_grads is not None else self._shard_of(bucket, self.grad_shard)
 
     def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
         return [(seg.entry.param, self._grad_shard_view(seg), seg.lo - seg.entry.offset) for seg in self.segments]
