@@ -1,4 +1,4 @@
-"""`dist-llm train|sample`: parse, build, run. Bad input ends in one line on stderr and exit code 2."""
+"""`dist-llm train|sample|convert`: parse, build, run. Bad input ends in one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -123,9 +123,40 @@ def cmd_sample(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- convert ----------------------------------------------------------------------------------------------
+def add_convert_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--from-hf", type=Path, default=None, metavar="DIR",
+                   help="a Hugging Face GPT-2 or Llama-family directory, written as a dist_llm checkpoint")
+    p.add_argument("--to-hf", type=Path, default=None, metavar="CKPT",
+                   help="a dist_llm checkpoint (or run directory), written as a Hugging Face directory")
+    p.add_argument("--out", type=Path, default=None, help="the directory to write (must not exist or be empty)")
+    p.add_argument("--pad-vocab-to", type=int, default=128,
+                   help="with --from-hf: model.pad_vocab_to of the checkpoint (padding rows are zero)")
+
+
+@guarded
+def cmd_convert(args: argparse.Namespace) -> int:
+    # checked here rather than by argparse, so every mistake is one line
+    if (args.from_hf is None) == (args.to_hf is None):
+        raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf CKPT")
+    if args.out is None:
+        raise ConfigError("convert: --out is required")
+    from dist_llm import hf
+
+    if args.from_hf is not None:
+        if args.pad_vocab_to < 1:
+            raise ConfigError(f"--pad-vocab-to: must be positive, got {args.pad_vocab_to}")
+        out = hf.convert_hf_to_checkpoint(args.from_hf, args.out, pad_vocab_to=args.pad_vocab_to)
+    else:
+        out = hf.convert_checkpoint_to_hf(args.to_hf, args.out)
+    print(out)
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "train": ("train a model from a YAML config", add_train_args, cmd_train),
     "sample": ("generate text from a checkpoint", add_sample_args, cmd_sample),
+    "convert": ("convert between Hugging Face directories and dist_llm checkpoints", add_convert_args, cmd_convert),
 }
 
 

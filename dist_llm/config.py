@@ -61,6 +61,9 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal init; residual projections get init_std/sqrt(2*n_layer)."""
+    init_from: str = ""
+    """Start from trained weights: 'hf:DIR' (a Hugging Face GPT-2 or Llama directory, whose config.json then
+    sets the architecture keys) or 'ckpt:DIR' (a dist_llm checkpoint of the same model); empty: random init."""
 
     @property
     def kv_heads(self) -> int:
@@ -183,6 +186,24 @@ class TrainConfig:
     """Abort after this many consecutive steps with non-finite gradients."""
 
 
+PeftTarget = Literal["qkv", "attn_out", "mlp_up", "mlp_down"]
+
+
+@dataclass
+class PeftConfig:
+    method: Literal["none", "lora", "adapter", "qlora"] = "none"
+    """Parameter-efficient fine-tuning: the base model frozen, only LoRA or adapter weights trained;
+    qlora also stores the frozen base linear weights in 4-bit NormalFloat."""
+    rank: int = 8
+    """LoRA rank r, or the adapters' bottleneck width."""
+    alpha: float = 16.0
+    """LoRA scale numerator: the update is (alpha / rank) * B A x."""
+    dropout: float = 0.0
+    """Dropout on the LoRA branch's input."""
+    targets: list[PeftTarget] = field(default_factory=lambda: ["qkv"])
+    """Linear layers that get LoRA: any of qkv, attn_out, mlp_up, mlp_down."""
+
+
 @dataclass
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -190,6 +211,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
     name: str = "default"
     """Name of the run; the default out_dir is runs/<name>."""
 
@@ -201,10 +223,12 @@ class Config:
 
     def fingerprint(self) -> str:
         """Hash of the settings that define the model's shapes, to refuse loading a mismatched checkpoint."""
-        return hashlib.sha256(json.dumps(dataclasses.asdict(self.model), sort_keys=True).encode()).hexdigest()[:16]
+        shapes = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "init_from"}
+        return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
 
 
-SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig, "train": TrainConfig}
+SECTIONS: dict[str, type] = {"model": ModelConfig, "data": DataConfig, "optim": OptimConfig, "parallel": ParallelConfig, "train": TrainConfig,
+                             "peft": PeftConfig}
 
 
 def all_keys() -> list[str]:
@@ -405,6 +429,7 @@ def validate(cfg: Config) -> None:
     _positive(cfg, "parallel.bucket_mb")
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
+    _check_finetuning(cfg)
 
 
 # Parallel forms land issue by issue; until one has, its keys accept only the value that turns it off.
@@ -441,3 +466,25 @@ def _check_pipeline(cfg: Config) -> None:
         raise ConfigError("parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2")
     if p.pp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.pp>1; use backend=native")
+
+
+def _check_finetuning(cfg: Config) -> None:
+    m, f = cfg.model, cfg.peft
+    if m.init_from:
+        kind, _, where = m.init_from.partition(":")
+        if kind not in ("hf", "ckpt") or not where:
+            raise ConfigError(f"model.init_from: expected hf:DIR or ckpt:DIR, got {m.init_from!r}")
+        if not Path(where).expanduser().is_dir():
+            raise ConfigError(f"model.init_from: directory not found: {where}")
+    if f.method == "none":
+        return
+    if f.rank < 1:
+        raise ConfigError(f"peft.rank: must be positive, got {f.rank}")
+    if f.alpha <= 0:
+        raise ConfigError(f"peft.alpha: must be positive, got {f.alpha}")
+    if not 0.0 <= f.dropout < 1.0:
+        raise ConfigError(f"peft.dropout: must be in [0, 1), got {f.dropout}")
+    if f.method in ("lora", "qlora") and (not f.targets or len(set(f.targets)) != len(f.targets)):
+        raise ConfigError(f"peft.targets: expected distinct names among qkv, attn_out, mlp_up, mlp_down, got {f.targets}")
+    if f.method == "qlora" and cfg.parallel.tp > 1:
+        raise ConfigError("peft.method: qlora is not supported with parallel.tp>1 (its 4-bit weights are not sharded)")

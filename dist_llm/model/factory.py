@@ -62,7 +62,7 @@ class LayerFactory:
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean token cross-entropy of logits (B, T, V) against targets (B, T); computed in fp32, with the
-        vocabulary padding (ids >= vocab_size) masked out."""
+        vocabulary padding (ids >= vocab_size) masked out and targets of -100 (masked prompt tokens) ignored."""
         logits = logits.float()
         if self.vocab_size and logits.shape[-1] > self.vocab_size:
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size,

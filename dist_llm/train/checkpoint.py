@@ -89,7 +89,8 @@ def set_rng_state(state: dict[str, str], device: torch.device) -> None:
 
 
 def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
-                    ctx: ParallelContext, extra_files: dict[str, Path] | None = None) -> None:
+                    ctx: ParallelContext, extra_files: dict[str, Path] | None = None,
+                    manifest_extra: dict[str, Any] | None = None) -> None:
     """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
     are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own."""
     if ctx.is_main and path.exists():
@@ -113,6 +114,7 @@ def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str,
             "layout": ctx.layout(),
             "model_fingerprint": cfg.fingerprint(),
             "files": {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+            **(manifest_extra or {}),
         }
         _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
     ctx.barrier()

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, validate
 from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.parallel import comm
@@ -26,6 +26,8 @@ from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parall
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
+from dist_llm.peft import apply_peft, trainable_names
+from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.train.optim import lr_at
 from dist_llm.train.precision import DTYPES, LossScaler, autocast
 from dist_llm.train.saved_tensors import SavedTensorMeter
@@ -57,6 +59,14 @@ def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
     model = model.to(ctx.device)
     if layers.summary():
         log.info(layers.summary())
+    if cfg.model.init_from:
+        load_initial_weights(model, cfg, TensorParallelState(model, ctx) if ctx.tp > 1 else None, ctx.tp_rank)
+    if cfg.peft.method != "none":
+        apply_peft(model, cfg.peft, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        log.info("peft %s: %d trainable parameters of %d (%.3f%%), the base frozen", cfg.peft.method, trainable,
+                 sum(p.numel() for p in model.parameters()),
+                 100 * trainable / max(1, sum(p.numel() for p in model.parameters())))
     if cfg.train.activation_checkpointing != "none":
         model.set_activation_checkpointing(cfg.train.activation_checkpointing)
     if cfg.train.compile:
@@ -67,6 +77,8 @@ def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext) -> None:
+        cfg = resolve_architecture(cfg)
+        validate(cfg)  # again: an hf: start brings its own architecture
         self.cfg, self.ctx = cfg, ctx
         t, m = cfg.train, cfg.model
         self.device = ctx.device
@@ -135,12 +147,19 @@ class Trainer:
         manifest = ckpt.read_json(path / ckpt.MANIFEST)
         if manifest["model_fingerprint"] != self.cfg.fingerprint():
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
-        template = self.dp.checkpoint_state()
+        if self.cfg.peft.method != "none" and manifest.get("peft_base") != self.peft_base():
+            raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
+                              f"model.init_from describes ({self.peft_base()})")
+        everything = self.dp.checkpoint_state()
+        template = self._saved_part(everything)
         buffers = self.tp_state.empty_full(template) if self.tp_state else template
         state = ckpt.load_checkpoint(path, state=buffers, ctx=self.ctx)
         if self.tp_state:
             buffers = self.tp_state.to_local(buffers, template, self.ctx.tp_rank)
-        self.dp.load_checkpoint_state(buffers)
+        # a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
+        everything["model"].update(buffers["model"])
+        everything["optim"]["state"].update(buffers["optim"]["state"])
+        self.dp.load_checkpoint_state(everything)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
@@ -275,17 +294,30 @@ class Trainer:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s,
                 "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict()}
 
+    def _saved_part(self, state: dict[str, Any]) -> dict[str, Any]:
+        """What a checkpoint holds of a data-parallel state: everything, or with PEFT the trained tensors only."""
+        if self.cfg.peft.method == "none":
+            return state
+        keep = set(trainable_names(self.module))
+        return {"model": {k: v for k, v in state["model"].items() if k in keep},
+                "optim": {"state": {k: v for k, v in state["optim"]["state"].items() if k in keep}}}
+
+    def peft_base(self) -> dict[str, str]:
+        """The identity of the frozen base a PEFT checkpoint adapts: where it came from and its shapes."""
+        return {"init_from": self.cfg.model.init_from, "model_fingerprint": self.cfg.fingerprint()}
+
     def tokenizer_files(self) -> dict[str, Path]:
         spec = self.data.tokenizer_spec
         return {} if spec == "byte" else {"tokenizer.json": Path(spec)}
 
     def save_checkpoint(self) -> Path:
         path = ckpt.step_dir(self.ckpt_root, self.step)
-        state = self.dp.checkpoint_state()
+        state = self._saved_part(self.dp.checkpoint_state())
         if self.tp_state:
             state = self.tp_state.to_full(state)
         ckpt.save_checkpoint(path, state=state, train_state=self.train_state(), cfg=self.cfg,
-                             ctx=self.ctx, extra_files=self.tokenizer_files())
+                             ctx=self.ctx, extra_files=self.tokenizer_files(),
+                             manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
         if self.ctx.is_main:
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)
         return path

@@ -314,7 +314,9 @@ class ZeroDataParallel(DataParallel):
         entry_of = {id(e.param): e for e in self.entries}
         # every name of a parameter, tied aliases (lm_head.weight = wte.weight) too, gets the fp32 master
         for name, p in self.module.named_parameters(remove_duplicate=False):
-            e = entry_of[id(p)]
+            e = entry_of.get(id(p))
+            if e is None:  # frozen (PEFT): not in ZeRO's buffers, its value is the module's own
+                continue
             sl = slice(e.offset, e.offset + e.numel)
             model_sd[name] = masters[sl].view(e.param.shape)
             if name == e.name:

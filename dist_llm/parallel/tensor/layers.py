@@ -177,6 +177,9 @@ class VocabParallelEmbedding(nn.Module):
         return tpc.reduce_from_tp(x, self.group, self.stats)
 
 
+IGNORE_INDEX = -100  # a target that takes no part in the loss (as in torch's cross_entropy)
+
+
 class _VocabParallelCrossEntropy(Function):
     """Mean cross-entropy over logits split along the vocabulary, without gathering them: the max, the
     softmax denominator and the target's logit are each all-reduced as (B*T,) vectors."""
@@ -202,16 +205,18 @@ class _VocabParallelCrossEntropy(Function):
         comm.all_reduce(both, group, stats)
         sum_exp, target_logit = both
         loss = sum_exp.log() - target_logit  # (N,)
-        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine)
-        return loss.mean()
+        keep = targets != IGNORE_INDEX  # masked targets (prompt tokens in fine-tuning) count for nothing
+        count = keep.sum().clamp(min=1)
+        ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine, keep, count)
+        return (loss * keep).sum() / count
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
-        softmax, local_t, mine = ctx.saved_tensors
+        softmax, local_t, mine, keep, count = ctx.saved_tensors
         g = softmax.clone()
         rows = torch.arange(g.shape[0], device=g.device)
         g[rows[mine], local_t[mine]] -= 1.0
-        return (g * (grad / g.shape[0])).to(ctx.dtype), None, None, None, None, None
+        return (g * (keep / count * grad).unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, valid: int,

@@ -1,0 +1,106 @@
+"""Parameter-efficient fine-tuning over a frozen base GPT: LoRA, bottleneck adapters, QLoRA (`peft.*`).
+
+`apply_peft` freezes every base parameter (`requires_grad=False`: no gradient, no optimizer state) and adds
+the small trainable modules; checkpoints of a PEFT run then hold only those (plus, in their manifest and
+adapter.json, which base they belong to), and `load_adapter` puts them back on a base model.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from dist_llm.config import ConfigError, PeftConfig
+from dist_llm.peft.adapter import Adapter, add_adapter
+from dist_llm.peft.lora import LoRA, add_lora, lora_modules, merge, unmerge
+
+#: peft.targets name -> the linear layers of a block it means (SwiGLU's gate is an up projection too)
+TARGETS: dict[str, tuple[str, ...]] = {"qkv": ("attn.qkv",), "attn_out": ("attn.proj",),
+                                       "mlp_up": ("mlp.up", "mlp.gate"), "mlp_down": ("mlp.down",)}
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.gate", "mlp.down")
+
+
+def _get(block: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return getattr(block.get_submodule(parent), name, None)
+
+
+def _set(block: nn.Module, path: str, module: nn.Module) -> None:
+    parent, _, name = path.rpartition(".")
+    setattr(block.get_submodule(parent), name, module)
+
+
+def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_parallel: bool = False) -> None:
+    """Freeze `model` and add the `peft.method` modules to each block, their initial values drawn from `seed`
+    (the same at every parallel layout)."""
+    if cfg.method == "none":
+        return
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if cfg.method == "qlora":
+        from dist_llm.peft.nf4 import NF4Linear
+
+        for block in model.blocks:
+            for path in BLOCK_LINEARS:
+                layer = _get(block, path)
+                if isinstance(layer, nn.Linear):
+                    _set(block, path, NF4Linear.from_linear(layer))
+                elif layer is not None:
+                    raise ConfigError(f"peft.method: qlora needs plain linear layers, found {type(layer).__name__} "
+                                      f"at {path}")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed + 1)
+        for block in model.blocks:
+            if cfg.method == "adapter":
+                width = model.cfg.n_embd
+                add_adapter(block.attn, width, cfg.rank, sequence_parallel=sequence_parallel)
+                add_adapter(block.mlp, width, cfg.rank, sequence_parallel=sequence_parallel)
+                continue
+            for target in cfg.targets:
+                for path in TARGETS[target]:
+                    layer = _get(block, path)
+                    if layer is not None:
+                        add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout)
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The trainable tensors only, by name (what a PEFT checkpoint holds)."""
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def save_adapter(model: nn.Module, path: Path, cfg: PeftConfig, base: dict[str, Any]) -> None:
+    """Write `adapter.safetensors` (the trainable tensors, full shapes: call on a single-process model) and
+    `adapter.json` (the peft settings and `base`, the identity of the model they adapt) into `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    save_file({n: t.contiguous().cpu() for n, t in adapter_state(model).items()}, str(path / "adapter.safetensors"))
+    meta = {"method": cfg.method, "rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout,
+            "targets": list(cfg.targets), "base": base}
+    (path / "adapter.json").write_text(json.dumps(meta, indent=1))
+
+
+def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
+    """Put the tensors of `save_adapter` back on a model that has the same PEFT modules; returns adapter.json."""
+    tensors = load_file(str(path / "adapter.safetensors"))
+    params = dict(model.named_parameters())
+    wanted = set(trainable_names(model))
+    if set(tensors) != wanted:
+        missing, extra = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+        raise ConfigError(f"{path / 'adapter.safetensors'}: does not fit this model (missing {missing[:3]}, "
+                          f"unexpected {extra[:3]})")
+    with torch.no_grad():
+        for name, t in tensors.items():
+            params[name].copy_(t)
+    return json.loads((path / "adapter.json").read_text())
+
+
+__all__ = ["Adapter", "LoRA", "TARGETS", "adapter_state", "add_adapter", "add_lora", "apply_peft", "load_adapter",
+           "lora_modules", "merge", "save_adapter", "trainable_names", "unmerge"]

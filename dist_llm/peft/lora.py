@@ -1,0 +1,147 @@
+"""LoRA (Hu et al. 2021): y = W x + (alpha / r) B A x, with W frozen, A random and B zero at the start.
+
+The low-rank pair lives in a child module `lora` of the target linear and joins it through a forward hook,
+so the base weight keeps its name (`blocks.0.attn.qkv.weight`): checkpoints and Hugging Face weights load
+into a LoRA model unchanged, and the adapter's own names (`blocks.0.attn.qkv.lora.A`) say where it sits.
+
+Under tensor parallelism the pair is split like the layer it adapts, so every rank computes its part of the
+same update and the result equals tp=1:
+  column-parallel W (rows split): A whole, B split by output rows (the same rows as W). The gradient of the
+    rank-r product A x is a partial sum over the ranks' B pieces: it is all-reduced (copy_to_tp), and with
+    sequence parallelism the product is computed on the local tokens and all-gathered along the sequence.
+  row-parallel W (columns split): A split by input columns, B whole. The partial products A_i x_i are summed
+    over ranks (reduce_from_tp; reduce-scattered along the sequence with sequence parallelism).
+The whole factor sees only a slice of the tokens under sequence parallelism; it is marked like the norms
+so its gradient is all-reduced over tp.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+
+def _linear_kind(layer: nn.Module) -> str:
+    if isinstance(layer, ColumnParallelLinear):
+        return "column"
+    if isinstance(layer, RowParallelLinear):
+        return "row"
+    return "plain"
+
+
+class LoRA(nn.Module):
+    """The low-rank update of one linear layer: `A` (rank, in) and `B` (out, rank), this rank's slices."""
+
+    def __init__(self, layer: nn.Module, rank: int, alpha: float, dropout: float) -> None:
+        super().__init__()
+        self.kind = _linear_kind(layer)
+        self.rank, self.scale = rank, alpha / rank
+        self.in_features, self.out_features = layer.in_features, layer.out_features
+        self.dropout = nn.Dropout(dropout)
+        self.group = getattr(layer, "group", None)
+        self.stats = getattr(layer, "stats", None)
+        self.sequence_parallel = getattr(layer, "sequence_parallel", False)
+        device = next(iter([*layer.parameters(), *layer.buffers()])).device
+        weight_shape = _weight_shape(layer)
+        a_cols = weight_shape[1]  # the rank's input columns (all of them unless row-parallel)
+        b_rows = weight_shape[0]
+        self.A = nn.Parameter(torch.zeros(rank, a_cols, device=device))
+        self.B = nn.Parameter(torch.zeros(b_rows, rank, device=device))
+        if self.kind == "column":
+            self.register_buffer("rows", layer.rows, persistent=False)  # read by TensorParallelState
+            self.B.tp_partition_dim = 0  # type: ignore[attr-defined]
+            if hasattr(layer.weight, "tp_replicated_rows"):
+                self.B.tp_replicated_rows = layer.weight.tp_replicated_rows  # type: ignore[attr-defined]
+            self.layer_sync = layer._synced  # rows every rank of a KV group holds: gradients summed
+            self.A.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        elif self.kind == "row":
+            self.cols = layer.cols
+            self.A.tp_partition_dim = 1  # type: ignore[attr-defined]
+            self.B.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+        self.merged = False
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """A ~ Kaiming-uniform over the full input width (drawn whole, so every tp layout draws the same A),
+        B = 0: the update starts at zero."""
+        full = torch.empty(self.rank, self.in_features, device=self.A.device)
+        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
+        self.A.copy_(full[:, self.cols] if self.kind == "row" else full)
+        self.B.zero_()
+
+    def _b(self) -> torch.Tensor:
+        return self.layer_sync(self.B) if self.kind == "column" else self.B
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.dropout(x)
+        if self.kind == "column":
+            h = F.linear(x, self.A)  # (B, T or T/tp, r): A is whole
+            if self.sequence_parallel:
+                h = tpc.gather_from_sequence(h, self.group, self.stats)
+            else:
+                h = tpc.copy_to_tp(h, self.group, self.stats)  # the gradient: a sum over the ranks' B rows
+            return F.linear(h, self._b()) * self.scale
+        if self.kind == "row":
+            partial = F.linear(x, self.A)  # x holds this rank's input columns
+            if self.sequence_parallel:
+                h = tpc.reduce_scatter_to_sequence(partial, self.group, self.stats)
+            else:
+                h = tpc.reduce_from_tp(partial, self.group, self.stats)
+            return F.linear(h, self.B) * self.scale
+        return F.linear(F.linear(x, self.A), self.B) * self.scale
+
+    def delta(self) -> torch.Tensor:
+        """scale * B A, shaped like this rank's slice of the base weight."""
+        return (self.B @ self.A) * self.scale
+
+
+def _weight_shape(layer: nn.Module) -> tuple[int, int]:
+    if hasattr(layer, "weight") and isinstance(layer.weight, torch.Tensor):
+        return tuple(layer.weight.shape)  # type: ignore[return-value]
+    return layer.out_features, layer.in_features  # a quantised layer: no float weight tensor
+
+
+def _add_update(layer: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+    lora: LoRA = layer.lora
+    if lora.merged:
+        return output
+    return output + lora(inputs[0]).to(output.dtype)
+
+
+def add_lora(layer: nn.Module, rank: int, alpha: float, dropout: float) -> LoRA:
+    """Attach a LoRA update to `layer` (nn.Linear, a tensor-parallel linear or a 4-bit one)."""
+    layer.lora = LoRA(layer, rank, alpha, dropout)
+    layer.lora.reset_parameters()
+    layer.register_forward_hook(_add_update)
+    return layer.lora
+
+
+def lora_modules(model: nn.Module) -> list[tuple[nn.Module, LoRA]]:
+    return [(m, m.lora) for m in model.modules() if isinstance(getattr(m, "lora", None), LoRA)]
+
+
+@torch.no_grad()
+def merge(model: nn.Module) -> None:
+    """Fold every LoRA update into its base weight (W += scale B A): inference then costs nothing extra."""
+    for layer, lora in lora_modules(model):
+        if not lora.merged:
+            if not isinstance(getattr(layer, "weight", None), torch.Tensor):
+                raise ValueError(f"cannot merge LoRA into a {type(layer).__name__}: its weight is quantised")
+            layer.weight += lora.delta().to(layer.weight.dtype)
+            lora.merged = True
+
+
+@torch.no_grad()
+def unmerge(model: nn.Module) -> None:
+    """Undo `merge` (W -= scale B A), so training can go on."""
+    for layer, lora in lora_modules(model):
+        if lora.merged:
+            layer.weight -= lora.delta().to(layer.weight.dtype)
+            lora.merged = False
