@@ -519,6 +519,9 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
 
     out = _empty_out(Path(out))
     model = load_checkpoint_model(checkpoint)
+    from dist_llm.peft import merge_into_base
+
+    merge_into_base(model)  # a LoRA/QLoRA checkpoint exports as its merged model
     export_family(model.cfg)  # fail before creating anything
     save_hf(model, out)
     tok = resolve_checkpoint(Path(checkpoint).expanduser()) / "tokenizer.json"

@@ -28,8 +28,19 @@ def resolve_checkpoint(path: Path) -> Path:
 def load_model(path: Path, device: torch.device) -> tuple[GPT, Path]:
     path = resolve_checkpoint(path)
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), check=False)
-    model = GPT(cfg.model).to(device)
-    ckpt.load_model_weights(path, model)
+    if cfg.peft.method == "none":
+        model = GPT(cfg.model).to(device)
+        ckpt.load_model_weights(path, model)
+        return model.eval(), path
+    # A PEFT checkpoint holds the trained tensors only: rebuild its base as training did (from
+    # model.init_from, or the seeded random init), add the PEFT modules, then load those tensors.
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import build_model
+
+    cfg.train.compile = False
+    ctx = ParallelContext(rank=0, world_size=1, local_rank=0, dp=1, tp=1, pp=1, device=device)
+    model = build_model(cfg, ctx)
+    ckpt.load_model_weights(path, model, trainable_only=True)
     return model.eval(), path
 
 

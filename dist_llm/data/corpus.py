@@ -1,7 +1,7 @@
 """Turn `data.source` into two uint16 token files, train.bin and val.bin, prepared once and cached.
 
 Sources: 'stdlib' (the running Python's standard library, *.py, without site-packages), a directory of
-text files, a single text file, or a .bin of uint16 tokens. Documents are read as UTF-8 with
+text files, a single text file, a .bin of uint16 tokens, or a .jsonl of fine-tuning records (records.py). Documents are read as UTF-8 with
 errors="replace": a stray non-UTF-8 file (the stdlib has four) costs a few U+FFFD characters rather
 than a failed run. Within a split, documents are joined with SEPARATOR between them, so decoding a
 split's tokens gives back exactly SEPARATOR.join(its documents' text).
@@ -26,6 +26,7 @@ import numpy as np
 
 from dist_llm.config import ConfigError, DataConfig
 from dist_llm.data.cache import COMPLETE_FILE, build_once, cache_root, folder_name
+from dist_llm.data.records import MASK_DTYPE, build_records
 from dist_llm.data.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
 
 # Bump when the content of a prepared folder would change for the same inputs.
@@ -64,6 +65,17 @@ class PreparedData:
     def val_tokens(self) -> np.ndarray:
         return np.memmap(self.val_path, dtype=TOKEN_DTYPE, mode="r")
 
+    def train_mask(self) -> np.ndarray | None:
+        """For fine-tuning records: 1 where a token is a target to learn, 0 on prompt tokens; else None."""
+        return self._mask("train")
+
+    def val_mask(self) -> np.ndarray | None:
+        return self._mask("val")
+
+    def _mask(self, split: str) -> np.ndarray | None:
+        path = self.directory / f"{split}.mask"
+        return np.memmap(path, dtype=MASK_DTYPE, mode="r") if path.is_file() else None
+
     def tokenizer(self) -> Tokenizer:
         return load_tokenizer(self.tokenizer_spec)
 
@@ -77,7 +89,7 @@ def _source_kind(source: str) -> str:
     if path.is_dir():
         return "dir"
     if path.is_file():
-        return "bin" if path.suffix == ".bin" else "file"
+        return {".bin": "bin", ".jsonl": "jsonl"}.get(path.suffix, "file")
     raise ConfigError(f"data.source: file or directory not found: {source}")
 
 
@@ -88,7 +100,7 @@ def documents(source: str) -> list[tuple[str, Path]]:
     change the corpus. A directory: every regular file under it except hidden ones. A file: itself.
     """
     kind = _source_kind(source)
-    if kind in ("file", "bin"):
+    if kind in ("file", "bin", "jsonl"):
         path = Path(source).expanduser().resolve()
         return [(path.name, path)]
     stdlib = kind == "stdlib"
@@ -321,6 +333,11 @@ def prepare_data(data: DataConfig, vocab_size: int) -> PreparedData:
     def build(tmp: Path) -> None:
         if kind == "bin":
             info = _build_bin(tmp, data, tok_spec, vocab_size)
+        elif kind == "jsonl":
+            if tok_spec == "bpe":
+                raise ConfigError("data.tokenizer: fine-tuning records need byte or the base model's tokenizer.json, not bpe")
+            tok = load_tokenizer(tok_spec)
+            info = build_records(tmp, data, tok, _encode_many, SEPARATOR, is_val_document)
         else:
             info = _build_text(tmp, data, kind, tok_spec, vocab_size, docs)
         meta = {"format": FORMAT_VERSION, "source": data.source, "kind": kind,

@@ -71,15 +71,22 @@ def val_sampler(n_tokens: int, block_size: int, global_batch_size: int) -> Globa
     return GlobalBatchSampler(n_tokens, block_size, global_batch_size, seed=0, stream=VAL_STREAM)
 
 
+IGNORE_INDEX = -100  # a target the loss skips
+
+
 def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int,
-              device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets, int64 tensors of shape (B, T); y[:, i] == x[:, i + 1]."""
+              device: torch.device | str = "cpu", mask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets, int64 tensors of shape (B, T); y[:, i] == x[:, i + 1], or -100 where
+    `mask` (fine-tuning records) is 0 at that target: a prompt token, not to be learned."""
     # One gather of T+1 tokens per window, (B, T+1); reading only these pages keeps memmaps cheap.
-    windows = tokens[np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)]
-    windows = windows.astype(np.int64)
+    index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)
+    windows = tokens[index].astype(np.int64)
     # Contiguous copies so callers may .view() them (e.g. flattening targets for the loss).
     x = torch.from_numpy(np.ascontiguousarray(windows[:, :-1]))
-    y = torch.from_numpy(np.ascontiguousarray(windows[:, 1:]))
+    targets = windows[:, 1:].copy()  # a copy even when the slice is contiguous: x shares `windows`
+    if mask is not None:
+        targets[mask[index][:, 1:] == 0] = IGNORE_INDEX
+    y = torch.from_numpy(targets)
     device = torch.device(device)
     if device.type == "cuda":
         # Pinned host memory lets the copy overlap with compute.

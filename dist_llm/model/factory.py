@@ -67,4 +67,6 @@ class LayerFactory:
         if self.vocab_size and logits.shape[-1] > self.vocab_size:
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size,
                                         float("-inf"))
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        targets = targets.flatten()
+        total = F.cross_entropy(logits.flatten(0, 1), targets, reduction="sum")  # -100 targets add nothing
+        return total / (targets != -100).sum().clamp(min=1)  # (a mean over no target would be nan)

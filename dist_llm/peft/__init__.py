@@ -68,6 +68,36 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
                         add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout)
 
 
+@torch.no_grad()
+def merge_into_base(model: nn.Module) -> None:
+    """Fold every LoRA update into its base weight and drop the LoRA modules, dequantising a QLoRA base to
+    fp32 first: what is left is a plain GPT (to export or serve). Adapters have no such form: refused."""
+    from dist_llm.peft.nf4 import NF4Linear
+
+    if any(isinstance(m, Adapter) for m in model.modules()):
+        raise ConfigError("peft.method: adapter layers cannot be folded into the base model; "
+                          "export needs LoRA or QLoRA (or no PEFT)")
+    for block in model.blocks:
+        for path in BLOCK_LINEARS:
+            layer = _get(block, path)
+            if layer is None:
+                continue
+            lora = getattr(layer, "lora", None)
+            if isinstance(layer, NF4Linear):
+                plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None)
+                plain.weight.data = layer.dequantized_weight(torch.float32)
+                if layer.bias is not None:
+                    plain.bias.data = layer.bias.detach().float().clone()
+                _set(block, path, plain)
+                layer = plain
+            if isinstance(lora, LoRA):
+                if not lora.merged:
+                    layer.weight += lora.delta().to(layer.weight.dtype)
+                lora.hook.remove()
+                if hasattr(layer, "lora"):
+                    del layer.lora
+
+
 def trainable_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -103,4 +133,4 @@ def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
 
 
 __all__ = ["Adapter", "LoRA", "TARGETS", "adapter_state", "add_adapter", "add_lora", "apply_peft", "load_adapter",
-           "lora_modules", "merge", "save_adapter", "trainable_names", "unmerge"]
+           "lora_modules", "merge", "merge_into_base", "save_adapter", "trainable_names", "unmerge"]

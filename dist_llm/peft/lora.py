@@ -119,7 +119,7 @@ def add_lora(layer: nn.Module, rank: int, alpha: float, dropout: float) -> LoRA:
     """Attach a LoRA update to `layer` (nn.Linear, a tensor-parallel linear or a 4-bit one)."""
     layer.lora = LoRA(layer, rank, alpha, dropout)
     layer.lora.reset_parameters()
-    layer.register_forward_hook(_add_update)
+    layer.lora.hook = layer.register_forward_hook(_add_update)
     return layer.lora
 
 

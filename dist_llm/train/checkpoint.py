@@ -149,8 +149,14 @@ def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
 
-def load_model_weights(path: Path, model: nn.Module) -> None:
-    """Load only the model's tensors from a checkpoint (resharding as DCP does)."""
+def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = False) -> None:
+    """Load only the model's tensors from a checkpoint (resharding as DCP does); `trainable_only` for PEFT
+    checkpoints, which hold nothing of the frozen base."""
+    if trainable_only:
+        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        with _quiet_single_process():
+            dcp.load({"model": params}, checkpoint_id=str(path))  # in place, into the parameters
+        return
     state = {"model": get_model_state_dict(model)}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(path))

@@ -93,6 +93,7 @@ class Trainer:
             self.data = prepare_data(cfg.data, m.vocab_size)
         self.train_tokens = self.data.train_tokens()
         self.val_tokens = self.data.val_tokens()
+        self.masks = {id(self.train_tokens): self.data.train_mask(), id(self.val_tokens): self.data.val_mask()}
         self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
 
@@ -179,7 +180,8 @@ class Trainer:
     def _micro_batches(self, sampler: GlobalBatchSampler, step: int, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
         starts = sampler.micro_batch_starts(step, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp,
                                             micro_batch_size=self.cfg.train.micro_batch_size)
-        return [get_batch(tokens, s, self.cfg.model.block_size, self.device) for s in starts]
+        mask = self.masks[id(tokens)]
+        return [get_batch(tokens, s, self.cfg.model.block_size, self.device, mask) for s in starts]
 
     def train_step(self) -> StepOutput:
         t = self.cfg.train
@@ -197,7 +199,8 @@ class Trainer:
                     loss_sum += loss.detach()
                     self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
         self.dp.finish_grads()
-        if self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings:
+        if (self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings
+                and self.module.wte.weight.requires_grad):  # (frozen under PEFT)
             # the first stage's embedding and the last stage's head are one weight: sum their gradients
             comm.all_reduce(self.dp.tied_embedding_grad(), self.ctx.embedding_group, self.ctx.comm)
         if self.cfg.parallel.sequence_parallel:

@@ -1,0 +1,172 @@
+"""LoRA, adapters and QLoRA: frozen bases, merging, adapter-only checkpoints, and parallel layouts equal to one process."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed.checkpoint import FileSystemReader
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.model import GPT
+from dist_llm.peft import apply_peft, load_adapter, lora_modules, merge, save_adapter, trainable_names, unmerge
+from dist_llm.peft.nf4 import NF4Linear
+from dist_llm.train.optim import build_optimizer
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401
+from tests.test_tensor_parallel import PARAM_ATOL
+
+ALL = "[qkv, attn_out, mlp_up, mlp_down]"
+LORA = {"peft__method": "lora", "peft__targets": ALL, "peft__rank": 4, "optim__lr": 1e-2}
+
+
+def _model(tmp_path: Path, **extra: Any) -> GPT:
+    cfg = load_config(None, tiny_overrides(tmp_path, **extra))
+    torch.manual_seed(0)
+    return GPT(cfg.model), cfg
+
+
+def _idx() -> torch.Tensor:
+    return torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("mlp", ["gelu", "swiglu"])
+def test_lora_freezes_the_base_and_starts_as_it(tmp_path: Path, mlp: str) -> None:
+    model, cfg = _model(tmp_path, model__mlp=mlp, **LORA)
+    before = model(_idx())
+    apply_peft(model, cfg.peft, seed=0)
+    names = trainable_names(model)
+    per_block = 4 * 2 + (2 if mlp == "swiglu" else 0)  # A and B on qkv, proj, up, down (and gate)
+    assert len(names) == cfg.model.n_layer * per_block and all(".lora." in n for n in names)
+    torch.testing.assert_close(model(_idx()), before, rtol=0, atol=0)  # B = 0: the update starts at zero
+    model(_idx()).sum().backward()
+    assert all(p.grad is None for n, p in model.named_parameters() if n not in names)
+    assert all(p.grad is not None for n, p in model.named_parameters() if n in names)
+    opt = build_optimizer(model, cfg.optim, torch.device("cpu"))
+    assert sum(len(g["params"]) for g in opt.param_groups) == len(names)  # no optimizer state for the base
+
+
+def test_lora_merge_and_unmerge(tmp_path: Path) -> None:
+    model, cfg = _model(tmp_path, **LORA)
+    base = {n: p.detach().clone() for n, p in model.named_parameters()}
+    apply_peft(model, cfg.peft, seed=0)
+    with torch.no_grad():
+        for _, lora in lora_modules(model):
+            lora.B.normal_(std=0.1)
+    adapted = model(_idx())
+    merge(model)
+    torch.testing.assert_close(model(_idx()), adapted, rtol=1e-5, atol=1e-5)  # the hook is off when merged
+    assert not torch.equal(model.blocks[0].attn.qkv.weight, base["blocks.0.attn.qkv.weight"])
+    unmerge(model)
+    torch.testing.assert_close(model(_idx()), adapted, rtol=1e-5, atol=1e-5)
+    for n, p in base.items():
+        torch.testing.assert_close(dict(model.named_parameters())[n], p, rtol=0, atol=1e-6)
+
+
+def test_adapter_weights_save_and_load_on_a_base(tmp_path: Path) -> None:
+    model, cfg = _model(tmp_path, **LORA)
+    apply_peft(model, cfg.peft, seed=0)
+    with torch.no_grad():
+        for _, lora in lora_modules(model):
+            lora.B.normal_(std=0.1)
+    save_adapter(model, tmp_path / "adapter", cfg.peft, base={"init_from": "", "model_fingerprint": cfg.fingerprint()})
+    stored = json.loads((tmp_path / "adapter" / "adapter.json").read_text())
+    assert stored["method"] == "lora" and stored["base"]["model_fingerprint"] == cfg.fingerprint()
+    fresh, _ = _model(tmp_path)  # the same base weights (seed 0), no adapter yet
+    apply_peft(fresh, cfg.peft, seed=5)
+    load_adapter(fresh, tmp_path / "adapter")
+    torch.testing.assert_close(fresh(_idx()), model(_idx()), rtol=0, atol=0)
+    other, other_cfg = _model(tmp_path, peft__method="lora", peft__targets="[qkv]")
+    apply_peft(other, other_cfg.peft, seed=0)
+    with pytest.raises(ConfigError, match="adapter.safetensors: does not fit this model"):
+        load_adapter(other, tmp_path / "adapter")
+
+
+def test_adapters_start_as_the_base_and_train_alone(tmp_path: Path) -> None:
+    model, cfg = _model(tmp_path, peft__method="adapter", peft__rank=8)
+    before = model(_idx())
+    apply_peft(model, cfg.peft, seed=0)
+    names = trainable_names(model)
+    assert names and all(".adapter." in n for n in names)
+    assert len(names) == cfg.model.n_layer * 2 * 4  # after attention and MLP: down and up, weight and bias
+    torch.testing.assert_close(model(_idx()), before, rtol=0, atol=0)  # up = 0: identity at the start
+
+
+def test_qlora_stores_the_base_in_4_bits(tmp_path: Path) -> None:
+    model, cfg = _model(tmp_path, model__n_embd=64, peft__method="qlora", peft__targets=ALL)
+    before = model(_idx())
+    linear_bytes = sum(p.numel() * 4 for n, p in model.named_parameters() if n.startswith("blocks.")
+                       and n.endswith("weight") and p.dim() == 2)
+    apply_peft(model, cfg.peft, seed=0)
+    quantised = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    assert len(quantised) == cfg.model.n_layer * 4
+    nf4_bytes = sum(m.nf4_weight().nbytes for m in quantised)
+    assert nf4_bytes < linear_bytes / 7  # ~0.52 bytes a weight against 4
+    after = model(_idx())
+    assert (after - before).abs().mean() < 0.1 * before.abs().mean()  # quantisation error, not a new model
+    assert all(".lora." in n for n in trainable_names(model))
+
+
+def test_peft_checkpoint_holds_only_the_trained_tensors_and_resumes(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                                    corpus: Path) -> None:  # noqa: F811
+    run = tmp_path / "run"
+    first = train(0, 1, run, corpus, {**LORA, "train__stop_after_step": 4, "train__ckpt_interval": 4})
+    keys = FileSystemReader(str(run / "checkpoints" / "step_000004")).read_metadata().state_dict_metadata
+    assert {k.split(".", 1)[0] for k in keys} == {"model", "optim"}
+    assert all(".lora." in k for k in keys), sorted(k for k in keys if ".lora." not in k)[:3]
+    manifest = json.loads((run / "checkpoints" / "step_000004" / "manifest.json").read_text())
+    assert manifest["peft_base"]["init_from"] == ""
+    lora_bytes = 4 * sum(p.numel() for n, p in first["params"].items() if ".lora." in n)
+    assert first["state_bytes"]["grads"] == lora_bytes  # gradients for LoRA only
+    assert 2 * lora_bytes <= first["state_bytes"]["optimizer"] < 2 * lora_bytes + 1024  # two moments (+ steps)
+    resumed = train(0, 1, run, corpus, LORA)
+    ref = reference(tmp_path_factory, corpus, **LORA)
+    assert resumed["losses"] == ref["losses"]  # the same run, bit for bit, across the restart
+
+
+@pytest.mark.parametrize("layout", [
+    {"parallel__tp": 2},
+    {"parallel__tp": 2, "parallel__sequence_parallel": True},
+    {"parallel__dp": 2, "parallel__zero_stage": 3, "train__micro_batch_size": 2},
+    {"parallel__pp": 2, "model__n_layer": 4, "train__micro_batch_size": 2},
+], ids=["tp2", "tp2-sp", "zero3", "pp2"])
+def test_lora_layouts_match_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                        layout: dict[str, Any]) -> None:
+    model = {k: v for k, v in layout.items() if k.startswith("model__")}
+    results = run_distributed(train, 2, tmp_path, corpus, {**LORA, **layout}, init_group=False)
+    ref = reference(tmp_path_factory, corpus, **LORA, **model)
+    got = results[0]
+    if "parallel__pp" in layout:  # each stage holds its own blocks
+        got = {**got, "params": {k: v for r in results for k, v in r["params"].items()}}
+    assert_same_run(got, ref, rtol=1e-5, param_atol=PARAM_ATOL)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_adapters_tensor_parallel_match_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                    corpus: Path, sequence_parallel: bool) -> None:  # noqa: F811
+    extra = {"peft__method": "adapter", "peft__rank": 8, "optim__lr": 1e-2}
+    results = run_distributed(train, 2, tmp_path, corpus, {**extra, "parallel__tp": 2,
+                                                           "parallel__sequence_parallel": sequence_parallel},
+                              init_group=False)
+    assert_same_run(results[0], reference(tmp_path_factory, corpus, **extra), rtol=1e-5, param_atol=PARAM_ATOL)
+
+
+def test_qlora_trains(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    got = train(0, 1, tmp_path, corpus, {"peft__method": "qlora", "peft__targets": ALL, "optim__lr": 1e-2,
+                                         "model__n_embd": 64})
+    assert got["losses"][-1] < got["losses"][0] - 0.1
+
+
+def test_peft_bad_values_exit_cleanly(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^peft.rank: must be positive, got 0$"):
+        load_config(None, tiny_overrides(tmp_path, peft__method="lora", peft__rank=0))
+    with pytest.raises(ConfigError, match=r"^peft.method: qlora is not supported with parallel.tp>1"):
+        load_config(None, tiny_overrides(tmp_path, peft__method="qlora", parallel__tp=2))
+    with pytest.raises(ConfigError, match=r"^model.init_from: expected hf:DIR or ckpt:DIR, got 'somewhere'$"):
+        load_config(None, tiny_overrides(tmp_path, model__init_from="somewhere"))
+    with pytest.raises(ConfigError, match=r"^model.init_from: directory not found: /no/such$"):
+        load_config(None, tiny_overrides(tmp_path, model__init_from="hf:/no/such"))
