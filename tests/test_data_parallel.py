@@ -53,7 +53,7 @@ _REFERENCE: dict[str, dict[str, Any]] = {}
 
 
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path, **extra: Any) -> dict[str, Any]:
-    key = json.dumps(extra, sort_keys=True)
+    key = json.dumps({**extra, "corpus": str(corpus)}, sort_keys=True)
     if key not in _REFERENCE:
         _REFERENCE[key] = train(0, 1, tmp_path_factory.mktemp("ref"), corpus, extra)
     return _REFERENCE[key]
