@@ -122,3 +122,19 @@ def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corp
     out = convert_checkpoint_to_hf(tmp_path / "run", tmp_path / "hf")
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(hf_logits(exported, tokens), adapted, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("demo", Path(__file__).parent.parent / "scripts" / "make_finetune_demo.py")
+    demo = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(demo)  # type: ignore[union-attr]
+    base, data = demo.make(tmp_path / "demo", records=500)
+    cfg = load_config(Path(__file__).parent.parent / "configs" / f"finetune-{method}.yaml", [
+        f"model.init_from=hf:{base}", f"data.source={data}", f"data.cache_dir={tmp_path / 'cache'}",
+        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=40", "train.eval_interval=0", "train.log_interval=5"])
+    last = Trainer(cfg, ParallelContext.from_config(cfg)).fit()
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[1])
+    assert last["loss"] < first["loss"] - 0.5

@@ -50,6 +50,31 @@ def test_lora_freezes_the_base_and_starts_as_it(tmp_path: Path, mlp: str) -> Non
     assert sum(len(g["params"]) for g in opt.param_groups) == len(names)  # no optimizer state for the base
 
 
+def test_lora_and_adapter_parameter_counts(tmp_path: Path) -> None:
+    model, cfg = _model(tmp_path, **LORA)
+    apply_peft(model, cfg.peft, seed=0)
+    r, d = cfg.peft.rank, cfg.model.n_embd
+    shapes = {"attn.qkv": (d, 3 * d), "attn.proj": (d, d), "mlp.up": (d, 4 * d), "mlp.down": (4 * d, d)}
+    for name, (d_in, d_out) in shapes.items():  # A (r x d_in) and B (d_out x r): r * (d_in + d_out)
+        lora = model.blocks[0].get_submodule(name).lora
+        assert lora.A.numel() + lora.B.numel() == r * (d_in + d_out)
+    adapted, acfg = _model(tmp_path, peft__method="adapter", peft__rank=8)
+    apply_peft(adapted, acfg.peft, seed=0)
+    m = acfg.peft.rank
+    assert sum(p.numel() for p in adapted.blocks[0].attn.adapter.parameters()) == 2 * m * d + d + m
+
+
+def test_adapter_only_checkpoint_of_gpt2_124m_is_under_1_percent(tmp_path: Path) -> None:
+    with torch.device("meta"):
+        model, cfg = _model(tmp_path, model__n_layer=12, model__n_head=12, model__n_embd=768, model__block_size=1024,
+                            model__vocab_size=50257, peft__method="lora", peft__rank=8, peft__targets="[qkv]")
+        apply_peft(model, cfg.peft, seed=0)
+    total = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert 124e6 < total < 125e6 and trained == 12 * 8 * (768 + 3 * 768)
+    assert trained / total < 0.01  # a checkpoint holds each trained tensor and its two Adam moments: the same ratio
+
+
 def test_lora_merge_and_unmerge(tmp_path: Path) -> None:
     model, cfg = _model(tmp_path, **LORA)
     base = {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -133,7 +158,12 @@ def test_peft_checkpoint_holds_only_the_trained_tensors_and_resumes(tmp_path: Pa
     {"parallel__tp": 2, "parallel__sequence_parallel": True},
     {"parallel__dp": 2, "parallel__zero_stage": 3, "train__micro_batch_size": 2},
     {"parallel__pp": 2, "model__n_layer": 4, "train__micro_batch_size": 2},
-], ids=["tp2", "tp2-sp", "zero3", "pp2"])
+    {"parallel__dp": 2, "parallel__zero_stage": 0, "train__micro_batch_size": 2,
+     "train__activation_checkpointing": "full"},
+    {"parallel__dp": 2, "parallel__zero_stage": 1, "train__micro_batch_size": 2},
+    {"parallel__dp": 2, "parallel__zero_stage": 2, "train__micro_batch_size": 2,
+     "train__activation_checkpointing": "selective"},
+], ids=["tp2", "tp2-sp", "zero3", "pp2", "ddp-ckpt", "zero1", "zero2-selective"])
 def test_lora_layouts_match_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
                                         layout: dict[str, Any]) -> None:
     model = {k: v for k, v in layout.items() if k.startswith("model__")}
@@ -159,6 +189,29 @@ def test_qlora_trains(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     got = train(0, 1, tmp_path, corpus, {"peft__method": "qlora", "peft__targets": ALL, "optim__lr": 1e-2,
                                          "model__n_embd": 64})
     assert got["losses"][-1] < got["losses"][0] - 0.1
+
+
+def test_lora_leaves_the_base_bit_identical(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import build_model
+
+    cfg = load_config(None, tiny_overrides(tmp_path / "base", data__source=str(corpus), model__bias=False))
+    base = dict(build_model(cfg, ParallelContext.from_config(cfg)).named_parameters())  # the seeded start
+    tuned = train(0, 1, tmp_path / "tuned", corpus, LORA)  # eight LoRA steps
+    assert tuned["losses"][-1] < tuned["losses"][0]
+    for name, p in base.items():
+        assert torch.equal(tuned["params"][name], p), name
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lora_mixed_precision_stays_near_fp32(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                              precision: str) -> None:
+    results = run_distributed(train, 2, tmp_path, corpus, {**LORA, "parallel__dp": 2, "parallel__zero_stage": 2,
+                                                           "train__micro_batch_size": 2, "train__precision": precision},
+                                  init_group=False)
+    ref = reference(tmp_path_factory, corpus, **LORA)
+    for a, b in zip(results[0]["losses"], ref["losses"], strict=True):
+        assert a == pytest.approx(b, rel=2e-2)
 
 
 def test_peft_bad_values_exit_cleanly(tmp_path: Path) -> None:
