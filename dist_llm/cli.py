@@ -1,4 +1,4 @@
-"""`dist-llm train|sample|convert`: parse, build, run. Bad input ends in one line on stderr and exit code 2."""
+"""`dist-llm train|sample|convert|memory|report`: parse, build, run. Bad input ends in one line on stderr and exit code 2."""
 
 from __future__ import annotations
 
@@ -153,10 +153,86 @@ def cmd_convert(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- memory -----------------------------------------------------------------------------------------------
+def add_memory_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", type=Path, default=None, help="YAML config file (its layout, or --world-size)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: dp*tp*pp of the config, dp>=1)")
+    p.add_argument("--params", type=float, default=None, help="shorthand without a config: a parameter count")
+    p.add_argument("--dp", type=int, default=1, help="with --params: data-parallel ranks")
+    p.add_argument("--zero-stage", type=int, default=0, help="with --params: ZeRO stage 0-3")
+    p.add_argument("--precision", default="mixed", help="with --params: mixed (fp16/bf16 + fp32 master) or fp32")
+    p.add_argument("--gpu-memory", default=None, help="with --suggest: the memory of one device, e.g. 80GiB")
+    p.add_argument("--suggest", action="store_true", help="list the layouts that fit --gpu-memory")
+    p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+
+
+@guarded
+def cmd_memory(args: argparse.Namespace) -> int:
+    import json
+
+    from dist_llm import memory
+
+    if args.params is not None:
+        if args.config is not None or args.overrides:
+            raise ConfigError("memory: --params is the shorthand without a config; give one or the other")
+        if args.params <= 0 or args.dp < 1:
+            raise ConfigError(f"memory: --params and --dp must be positive, got {args.params:g} and {args.dp}")
+        est = memory.paper_model_states(args.params, args.dp, args.zero_stage, args.precision)
+        title = (f"{args.params:.4g} parameters, dp={args.dp}, ZeRO stage {args.zero_stage}, {args.precision} "
+                 f"(the ZeRO paper's count, K={memory.PAPER_K}; no activations)")
+    else:
+        cfg = load_config(args.config, args.overrides)
+        world = args.world_size or max(1, cfg.parallel.dp) * cfg.parallel.tp * cfg.parallel.pp
+        if args.suggest:
+            if args.gpu_memory is None:
+                raise ConfigError("memory: --suggest needs --gpu-memory, e.g. 80GiB")
+            budget = memory.parse_size(args.gpu_memory)
+            fits = memory.suggest(cfg, world, budget)
+            if args.json:
+                print(json.dumps([{"dp": c.parallel.dp, "tp": c.parallel.tp, "pp": c.parallel.pp,
+                                   "zero_stage": c.parallel.zero_stage,
+                                   "activation_checkpointing": c.train.activation_checkpointing,
+                                   "micro_batch_size": c.train.micro_batch_size, "comm_bytes_per_step": round(cost),
+                                   **e.to_json()} for c, e, cost in fits]))
+                return 0
+            print(f"layouts of {world} ranks that fit {args.gpu_memory} per rank, cheapest in communication first:")
+            print(f"{'dp':>4}{'tp':>4}{'pp':>4}{'zero':>6}{'ckpt':>11}{'micro':>7}{'peak GiB':>10}{'comm GB/step':>14}")
+            for c, e, cost in fits:
+                print(f"{c.parallel.dp:>4}{c.parallel.tp:>4}{c.parallel.pp:>4}{c.parallel.zero_stage:>6}"
+                      f"{c.train.activation_checkpointing:>11}{c.train.micro_batch_size:>7}"
+                      f"{e.peak_bytes / memory.GiB:>10.2f}{cost / memory.GB:>14.3f}")
+            if not fits:
+                print("none fits: more ranks, a smaller micro batch or a smaller model")
+            return 0
+        est = memory.predict(cfg, world)
+        p = cfg.parallel
+        title = (f"{cfg.name}: world {world} (dp={world // (p.tp * p.pp)}, tp={p.tp}, pp={p.pp}), zero_stage "
+                 f"{p.zero_stage}, {cfg.train.precision}, checkpointing {cfg.train.activation_checkpointing}, "
+                 f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}")
+    print(json.dumps(est.to_json()) if args.json else memory.table(est, title))
+    return 0
+
+
+# -- report -----------------------------------------------------------------------------------------------
+def add_report_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("run_dir", type=Path, help="a run directory (train.out_dir)")
+
+
+@guarded
+def cmd_report(args: argparse.Namespace) -> int:
+    from dist_llm.train.report import write_report
+
+    print(write_report(args.run_dir))
+    return 0
+
+
 COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]] = {
     "train": ("train a model from a YAML config", add_train_args, cmd_train),
     "sample": ("generate text from a checkpoint", add_sample_args, cmd_sample),
     "convert": ("convert between Hugging Face directories and dist_llm checkpoints", add_convert_args, cmd_convert),
+    "memory": ("predict per-rank memory for a config or a parameter count", add_memory_args, cmd_memory),
+    "report": ("rebuild report.md of a run directory", add_report_args, cmd_report),
 }
 
 

@@ -41,16 +41,21 @@ class SavedTensorMeter:
     """A context manager: while it is active, `live_bytes` is what autograd holds for backward and
     `peak_bytes` the most it held at once."""
 
-    def __init__(self, params: Iterable[torch.Tensor] = ()) -> None:
+    def __init__(self, params: Iterable[torch.Tensor] = (), module: torch.nn.Module | None = None) -> None:
         self._skip = {s.data_ptr() for s in map(_storage, params) if s is not None}
+        # FSDP2 swaps the module's parameters for unsharded ones during forward: they are parameters too,
+        # freed after forward however autograd refers to them, so the module is asked at each save
+        self._module = module
         self._refs: dict[int, list[int]] = {}  # storage pointer -> [bytes, references]
         self.live_bytes = 0
         self.peak_bytes = 0
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor) -> object:
-        storage = None if isinstance(t, torch.nn.Parameter) else _storage(t)  # FSDP2's unsharded params too
+        storage = None if isinstance(t, torch.nn.Parameter) else _storage(t)
         if storage is None or storage.data_ptr() in self._skip or storage.nbytes() == 0:
+            return t
+        if self._module is not None and storage.data_ptr() in self._current_params():
             return t
         key = storage.data_ptr()
         entry = self._refs.get(key)
@@ -61,6 +66,9 @@ class SavedTensorMeter:
         else:
             entry[1] += 1
         return _Held(t, self, key)
+
+    def _current_params(self) -> set[int]:
+        return {s.data_ptr() for s in map(_storage, self._module.parameters()) if s is not None}  # type: ignore[union-attr]
 
     @staticmethod
     def _unpack(held: object) -> torch.Tensor:

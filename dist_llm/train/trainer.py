@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from dist_llm import memory
 from dist_llm.config import Config, ConfigError, validate
 from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
 from dist_llm.model import GPT, LayerFactory
@@ -26,6 +27,7 @@ from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parall
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
+from dist_llm.train.report import write_report
 from dist_llm.peft import apply_peft, trainable_names
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.train.optim import lr_at
@@ -331,14 +333,39 @@ class Trainer:
                 "layout": self.ctx.layout(), "device": str(self.device), "precision": self.cfg.train.precision,
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
-                "resumed_from": str(self.resumed_from) if self.resumed_from else None}
+                "resumed_from": str(self.resumed_from) if self.resumed_from else None,
+                "flops_per_token": self._flops_per_token(),
+                "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
+
+    def _flops_per_token(self) -> float:
+        with torch.device("meta"):
+            return GPT(self.cfg.model).flops_per_token()
 
     def _log_accounting(self) -> None:
-        """Once, after the first step (when gradients exist): what this rank holds and sends per step."""
+        """Once, after the first step (when gradients exist): what this rank holds and sends per step, and
+        the memory calculator's prediction beside what it measured."""
         held = self.state_bytes or {}
         log.info("data parallel: %s | model states on rank 0: %s | comm per step on rank 0: %s",
                  self.dp.name, ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in held.items()),
                  ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in self.comm_bytes.items()) or "none")
+        try:
+            predicted = memory.predict(self.cfg, self.ctx.world_size, pp_rank=self.ctx.pp_rank).to_json()
+        except (ConfigError, ValueError) as e:  # a layout the calculator does not model: say so, train on
+            log.warning("memory calculator: %s", e)
+            return
+        measured = {f"{k}_bytes": v for k, v in held.items()}
+        measured["model_states_bytes"] = sum(held.values())
+        if self.activation_bytes is not None:
+            measured["activation_bytes"] = self.activation_bytes
+        if self.device.type == "cuda":
+            measured["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+        self.metrics.write({"event": "memory", "step": self.step, "predicted": predicted, "measured": measured})
+        log.info("memory on rank 0, predicted | measured: model states %.2f | %.2f MiB, saved activations %.2f | %s MiB%s",
+                 predicted["model_states_bytes"] / 2**20, measured["model_states_bytes"] / 2**20,
+                 predicted["activation_bytes"] / 2**20,
+                 f"{self.activation_bytes / 2**20:.2f}" if self.activation_bytes is not None else "-",
+                 f", peak {predicted['peak_bytes'] / 2**20:.1f} | {measured['peak_bytes'] / 2**20:.1f} MiB"
+                 if "peak_bytes" in measured else "")
 
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
@@ -360,7 +387,8 @@ class Trainer:
         try:
             while self.step < stop:
                 if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
-                    with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()]) as meter:
+                    with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
+                                          module=self.module if self.dp.name == "fsdp2" else None) as meter:
                         out = self.train_step()
                     self.activation_bytes = meter.peak_bytes
                 else:
@@ -403,4 +431,5 @@ class Trainer:
             self.metrics.close()
         if self.ctx.is_main:
             plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+            write_report(self.out_dir)
         return last

@@ -36,6 +36,14 @@ def tensor_bytes(tensors: Any) -> int:
     return total
 
 
+def quantised_bytes(module: nn.Module) -> int:
+    """Bytes of weights held as buffers in a quantised form (QLoRA's NF4 base), which are parameters in all
+    but name."""
+    from dist_llm.peft.nf4 import NF4Linear
+
+    return sum(m.nf4_weight().nbytes for m in module.modules() if isinstance(m, NF4Linear))
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
 
@@ -149,5 +157,6 @@ class DataParallel:
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds in parameters, gradients, fp32 master weights and optimizer states."""
         params = list(self.model.parameters())
-        return {"params": tensor_bytes(params), "grads": tensor_bytes(p.grad for p in params), "master": 0,
+        return {"params": tensor_bytes(params) + quantised_bytes(self.module),
+                "grads": tensor_bytes(p.grad for p in params), "master": 0,
                 "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}

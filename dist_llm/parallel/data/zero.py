@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
+from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, quantised_bytes, tensor_bytes
 from dist_llm.train.optim import set_lr
 from dist_llm.train.precision import DTYPES
 
@@ -100,6 +100,28 @@ def plan_buckets(named_params: list[tuple[str, nn.Parameter]], dp: int, bucket_n
     return buckets
 
 
+def rank_segments(buckets: list[Bucket], rank: int) -> list[Segment]:
+    """The pieces of parameters that fall in `rank`'s slice of each bucket (one optimizer tensor each)."""
+    out = []
+    for b in buckets:
+        lo, hi = b.start + rank * b.shard_numel, b.start + (rank + 1) * b.shard_numel
+        for e in b.entries:
+            s, t = max(lo, e.offset), min(hi, e.offset + e.numel)
+            if s < t:
+                out.append(Segment(e, b, s, t))
+    return out
+
+
+def bucket_numel(bucket_mb: float, dtype: torch.dtype) -> int:
+    return max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=dtype).element_size()))
+
+
+def tied_alone(cfg: Config, pp: int, model: nn.Module) -> str | None:
+    """Under a pipeline the tied embedding lives on the first and the last stage, whose buckets otherwise
+    differ; alone in its bucket it is sharded alike on both, so its gradient shards can be summed."""
+    return "wte.weight" if pp > 1 and cfg.model.tie_embeddings and getattr(model, "wte", None) is not None else None
+
+
 class ZeroDataParallel(DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int) -> None:
         self.stage = stage
@@ -112,11 +134,9 @@ class ZeroDataParallel(DataParallel):
         self.param_dtype = DTYPES[cfg.train.precision]
 
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
-        bucket_numel = max(1, int(cfg.parallel.bucket_mb * 2**20 / torch.tensor([], dtype=self.param_dtype).element_size()))
-        # Under a pipeline the tied embedding lives on the first and the last stage, whose buckets otherwise
-        # differ; alone in its bucket it is sharded alike on both, so its gradient shards can be summed.
-        self.tied = "wte.weight" if ctx.pp > 1 and cfg.model.tie_embeddings and model.wte is not None else None
-        self.buckets = plan_buckets(named, self.dp, bucket_numel, frozenset([self.tied] if self.tied else []))
+        self.tied = tied_alone(cfg, ctx.pp, model)
+        self.buckets = plan_buckets(named, self.dp, bucket_numel(cfg.parallel.bucket_mb, self.param_dtype),
+                                    frozenset([self.tied] if self.tied else []))
         self.entries = [e for b in self.buckets for e in b.entries]
         total = sum(b.numel for b in self.buckets)
         self.shard_numel = total // self.dp
@@ -164,14 +184,7 @@ class ZeroDataParallel(DataParallel):
         return shard[b.shard_start : b.shard_start + b.shard_numel]
 
     def _segments(self) -> list[Segment]:
-        out = []
-        for b in self.buckets:
-            lo, hi = b.start + self.rank * b.shard_numel, b.start + (self.rank + 1) * b.shard_numel
-            for e in b.entries:
-                s, t = max(lo, e.offset), min(hi, e.offset + e.numel)
-                if s < t:
-                    out.append(Segment(e, b, s, t))
-        return out
+        return rank_segments(self.buckets, self.rank)
 
     def _grad_shard_view(self, seg: Segment) -> torch.Tensor:
         if self.flat_grads is not None:
@@ -347,6 +360,8 @@ class ZeroDataParallel(DataParallel):
 
     def model_state_bytes(self) -> dict[str, int]:
         grads = self.flat_grads if self.flat_grads is not None else self.grad_shard
-        return {"params": tensor_bytes([self.flat_params]), "grads": tensor_bytes([grads]),
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]  # PEFT's base, outside the buffers
+        return {"params": tensor_bytes([self.flat_params]) + tensor_bytes(frozen) + quantised_bytes(self.module),
+                "grads": tensor_bytes([grads]),
                 "master": tensor_bytes([self.master]) if self.master is not None else 0,
                 "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}

@@ -1,0 +1,420 @@
+"""How much memory a rank needs: model states (parameters, gradients, master weights, optimizer states),
+activations and the largest temporary buffers, for any config and layout.
+
+Two models live here.
+
+* The ZeRO paper's (Rajbhandari et al. 2020), for a parameter count alone (`paper_model_states`): mixed
+  precision keeps 2 bytes of fp16 parameters and 2 of gradients per parameter, and K = 12 bytes of optimizer
+  states (a 4-byte fp32 master copy plus Adam's two 4-byte moments); stage 1 shards the K bytes over the dp
+  ranks, stage 2 the gradients too, stage 3 everything.
+
+* Our own implementation's, exactly (`predict`): each parameter's local shape after tensor parallelism
+  (whole heads of the fused QKV, column rows, row columns, vocabulary rows), the blocks of this rank's
+  pipeline stage, PEFT's frozen base (QLoRA's in 4-bit NF4), then what each data-parallel form holds:
+    none / DDP / flat all-reduce   fp32 parameters and gradients, Adam moments (8 B) for trainable ones
+    ZeRO-1/2 (ours)                a flat buffer of all trainable parameters in the compute dtype, bucket-
+                                   padded to dp; stage 1 a full gradient buffer, stage 2 a 1/dp shard;
+                                   fp32 master and moments for the rank's shard (master only in mixed runs)
+    ZeRO-3 (FSDP2)                 fp32 parameter, gradient and moment shards: dim 0 split in dp chunks
+  plus PyTorch's 4-byte `step` tensor per optimizer tensor. Tests check these against the bytes a training
+  rank really holds.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): per layer, in 16-bit, s*b*h*(34 + 5*a*s/h) bytes without recomputation, divided by t with tensor
+plus sequence parallelism, 34*s*b*h/t with selective recomputation (the a*s*s attention scores dropped),
+2*s*b*h with full recomputation (`korthikanti_layer_bytes`). Our kernels hold less and somewhat different
+tensors, so `predict` counts what our GPT really saves for backward (`our_layer_values`): SDPA's flash and
+memory-efficient kernels never store the a*s*s scores or the softmax dropout mask (only a log-sum-exp per
+head and token), so selective recomputation saves almost nothing here; RoPE keeps rotated copies of q and
+k; RMSNorm (composite in PyTorch) keeps its normalised output besides its input; with sequence parallelism
+a column-parallel layer keeps the all-gathered input (b*s*h, not b*s*h/t), as a plain F.linear does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dist_llm.config import Config, ConfigError
+
+GB, GiB = 1e9, 2**30
+PAPER_K = 12
+
+
+@dataclass
+class Estimate:
+    """Per-rank bytes. `model_states_bytes` = params + grads + master + optimizer; `peak_bytes` adds the
+    activations held at once and the largest temporary buffer."""
+
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    master_bytes: int = 0
+    optimizer_bytes: int = 0
+    activation_bytes: int = 0
+    temporary_bytes: int = 0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def model_states_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.master_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.model_states_bytes + self.activation_bytes + self.temporary_bytes
+
+    def to_json(self) -> dict[str, Any]:
+        return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes, "master_bytes": self.master_bytes,
+                "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
+                "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
+                "peak_bytes": self.peak_bytes}
+
+
+# -- the ZeRO paper ---------------------------------------------------------------------------------------
+def paper_model_states(params: float, dp: int, zero_stage: int, precision: str = "mixed") -> Estimate:
+    """Model states per rank for `params` parameters, as the ZeRO paper counts them (no padding, no steps)."""
+    if zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"--zero-stage: must be 0, 1, 2 or 3, got {zero_stage}")
+    if precision not in ("mixed", "fp32"):
+        raise ConfigError(f"--precision: must be mixed or fp32, got {precision}")
+    p, g, master, opt = (2.0, 2.0, 4.0, 8.0) if precision == "mixed" else (4.0, 4.0, 0.0, 8.0)
+    if zero_stage >= 1:
+        master, opt = master / dp, opt / dp
+    if zero_stage >= 2:
+        g /= dp
+    if zero_stage >= 3:
+        p /= dp
+    return Estimate(params_bytes=round(p * params), grads_bytes=round(g * params), master_bytes=round(master * params),
+                    optimizer_bytes=round(opt * params))
+
+
+# -- activations: the paper's formulas and ours --------------------------------------------------------------
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer in 16-bit, Korthikanti et al. 2022 (Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        return 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
+    if sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[float, float]:
+    """Values a block of our GPT saves for backward per token: (16-bit-able values, fp32 values). The first
+    are matmul outputs that autocast computes in the compute dtype; the second stay fp32 in mixed precision
+    (the residual stream, norm statistics, the attention log-sum-exp). A linear keeps its input only when
+    its weight is trained or carries LoRA; a frozen base (PEFT) keeps less."""
+    m, f = cfg.model, cfg.peft
+    c, hd = m.n_embd, m.head_dim
+    q, kv = m.n_head * hd / tp, (m.kv_heads * hd / tp if m.kv_heads >= tp else hd)
+    hidden = m.ffn_hidden / tp
+    seq = tp if sequence_parallel else 1
+    rms = m.norm == "rmsnorm"
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    trained = {"qkv", "attn_out", "mlp_up", "mlp_down"} if f.method == "none" else lora
+    # per norm: its input (the residual, a 1/t slice of the tokens under SP) and statistics (LayerNorm keeps
+    # mean and rstd, RMSNorm rstd and its normalised output)
+    norm_in = c / seq + (c / seq if rms else 0)
+    norm_stats = (1 if rms else 2) / seq
+    low = q + 2 * kv  # the fused qkv output (q, k, v are views of it), kept by attention
+    low += c if "qkv" in trained else 0  # the normalised input of qkv (whole: all-gathered under SP)
+    low += c if "mlp_up" in trained else 0  # ... of mlp.up (and gate)
+    if m.pos_emb == "rope":
+        low += q + kv  # rotated q and k, new tensors
+    low += q  # attention output: kept by the attention kernel, and the projection's input
+    gated = m.mlp == "swiglu"
+    low += 3 * hidden if gated else hidden  # gate, silu, up / up: kept by the activation (and the product)
+    low += hidden if "mlp_down" in trained else 0  # the down projection's input
+    lora_inputs = sum({"qkv": 1, "attn_out": 1, "mlp_up": 2 if gated else 1, "mlp_down": 1}[x] for x in lora)
+    low += lora_inputs * f.rank  # each LoRA's A x, the input of B
+    if f.method == "adapter":  # after attention and MLP: its input, the bottleneck, and its activation
+        low += 2 * (c / seq + 2 * f.rank)
+    high = 2 * norm_in + 2 * norm_stats + m.n_head / tp  # log-sum-exp per head
+    return low, high
+
+
+def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
+    """Bytes per token one block saves. In mixed precision matmul outputs are 16-bit; the residual stream
+    stays fp32 unless the parameters themselves are 16-bit (our ZeRO-1/2 keep them so, with fp32 masters)."""
+    low, high = our_layer_values(cfg, tp, sequence_parallel=sequence_parallel)
+    if cfg.train.precision == "fp32":
+        return 4 * (low + high)
+    params16 = dp > 1 and cfg.parallel.zero_stage in (1, 2) and cfg.parallel.backend == "native"
+    fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
+                                                / (tp if sequence_parallel else 1))
+    return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats
+
+
+def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
+    """Values per token saved by the final norm, the LM head and the loss (fp32), and the embedding's ids."""
+    m = cfg.model
+    seq = tp if sequence_parallel else 1
+    rms = m.norm == "rmsnorm"
+    vocab = m.padded_vocab / tp
+    norm = m.n_embd / seq * (2 if rms else 1) + (1 if rms else 2) / seq
+    head_input = m.n_embd if cfg.peft.method == "none" else 0  # a frozen head needs no input for its gradient
+    return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
+
+
+def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) -> int:
+    """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight."""
+    from dist_llm.parallel.pipeline.stage import partition_layers
+
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    sp = p.sequence_parallel and tp > 1
+    tokens = t.micro_batch_size * m.block_size
+    layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+    layers = len(_stage_layers(cfg, pp, pp_rank, partition_layers)) if pp > 1 else m.n_layer
+    mode = t.activation_checkpointing
+    if mode == "full":  # each block keeps its input (its recomputation in backward is a temporary)
+        per_micro = layers * m.n_embd / (tp if sp else 1) * 4
+    elif mode == "selective":  # only the attention core is recomputed: it held just the log-sum-exp
+        per_micro = layers * (layer - m.n_head / tp * 4)
+    else:
+        per_micro = layers * layer
+    if pp_rank == pp - 1:
+        per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
+    elif pp_rank == 0:
+        per_micro += 2  # token ids
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if pp == 1:
+        in_flight = 1
+    elif p.pp_schedule == "gpipe":
+        in_flight = micro
+    else:
+        in_flight = min(micro, pp - pp_rank)
+    return round(per_micro * tokens * in_flight)
+
+
+def _stage_layers(cfg: Config, pp: int, pp_rank: int, partition_layers: Any) -> range:
+    m = cfg.model
+    embed = m.padded_vocab * m.n_embd
+    block = _block_params(cfg)
+    ranges = partition_layers(m.n_layer, pp, block_weight=block, first_extra=embed,
+                              last_extra=0 if m.tie_embeddings else embed, explicit=cfg.parallel.pp_layers or None)
+    return ranges[pp_rank]
+
+
+def _block_params(cfg: Config) -> int:
+    from dist_llm.model import GPT
+
+    with torch.device("meta"):
+        one = GPT(dataclasses.replace(cfg.model, n_layer=1))
+    return sum(p.numel() for p in one.blocks[0].parameters())
+
+
+# -- model states, exactly as our data-parallel forms hold them ------------------------------------------------
+def _local_shape(name: str, shape: tuple[int, ...], cfg: Config, tp: int) -> tuple[int, ...]:
+    """This parameter's shape on tensor-parallel rank 0."""
+    if tp == 1:
+        return shape
+    from dist_llm.parallel.tensor.plan import qkv_rows
+
+    base, _, leaf = name.rpartition(".")
+    lora = base.endswith(".lora")
+    layer = base[: -len(".lora")] if lora else base
+    kind = ("qkv" if layer.endswith("attn.qkv") else "column" if layer.endswith(("mlp.up", "mlp.gate"))
+            else "row" if layer.endswith(("attn.proj", "mlp.down")) else "vocab" if layer in ("wte", "lm_head")
+            else "whole")
+    rows_split = kind in ("qkv", "column", "vocab")
+    if lora:  # column layers: B split by rows, A whole; row layers: A split by columns, B whole
+        if kind == "row" and leaf == "A":
+            return shape[0], shape[1] // tp
+        if rows_split and leaf == "B":
+            rows = len(qkv_rows(cfg.model, tp, 0)[0]) if kind == "qkv" else shape[0] // tp
+            return (rows, *shape[1:])
+        return shape
+    if kind == "qkv":
+        return (len(qkv_rows(cfg.model, tp, 0)[0]), *shape[1:])
+    if kind in ("column", "vocab"):
+        return (shape[0] // tp, *shape[1:])
+    if kind == "row" and leaf == "weight":
+        return shape[0], shape[1] // tp
+    return shape
+
+
+def _nf4_nbytes(numel: int, block: int = 64, scale_block: int = 256) -> int:
+    blocks = -(-numel // block)
+    return blocks * block // 2 + blocks + 4 * -(-blocks // scale_block) + 4
+
+
+def _stage_model(cfg: Config, pp: int, pp_rank: int) -> torch.nn.Module:
+    """The whole GPT on the meta device, PEFT applied, cut to this pipeline stage."""
+    from dist_llm.model import GPT
+    from dist_llm.parallel.pipeline.stage import cut_to_stage
+    from dist_llm.peft import apply_peft
+
+    peft = cfg.peft if cfg.peft.method != "qlora" else dataclasses.replace(cfg.peft, method="lora")
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+        apply_peft(model, peft, seed=0)
+    if pp > 1:
+        cut_to_stage(model, cfg, pp, pp_rank)
+    return model
+
+
+def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Estimate:
+    """Bytes of model states on rank 0 of the given pipeline stage (dp rank 0, tp rank 0)."""
+    from dist_llm.parallel.data.zero import bucket_numel, plan_buckets, rank_segments, tied_alone
+    from dist_llm.train.precision import DTYPES
+
+    p, t = cfg.parallel, cfg.train
+    model = _stage_model(cfg, pp, pp_rank)
+    qlora = cfg.peft.method == "qlora"
+    trainable: list[tuple[str, tuple[int, ...]]] = []
+    frozen_bytes = 0
+    for name, param in model.named_parameters():
+        shape = _local_shape(name, tuple(param.shape), cfg, tp)
+        n = math.prod(shape)
+        if param.requires_grad:
+            trainable.append((name, shape))
+        elif qlora and name.startswith("blocks.") and name.endswith(".weight") and param.dim() == 2:
+            frozen_bytes += _nf4_nbytes(n)
+        else:
+            frozen_bytes += 4 * n
+    mixed = t.precision != "fp32"
+    est = Estimate()
+    if p.backend == "deepspeed":
+        est.notes.append("parallel.backend=deepspeed: the ZeRO paper's counts, not DeepSpeed's exact buffers")
+    stage = p.zero_stage if dp > 1 or p.zero_stage == 3 else 0
+    if stage in (1, 2) and p.backend == "native":
+        compute = DTYPES[t.precision]
+        size = torch.tensor([], dtype=compute).element_size()
+        fake = [(n, torch.empty(s, device="meta")) for n, s in trainable][::-1]
+        alone = tied_alone(cfg, pp, model)
+        buckets = plan_buckets(fake, dp, bucket_numel(p.bucket_mb, compute), frozenset([alone] if alone else []))
+        total = sum(b.numel for b in buckets)
+        shard = total // dp
+        segments = rank_segments(buckets, 0)
+        est.params_bytes = total * size + frozen_bytes
+        est.grads_bytes = (total if stage == 1 else shard) * size
+        est.master_bytes = 4 * shard if mixed else 0
+        est.optimizer_bytes = 8 * sum(s.hi - s.lo for s in segments) + 4 * len(segments)
+        return est
+    if stage == 3:  # FSDP2: dim 0 of every parameter split into dp chunks, rank 0 holding the first
+        local = [math.prod((-(-s[0] // dp), *s[1:])) if s else 1 for _, s in trainable]
+        frozen = 0
+        for name, param in model.named_parameters():
+            if not param.requires_grad:
+                s = _local_shape(name, tuple(param.shape), cfg, tp)
+                frozen += 4 * math.prod((-(-s[0] // dp), *s[1:]))
+        est.params_bytes = 4 * sum(local) + frozen
+        est.grads_bytes = 4 * sum(local)
+        est.optimizer_bytes = 8 * sum(local) + 4 * len(local)
+        return est
+    n_train = sum(math.prod(s) for _, s in trainable)
+    est.params_bytes = 4 * n_train + frozen_bytes
+    est.grads_bytes = 4 * n_train
+    est.optimizer_bytes = 8 * n_train + 4 * len(trainable)
+    return est
+
+
+def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
+    """The largest transient buffer: the fp32 logits and their softmax for the loss, a ZeRO bucket, or an
+    FSDP2 unit (a block's parameters, gathered, twice with prefetch)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    logits = 2 * t.micro_batch_size * m.block_size * m.padded_vocab // tp * 4
+    candidates = [logits]
+    if dp > 1 and p.zero_stage in (1, 2):
+        candidates.append(int(p.bucket_mb * 2**20))
+    if dp > 1 and p.zero_stage == 3:
+        candidates.append(2 * _block_params(cfg) // tp * (4 if t.precision == "fp32" else 2))
+    if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
+        layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=p.sequence_parallel and tp > 1)
+        candidates.append(round(layer * t.micro_batch_size * m.block_size))
+    return max(candidates)
+
+
+def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None = None) -> Estimate:
+    """Per-rank bytes for `cfg` at `world_size` ranks (default: dp*tp*pp with dp=1 when parallel.dp is 0).
+    With a pipeline, the stage that needs the most (or `pp_rank`)."""
+    from dist_llm.parallel.context import resolve_degrees
+
+    p = cfg.parallel
+    world = world_size or max(1, p.dp) * p.tp * p.pp
+    dp, tp, pp = resolve_degrees(world, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
+                                 micro_batch_size=cfg.train.micro_batch_size)
+    stages = [pp_rank] if pp_rank is not None else range(pp)
+    best: Estimate | None = None
+    for s in stages:
+        est = model_state_bytes(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
+        est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
+        est.temporary_bytes = temporary_bytes(cfg, dp=dp, tp=tp)
+        if p.offload == "cpu":
+            est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory; "
+                             "the device holds one gathered unit at a time")
+        if best is None or est.peak_bytes > best.peak_bytes:
+            best = est
+    assert best is not None
+    return best
+
+
+# -- presentation ---------------------------------------------------------------------------------------------
+def table(est: Estimate, title: str) -> str:
+    rows = [("parameters", est.params_bytes), ("gradients", est.grads_bytes), ("fp32 master weights", est.master_bytes),
+            ("optimizer states", est.optimizer_bytes), ("model states", est.model_states_bytes),
+            ("activations", est.activation_bytes), ("largest temporary", est.temporary_bytes), ("peak", est.peak_bytes)]
+    lines = [title, f"{'per rank':<22}{'GB':>12}{'GiB':>12}", "-" * 46]
+    for label, value in rows:
+        lines.append(f"{label:<22}{value / GB:>12.3f}{value / GiB:>12.3f}")
+    lines += [f"note: {n}" for n in est.notes]
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """'80GiB', '80GB', '40e9' -> bytes."""
+    units = {"gib": GiB, "gb": GB, "mib": 2**20, "mb": 1e6, "tib": 2**40, "tb": 1e12}
+    low = text.strip().lower()
+    for unit, factor in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if low.endswith(unit):
+            return int(float(low[: -len(unit)]) * factor)
+    try:
+        return int(float(low))
+    except ValueError:
+        raise ConfigError(f"--gpu-memory: expected a size such as 80GiB or 40GB, got {text!r}") from None
+
+
+def comm_cost(cfg: Config, dp: int, tp: int, pp: int) -> float:
+    """Bytes a rank sends per step, to rank layouts (tp's activation all-reduces are the dearest)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    with torch.device("meta"):
+        from dist_llm.model import GPT
+
+        n = GPT(cfg.model).num_params() / (tp * pp)
+    grads = {0: 2, 1: 2, 2: 2, 3: 3}[p.zero_stage] * 4 * n * (dp - 1) / dp if dp > 1 else 0.0
+    tokens = t.global_batch_size // dp * m.block_size
+    tp_bytes = (4 * m.n_layer / pp + 2) * tokens * m.n_embd * 4 * 2 * (tp - 1) / tp if tp > 1 else 0.0
+    pp_bytes = 2 * tokens * m.n_embd * 4 if pp > 1 else 0.0
+    recompute = {"none": 1.0, "selective": 1.05, "full": 1.33}[t.activation_checkpointing]
+    return (grads + tp_bytes + pp_bytes) * recompute
+
+
+def suggest(cfg: Config, world_size: int, budget: int, limit: int = 20) -> list[tuple[Config, Estimate, float]]:
+    """Layouts of `world_size` ranks (dp x tp x pp, zero stage, checkpointing, micro batch) whose peak fits
+    `budget` bytes, cheapest in communication first."""
+    out = []
+    m = cfg.model
+    for tp in [d for d in (1, 2, 4, 8) if world_size % d == 0 and m.n_head % d == 0]:
+        for pp in [d for d in (1, 2, 4, 8, 16) if (world_size // tp) % d == 0 and d <= m.n_layer]:
+            dp = world_size // (tp * pp)
+            for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)):
+                for ckpt in ("none", "selective", "full"):
+                    for micro in sorted({1, 2, 4, 8, cfg.train.micro_batch_size}):
+                        if cfg.train.global_batch_size % (micro * dp):
+                            continue
+                        c = dataclasses.replace(
+                            cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero),
+                            train=dataclasses.replace(cfg.train, activation_checkpointing=ckpt, micro_batch_size=micro))
+                        try:
+                            est = predict(c, world_size)
+                        except (ConfigError, ValueError):
+                            continue
+                        if est.peak_bytes <= budget:
+                            out.append((c, est, comm_cost(c, dp, tp, pp)))
+    out.sort(key=lambda x: (x[2], -x[0].train.micro_batch_size, x[1].peak_bytes))
+    return out[:limit]

@@ -1,0 +1,88 @@
+"""report.md: one page about a finished run, rebuilt from its files alone (`dist-llm report RUN_DIR`).
+
+It reads config.yaml and metrics.jsonl (the start record, the memory record of the first step, the last
+training and validation records) and links loss.png.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from dist_llm.config import ConfigError, config_from_dict
+from dist_llm.train.metrics import read_metrics
+
+#: dense bf16 peak FLOP/s of devices we know, for MFU (name fragment -> FLOP/s)
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12}
+
+
+def _gb(n: float | None) -> str:
+    return "-" if n is None else f"{n / 1e9:.4f} GB ({n / 2**30:.4f} GiB)"
+
+
+def build_report(run_dir: Path) -> str:
+    cfg_file, metrics_file = run_dir / "config.yaml", run_dir / "metrics.jsonl"
+    for f in (cfg_file, metrics_file):
+        if not f.is_file():
+            raise ConfigError(f"report: {f} not found (is {run_dir} a run directory?)")
+    cfg = config_from_dict(yaml.safe_load(cfg_file.read_text()), check=False)
+    records = read_metrics(metrics_file)
+    start = next((r for r in reversed(records) if r.get("event") == "start"), {})
+    mem = next((r for r in reversed(records) if r.get("event") == "memory"), None)
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r and "loss" not in r]
+    last: dict[str, Any] = train[-1] if train else {}
+    layout = start.get("layout", {})
+    p, t = cfg.parallel, cfg.train
+    lines = [f"# Run report: {cfg.name}", "",
+             "## Layout", "",
+             f"- world size {layout.get('world_size', '?')}: dp {layout.get('dp', '?')} x tp {layout.get('tp', '?')} x "
+             f"pp {layout.get('pp', '?')} (mesh order pp, dp, tp), zero_stage {p.zero_stage}, backend {p.backend}"
+             + (f", {p.pp_schedule} schedule" if p.pp > 1 else "")
+             + (", sequence parallel" if p.sequence_parallel else ""),
+             f"- device {start.get('device', '?')}, precision {t.precision}, activation checkpointing "
+             f"{t.activation_checkpointing}, peft {cfg.peft.method}",
+             f"- {start.get('n_params', 0) / 1e6:.2f}M parameters; global batch {t.global_batch_size} x "
+             f"{cfg.model.block_size} tokens in {start.get('accum_steps', '?')} micro-step(s) of {t.micro_batch_size}",
+             ""]
+    lines += ["## Memory per rank (rank 0)", ""]
+    if mem:
+        pr, me = mem["predicted"], mem["measured"]
+        lines += ["| | predicted | measured |", "|---|---|---|"]
+        for key, label in [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("master_bytes", "fp32 master"),
+                           ("optimizer_bytes", "optimizer states"), ("model_states_bytes", "model states"),
+                           ("activation_bytes", "saved activations"), ("peak_bytes", "peak")]:
+            lines.append(f"| {label} | {_gb(pr.get(key))} | {_gb(me.get(key))} |")
+        lines += ["", "Measured: the bytes of the tensors the rank holds after its first step; saved activations "
+                  "counted with saved_tensors_hooks during that step; the peak is the CUDA allocator's on a GPU.", ""]
+    else:
+        lines += ["(no memory record: the run stopped before its first step ended)", ""]
+    lines += ["## Throughput and communication", ""]
+    if last:
+        tps = last.get("tokens_per_s", 0.0)
+        lines.append(f"- {tps:,.0f} tokens/s at step {last['step']}")
+        flops = start.get("flops_per_token")
+        device = str(start.get("device", ""))
+        if flops:
+            lines.append(f"- model FLOPs: {flops * tps / 1e12:.3f} TFLOP/s ({flops:.3g} per token)")
+            peak = next((v for k, v in PEAK_BF16.items() if k in start.get("device_name", "")), None)
+            if device.startswith("cuda") and peak:
+                lines.append(f"- MFU: {100 * flops * tps / (peak * layout.get('world_size', 1)):.1f}% of "
+                             f"{start.get('device_name')}'s bf16 peak")
+            else:
+                lines.append("- MFU: only on a GPU of known peak")
+        comm = last.get("comm_bytes") or {}
+        lines.append("- bytes sent per step by rank 0: " + (", ".join(f"{k} {v / 2**20:.3f} MiB" for k, v in comm.items())
+                                                            or "none"))
+        lines.append(f"- last training loss {last['loss']:.4f}" + (f", validation loss {val[-1]['val_loss']:.4f} at step "
+                                                                  f"{val[-1]['step']}" if val else ""))
+    lines += ["", "## Loss", "", "![loss](loss.png)", ""]
+    return "\n".join(lines)
+
+
+def write_report(run_dir: Path) -> Path:
+    out = run_dir / "report.md"
+    out.write_text(build_report(run_dir))
+    return out

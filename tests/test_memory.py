@@ -1,0 +1,138 @@
+"""The memory calculator: the ZeRO paper's table, Korthikanti's activation formulas, and our own layouts'
+bytes predicted against what training ranks really hold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_llm import memory
+from dist_llm.config import load_config
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import STEPS, corpus, train  # noqa: F401
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dist_llm.cli", "memory", *args], capture_output=True, text=True,
+                          cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
+
+
+@pytest.mark.parametrize(("stage", "gb"), [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_table_for_7_5b_on_64_ranks(stage: int, gb: float) -> None:
+    est = memory.paper_model_states(7.5e9, 64, stage)
+    assert round(est.model_states_bytes / 1e9, 1) == gb
+
+
+def test_shorthand_command_prints_the_paper_figures() -> None:
+    out = cli("--params", "7.5e9", "--dp", "64", "--zero-stage", "2", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert set(got) >= {"params_bytes", "grads_bytes", "master_bytes", "optimizer_bytes", "model_states_bytes",
+                        "activation_bytes", "peak_bytes"}
+    assert round(got["model_states_bytes"] / 1e9, 1) == 16.6
+    gpt2 = json.loads(cli("--params", "1.5e9", "--json").stdout)  # the lecture's GPT-2 1.5B: 16 bytes a parameter
+    assert gpt2["model_states_bytes"] == 24_000_000_000
+    fp32 = json.loads(cli("--params", "1e9", "--precision", "fp32", "--json").stdout)
+    assert (fp32["params_bytes"], fp32["master_bytes"], fp32["optimizer_bytes"]) == (4e9, 0, 8e9)
+
+
+def test_korthikanti_gpt3_175b_layer() -> None:
+    """s=2048, b=1, h=12288, a=96, t=8: Table 2 of Korthikanti et al. 2022, per layer, 16-bit."""
+    s, b, h, a, t = 2048, 1, 12288, 96, 8
+    sbh = s * b * h
+    cases = {  # (sequence parallel, recompute) -> multiple of s*b*h
+        (False, "none"): 10 + 24 / t + 5 * a * s / (h * t),  # 23
+        (True, "none"): (34 + 5 * a * s / h) / t,  # 14.25
+        (False, "selective"): 10 + 24 / t,  # 13
+        (True, "selective"): 34 / t,  # 4.25
+        (True, "full"): 2 / t,
+    }
+    assert cases[False, "none"] == 23 and cases[True, "none"] == 14.25 and cases[True, "selective"] == 4.25
+    for (sp, rec), factor in cases.items():
+        assert memory.korthikanti_layer_bytes(s, b, h, a, t, sequence_parallel=sp, recompute=rec) == factor * sbh
+    # the paper's headline: sequence parallelism plus selective recomputation hold 5x less than tp alone
+    none = memory.korthikanti_layer_bytes(s, b, h, a, t)
+    both = memory.korthikanti_layer_bytes(s, b, h, a, t, sequence_parallel=True, recompute="selective")
+    assert none / both == pytest.approx(5.41, abs=0.01)
+    assert round(none / 2**20) == 552 and round(both / 2**20) == 102  # MiB per layer
+
+
+def _config(out_dir: Path, corpus: Path, extra: dict[str, Any]):  # type: ignore[no-untyped-def]  # noqa: F811
+    return load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": STEPS,
+                                                        "train__eval_interval": 0, "model__bias": False, **extra}))
+
+
+LAYOUTS = [
+    (1, {}),
+    (1, {"model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__n_kv_head": 2}),
+    (1, {"train__activation_checkpointing": "full"}),
+    (1, {"peft__method": "lora", "peft__targets": "[qkv, mlp_down]"}),
+    (1, {"peft__method": "qlora", "model__n_embd": 64}),
+    (2, {"parallel__zero_stage": 0, "train__micro_batch_size": 2}),
+    (2, {"parallel__zero_stage": 1, "train__precision": "bf16", "parallel__bucket_mb": 0.01}),
+    (2, {"parallel__zero_stage": 2, "train__precision": "bf16", "parallel__bucket_mb": 0.01}),
+    (2, {"parallel__zero_stage": 3}),
+    (2, {"parallel__tp": 2, "model__n_kv_head": 1}),
+    (2, {"parallel__tp": 2, "parallel__sequence_parallel": True, "train__activation_checkpointing": "selective"}),
+    (2, {"parallel__pp": 2, "model__n_layer": 4, "train__micro_batch_size": 2, "parallel__pp_schedule": "gpipe"}),
+    (4, {"parallel__pp": 2, "parallel__dp": 2, "parallel__zero_stage": 1, "model__n_layer": 4,
+         "train__micro_batch_size": 1}),
+]
+
+
+@pytest.mark.parametrize(("world", "extra"), LAYOUTS, ids=[
+    "single", "llama-like", "full-ckpt", "lora", "qlora", "ddp", "zero1-bf16", "zero2-bf16", "zero3", "tp2-mqa",
+    "tp2-sp-selective", "pp2-gpipe", "dp2-pp2-zero1"])
+def test_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, world: int,  # noqa: F811
+                                              extra: dict[str, Any]) -> None:
+    extra = {**extra, "train__max_steps": 1}
+    got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False)[0] if world > 1
+           else train(0, 1, tmp_path, corpus, extra))
+    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0)
+    held = got["state_bytes"]
+    assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
+        est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
+    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=0.10)
+
+
+def test_config_command_and_suggest(tmp_path: Path) -> None:
+    out = cli("--config", "configs/tiny.yaml", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["model_states_bytes"] == got["params_bytes"] + got["grads_bytes"] + got["master_bytes"] + got["optimizer_bytes"]
+    assert got["peak_bytes"] > got["model_states_bytes"] + got["activation_bytes"]
+    table = cli("--config", "configs/tiny.yaml", "parallel.zero_stage=3", "train.micro_batch_size=8", "--world-size", "4")
+    assert "model states" in table.stdout and "GiB" in table.stdout
+    fits = json.loads(cli("--config", "configs/tiny.yaml", "--world-size", "4", "--gpu-memory", "60MiB", "--suggest",
+                          "--json").stdout)
+    assert fits and all(f["peak_bytes"] <= 60 * 2**20 for f in fits)
+    assert [f["comm_bytes_per_step"] for f in fits] == sorted(f["comm_bytes_per_step"] for f in fits)
+    assert all(f["dp"] * f["tp"] * f["pp"] == 4 for f in fits)
+    bad = cli("--config", "configs/tiny.yaml", "--suggest")
+    assert bad.returncode == 2 and bad.stderr.strip() == "dist-llm: error: memory: --suggest needs --gpu-memory, e.g. 80GiB"
+    bad = cli("--config", "configs/tiny.yaml", "--gpu-memory", "lots", "--suggest")
+    assert bad.returncode == 2 and "--gpu-memory: expected a size such as 80GiB" in bad.stderr
+    bad = cli("--params", "1e9", "--zero-stage", "5")
+    assert bad.returncode == 2 and bad.stderr.strip() == "dist-llm: error: --zero-stage: must be 0, 1, 2 or 3, got 5"
+
+
+def test_run_writes_report_and_report_rebuilds_it(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    train(0, 1, tmp_path, corpus, {"train__max_steps": 3})
+    report = (tmp_path / "report.md").read_text()
+    assert "| model states |" in report and "tokens/s" in report and "![loss](loss.png)" in report
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    mem = next(r for r in records if r.get("event") == "memory")
+    assert mem["predicted"]["model_states_bytes"] == mem["measured"]["model_states_bytes"]
+    (tmp_path / "report.md").unlink()
+    out = subprocess.run([sys.executable, "-m", "dist_llm.cli", "report", str(tmp_path)], capture_output=True,
+                         text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"}, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "report.md").read_text() == report
