@@ -56,6 +56,8 @@ class Estimate:
     optimizer_bytes: int = 0
     activation_bytes: int = 0
     temporary_bytes: int = 0
+    offloaded: bool = False
+    """Model states live in host memory (parallel.offload=cpu): not part of the device's peak."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -64,13 +66,14 @@ class Estimate:
 
     @property
     def peak_bytes(self) -> int:
-        return self.model_states_bytes + self.activation_bytes + self.temporary_bytes
+        device_states = 0 if self.offloaded else self.model_states_bytes
+        return device_states + self.activation_bytes + self.temporary_bytes
 
     def to_json(self) -> dict[str, Any]:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes, "master_bytes": self.master_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
                 "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
-                "peak_bytes": self.peak_bytes}
+                "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0}
 
 
 # -- the ZeRO paper ---------------------------------------------------------------------------------------
@@ -346,8 +349,9 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
         est.temporary_bytes = temporary_bytes(cfg, dp=dp, tp=tp)
         if p.offload == "cpu":
-            est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory; "
-                             "the device holds one gathered unit at a time")
+            est.offloaded = True
+            est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "
+                             "(host_bytes); the device holds one gathered unit at a time")
         if best is None or est.peak_bytes > best.peak_bytes:
             best = est
     assert best is not None

@@ -124,6 +124,15 @@ def test_config_command_and_suggest(tmp_path: Path) -> None:
     assert bad.returncode == 2 and bad.stderr.strip() == "dist-llm: error: --zero-stage: must be 0, 1, 2 or 3, got 5"
 
 
+def test_offload_moves_model_states_off_the_device(tmp_path: Path) -> None:
+    cfg = load_config(None, tiny_overrides(tmp_path, parallel__zero_stage=3, train__micro_batch_size=4))
+    on_device = memory.predict(cfg, 2)
+    off = memory.predict(load_config(None, tiny_overrides(tmp_path, parallel__zero_stage=3, parallel__offload="cpu",
+                                                          train__micro_batch_size=4)), 2)
+    assert off.to_json()["host_bytes"] == on_device.model_states_bytes
+    assert off.peak_bytes == on_device.peak_bytes - on_device.model_states_bytes
+
+
 def test_run_writes_report_and_report_rebuilds_it(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     train(0, 1, tmp_path, corpus, {"train__max_steps": 3})
     report = (tmp_path / "report.md").read_text()
