@@ -15,14 +15,23 @@ EXIT_BAD_INPUT = 2
 log = logging.getLogger("dist_llm")
 
 
-def setup_logging(rank: int) -> None:
-    """Rank 0 speaks at INFO; the others only warn."""
-    level = logging.INFO if rank == 0 else logging.WARNING
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
+def setup_logging(rank: int, log_dir: Path | None = None) -> None:
+    """On the console rank 0 speaks at INFO and the others only warn; with `log_dir`, every rank also writes
+    everything it logs to log_dir/rank_K.log."""
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
+    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    handlers: list[logging.Handler] = [console]
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        to_file = logging.FileHandler(log_dir / f"rank_{rank}.log")
+        to_file.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
+        handlers.append(to_file)
     root = logging.getLogger("dist_llm")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
+    for old in root.handlers:
+        old.close()
+    root.handlers[:] = handlers
+    root.setLevel(logging.INFO)
     root.propagate = False
 
 
@@ -93,7 +102,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.trainer import Trainer
 
-    setup_logging(int(os.environ.get("RANK", "0")))
+    setup_logging(int(os.environ.get("RANK", "0")), cfg.run_dir() / "logs")
     ctx = ParallelContext.from_config(cfg)
     try:
         Trainer(cfg, ctx).fit()

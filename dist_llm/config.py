@@ -142,6 +142,9 @@ class ParallelConfig:
     """ZeRO-3 (FSDP2): free gathered parameters after forward and gather again in backward."""
     offload: Literal["none", "cpu"] = "none"
     """ZeRO-3: keep sharded parameters, gradients and optimizer states in CPU memory."""
+    deepspeed_config: str = ""
+    """backend=deepspeed: a ds_config.json merged over the one derived from this config; keys both set
+    (batch sizes, ZeRO stage, precision, clipping) must agree."""
     timeout_s: float = 600.0
     """Timeout of collectives, in seconds."""
 
@@ -184,6 +187,10 @@ class TrainConfig:
     """Initial dynamic loss scale for fp16."""
     max_bad_steps: int = 20
     """Abort after this many consecutive steps with non-finite gradients."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files to out_dir/tensorboard (needs the tensorboard package)."""
+    wandb: Literal["off", "offline", "online"] = "off"
+    """Also log to a Weights & Biases run (offline: files under out_dir/wandb, synced later; needs wandb)."""
 
 
 PeftTarget = Literal["qkv", "attn_out", "mlp_up", "mlp_down"]
@@ -220,6 +227,10 @@ class Config:
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
+
+    def run_dir(self) -> Path:
+        """Where the run writes (train.out_dir, default runs/<name>)."""
+        return Path(self.train.out_dir or f"runs/{self.name}")
 
     def fingerprint(self) -> str:
         """Hash of the settings that define the model's shapes, to refuse loading a mismatched checkpoint."""
@@ -430,6 +441,9 @@ def validate(cfg: Config) -> None:
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
     _check_finetuning(cfg)
+    if p.deepspeed_config and (p.backend != "deepspeed" or not Path(p.deepspeed_config).expanduser().is_file()):
+        raise ConfigError(f"parallel.deepspeed_config: needs parallel.backend=deepspeed and an existing JSON file, "
+                          f"got backend={p.backend}, {p.deepspeed_config}")
 
 
 # Parallel forms land issue by issue; until one has, its keys accept only the value that turns it off.

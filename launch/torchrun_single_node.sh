@@ -5,9 +5,6 @@
 set -euo pipefail
 config=${1:?usage: $0 CONFIG [section.key=value ...]}
 shift
-if [ -z "${NPROC:-}" ]; then
-  NPROC=$(nvidia-smi -L 2>/dev/null | wc -l || true)
-  [ "${NPROC:-0}" -gt 0 ] || NPROC=1
-fi
+source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 exec "${PYTHON:-python}" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
   -m dist_llm.train --config "$config" "$@"

@@ -4,13 +4,16 @@ It is passed explicitly to everything that needs a rank, a group or the device; 
 process group. A single process started without torchrun is a valid context of size 1 (no process group,
 every group None, every collective a no-op).
 
-Ranks are laid out on a DeviceMesh with dims ("pp", "dp", "tp"), tp innermost: consecutive ranks (one node's
-GPUs under torchrun) share a tensor-parallel group, pipeline stages are the outermost split.
+Ranks are laid out on a DeviceMesh with dims ("dp", "pp", "tp"), tp innermost: consecutive ranks (one node's
+GPUs under torchrun) share a tensor-parallel group, whose all-reduces on every layer need the fastest links;
+pipeline stages come next (their point-to-point activations cross nodes), and data-parallel replicas are
+the outermost split (their gradient reductions overlap with backward and tolerate the slower network).
 """
 
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass, field
 from datetime import timedelta
 
@@ -64,6 +67,8 @@ class ParallelContext:
     owns_group: bool = False
     #: the first and last pipeline stages of this rank's (dp, tp) position, for the tied embedding's gradient
     embedding_group: dist.ProcessGroup | None = None
+    #: every rank's hostname, by rank
+    hosts: list[str] = field(default_factory=list)
 
     # -- coordinates ------------------------------------------------------------------------------------------
     @property
@@ -117,6 +122,26 @@ class ParallelContext:
         """Global rank of the last pipeline stage at this rank's (dp, tp) position (this rank when pp=1)."""
         return dist.get_process_group_ranks(self.pp_group)[-1] if self.pp > 1 else self.rank
 
+    @property
+    def backend(self) -> str:
+        return dist.get_backend() if dist.is_initialized() else "none"
+
+    def placement(self) -> list[str]:
+        """The mesh as it fell on the hosts: per host, its ranks and their (dp, pp, tp) coordinates. Consecutive
+        ranks (one node's processes under torchrun) share a tp group; dp is the outermost split."""
+        if self.world_size == 1:
+            return []
+        grid = torch.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
+        coords = {int(grid[d, p, t]): (d, p, t) for d in range(self.dp) for p in range(self.pp) for t in range(self.tp)}
+        by_host: dict[str, list[int]] = {}
+        for rank, host in enumerate(self.hosts):
+            by_host.setdefault(host, []).append(rank)
+        lines = [f"mesh (dp={self.dp}, pp={self.pp}, tp={self.tp}) over {len(by_host)} host(s), ranks as (dp, pp, tp):"]
+        for host, ranks in by_host.items():
+            shown = ", ".join(f"{r}{coords[r]}" for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
+            lines.append(f"  {host}: {shown}")
+        return lines
+
     def layout(self) -> dict[str, int]:
         return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
 
@@ -140,13 +165,15 @@ class ParallelContext:
                 dist.init_process_group(backend, timeout=timedelta(seconds=p.timeout_s),
                                         device_id=device if device.type == "cuda" else None)
                 ctx.owns_group = True
-            ctx.mesh = init_device_mesh(device.type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            ctx.mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            ctx.hosts = [""] * world_size
+            dist.all_gather_object(ctx.hosts, socket.gethostname())
             if pp > 1:
                 # every rank creates every group, in the same order, and keeps its own
-                grid = torch.arange(world_size).reshape(pp, dp, tp)
+                grid = torch.arange(world_size).reshape(dp, pp, tp)
                 for d in range(dp):
                     for t in range(tp):
-                        pair = [int(grid[0, d, t]), int(grid[-1, d, t])]
+                        pair = [int(grid[d, 0, t]), int(grid[d, -1, t])]
                         group = dist.new_group(pair)
                         if rank in pair:
                             ctx.embedding_group = group

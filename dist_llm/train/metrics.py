@@ -7,26 +7,64 @@ import math
 from pathlib import Path
 from typing import Any
 
+from dist_llm.config import ConfigError
+
 
 class MetricsLog:
-    """Appends JSON lines on the main rank; a no-op elsewhere."""
+    """Appends JSON lines on the main rank (a no-op elsewhere), and mirrors the numbers of each record with a
+    step to TensorBoard (`tensorboard_dir`) and Weights & Biases (`wandb_mode` offline or online)."""
 
-    def __init__(self, path: Path, *, enabled: bool, fresh: bool) -> None:
+    def __init__(self, path: Path, *, enabled: bool, fresh: bool, tensorboard_dir: Path | None = None,
+                 wandb_mode: str = "off", run_name: str = "", config: dict[str, Any] | None = None) -> None:
         self.path = path
         self._file = None
-        if enabled:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(path, "w" if fresh else "a")
+        self._tb: Any = None
+        self._wandb: Any = None
+        if not enabled:
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(path, "w" if fresh else "a")
+        if tensorboard_dir is not None:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise ConfigError("train.tensorboard=true needs the tensorboard package (pip install tensorboard)") from None
+            self._tb = SummaryWriter(log_dir=str(tensorboard_dir))
+        if wandb_mode != "off":
+            try:
+                import wandb
+            except ImportError:
+                raise ConfigError(f"train.wandb={wandb_mode} needs the wandb package (pip install wandb)") from None
+            self._wandb = wandb.init(project="dist_llm", name=run_name, dir=str(path.parent), mode=wandb_mode,
+                                     config=config, reinit="finish_previous")
 
     def write(self, record: dict[str, Any]) -> None:
-        if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
-            self._file.flush()
+        if self._file is None:
+            return
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+        step = record.get("step")
+        if step is None or record.get("event"):
+            return
+        numbers = {k: float(v) for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if self._tb is not None:
+            for k, v in numbers.items():
+                self._tb.add_scalar(k, v, step)
+            self._tb.flush()
+        if self._wandb is not None:
+            self._wandb.log(numbers, step=step)
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None
+        if self._wandb is not None:
+            self._wandb.finish()
+            self._wandb = None
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

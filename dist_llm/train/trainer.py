@@ -84,7 +84,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t, m = cfg.train, cfg.model
         self.device = ctx.device
-        self.out_dir = Path(t.out_dir or f"runs/{cfg.name}")
+        self.out_dir = cfg.run_dir()
         self.ckpt_root = self.out_dir / "checkpoints"
 
         # Local rank 0 prepares the token files; the others then find them in the cache.
@@ -135,7 +135,9 @@ class Trainer:
         fresh = self.resumed_from is None
         if fresh and ctx.is_main:
             self._clear_previous_run()
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh)
+        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
+                                  tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
+                                  wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
 
     # -- resume -------------------------------------------------------------------------------------------
     def _resume(self) -> Path | None:
@@ -375,10 +377,12 @@ class Trainer:
             (self.out_dir).mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
-        log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | %s | %s | global batch %d x %d "
-                 "tokens in %d micro-step(s) | out %s", self.n_params / 1e6, self.ctx.world_size,
-                 self.ctx.dp, self.ctx.tp, self.ctx.pp, self.device, t.precision, t.global_batch_size,
-                 self.cfg.model.block_size, self.accum_steps, self.out_dir)
+        log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | %s | %s | %s | %s | global batch "
+                 "%d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, self.ctx.world_size,
+                 self.ctx.dp, self.ctx.tp, self.ctx.pp, self.dp.name, self.ctx.backend, self.device, t.precision,
+                 t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
+        for line in self.ctx.placement():
+            log.info(line)
         last: dict[str, Any] = {}
         bar = tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=not self.ctx.is_main,
                    mininterval=1.0, dynamic_ncols=True)

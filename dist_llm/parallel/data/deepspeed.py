@@ -51,6 +51,54 @@ def deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
     }
 
 
+#: ds_config keys that our config also decides: (path in the JSON, our key, our value from the derived config)
+_AGREE = [("train_batch_size", "train.global_batch_size"), ("train_micro_batch_size_per_gpu", "train.micro_batch_size"),
+          ("gradient_accumulation_steps", "train.global_batch_size / (train.micro_batch_size * dp)"),
+          ("gradient_clipping", "optim.grad_clip"), ("zero_optimization.stage", "parallel.zero_stage"),
+          ("bf16.enabled", "train.precision"), ("fp16.enabled", "train.precision")]
+
+
+def _get(tree: dict[str, Any], path: str) -> Any:
+    for key in path.split("."):
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in extra.items():
+        if v == "auto":  # DeepSpeed's "fill in from elsewhere": ours fills it
+            continue
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
+    """Our derived ds_config, with `parallel.deepspeed_config` merged over it; where both set a key that our
+    config decides, they must agree (a contradiction is a one-line error naming both keys)."""
+    import json
+    from pathlib import Path
+
+    ours = deepspeed_config(cfg, dp)
+    path = cfg.parallel.deepspeed_config
+    if not path:
+        return ours
+    try:
+        theirs = json.loads(Path(path).expanduser().read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"parallel.deepspeed_config: cannot read {path}: {e}") from None
+    if not isinstance(theirs, dict):
+        raise ConfigError(f"parallel.deepspeed_config: {path} must hold a JSON object")
+    for ds_key, our_key in _AGREE:
+        given, derived = _get(theirs, ds_key), _get(ours, ds_key)
+        if given is not None and given != "auto" and given != derived:
+            raise ConfigError(f"parallel.deepspeed_config: {path} sets {ds_key}={given!r} but {our_key} gives "
+                              f"{derived!r}; change one of them")
+    return _merge(ours, theirs)
+
+
 class DeepSpeedDataParallel(DataParallel):
     name = "deepspeed"
     handles_loss_scaling = True
@@ -68,7 +116,7 @@ class DeepSpeedDataParallel(DataParallel):
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
         optimizer = build_optimizer(model, cfg.optim, ctx.device)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=deepspeed_config(cfg, ctx.dp))
+                                               config=merged_deepspeed_config(cfg, ctx.dp))
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
