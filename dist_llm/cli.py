@@ -138,7 +138,10 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
                    help="a Hugging Face GPT-2 or Llama-family directory, written as a dist_llm checkpoint")
     p.add_argument("--to-hf", type=Path, default=None, metavar="CKPT",
                    help="a dist_llm checkpoint (or run directory), written as a Hugging Face directory")
-    p.add_argument("--out", type=Path, default=None, help="the directory to write (must not exist or be empty)")
+    p.add_argument("--to-full", type=Path, default=None, metavar="CKPT",
+                   help="a dist_llm checkpoint of any layout, written as one consolidated .safetensors file")
+    p.add_argument("--out", type=Path, default=None,
+                   help="the directory (file with --to-full) to write; it must not exist (a directory may be empty)")
     p.add_argument("--pad-vocab-to", type=int, default=128,
                    help="with --from-hf: model.pad_vocab_to of the checkpoint (padding rows are zero)")
 
@@ -146,12 +149,17 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
 @guarded
 def cmd_convert(args: argparse.Namespace) -> int:
     # checked here rather than by argparse, so every mistake is one line
-    if (args.from_hf is None) == (args.to_hf is None):
-        raise ConfigError("convert: give exactly one of --from-hf DIR or --to-hf CKPT")
+    if sum(x is not None for x in (args.from_hf, args.to_hf, args.to_full)) != 1:
+        raise ConfigError("convert: give exactly one of --from-hf DIR, --to-hf CKPT or --to-full CKPT")
     if args.out is None:
         raise ConfigError("convert: --out is required")
     from dist_llm import hf
 
+    if args.to_full is not None:
+        from dist_llm.consolidate import save_full
+
+        print(save_full(args.to_full, args.out))
+        return 0
     if args.from_hf is not None:
         if args.pad_vocab_to < 1:
             raise ConfigError(f"--pad-vocab-to: must be positive, got {args.pad_vocab_to}")

@@ -31,9 +31,14 @@ def test_int_accepted_for_float_and_round_trip(tmp_path: Path) -> None:
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
-def test_shipped_configs_load() -> None:
+def test_shipped_configs_load(tmp_path: Path) -> None:
+    demo = tmp_path / "demo"  # the fine-tuning configs read files scripts/make_finetune_demo.py writes
+    (demo / "hf-base").mkdir(parents=True)
+    (demo / "train.jsonl").write_text('{"text": "x"}\n')
     for path in sorted((REPO / "configs").glob("*.yaml")):
-        load_config(path)
+        extra = ([f"model.init_from=hf:{demo / 'hf-base'}", f"data.source={demo / 'train.jsonl'}"]
+                 if path.name.startswith("finetune-") else [])
+        load_config(path, extra)
 
 
 @pytest.mark.parametrize(

@@ -120,6 +120,24 @@ def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str,
     ctx.barrier()
 
 
+def verify(path: Path) -> str | None:
+    """None when every file the manifest lists has its recorded size and sha256; else what is wrong, naming
+    the file (a truncated shard, a changed byte, a missing file)."""
+    try:
+        files = read_json(path / MANIFEST)["files"]
+    except (OSError, ValueError, KeyError) as e:
+        return f"{path / MANIFEST}: unreadable ({e})"
+    for name, want in files.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f}: missing"
+        if f.stat().st_size != want["bytes"]:
+            return f"{f}: {f.stat().st_size} bytes, the manifest says {want['bytes']}"
+        if _sha256(f) != want["sha256"]:
+            return f"{f}: checksum differs from the manifest's"
+    return None
+
+
 def is_complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
 import shutil
+import signal
+import socket
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +44,32 @@ log = logging.getLogger("dist_llm")
 
 class TrainingError(RuntimeError):
     """Training cannot go on (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
+
+
+class CheckpointError(TrainingError):
+    """A checkpoint could not be written (disk full, an I/O error); the previous complete one is untouched."""
+
+
+class Preemption:
+    """SIGTERM (a scheduler's preemption, torchrun stopping the job) asks the run to stop: the step in flight
+    finishes, a checkpoint is saved, and the process exits 0, ready for `train.resume=auto`."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self._previous: Any = None
+
+    def install(self) -> "Preemption":
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.requested = True
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
 
 
 @dataclass
@@ -144,11 +175,15 @@ class Trainer:
         choice = self.cfg.train.resume
         if choice == "never":
             return None
-        path = ckpt.latest_checkpoint(self.ckpt_root) if choice == "auto" else Path(choice).expanduser()
+        path = self._pick_checkpoint() if choice == "auto" else Path(choice).expanduser()
         if path is None:
             return None
         if not ckpt.is_complete(path):
             raise ConfigError(f"train.resume: {path} is not a complete checkpoint (no {ckpt.MANIFEST})")
+        if choice != "auto":
+            problem = self._on_main(lambda: ckpt.verify(path))
+            if problem:
+                raise ConfigError(f"train.resume: {problem}")
         manifest = ckpt.read_json(path / ckpt.MANIFEST)
         if manifest["model_fingerprint"] != self.cfg.fingerprint():
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
@@ -172,6 +207,27 @@ class Trainer:
         self.scaler.load_state_dict(state["scaler"])
         log.info("resumed from %s at step %d", path, self.step)
         return path
+
+    def _on_main(self, fn: Any) -> Any:
+        """fn() on the main rank, its result handed to every rank (file checks done once, not per rank)."""
+        box = [fn() if self.ctx.is_main else None]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _pick_checkpoint(self) -> Path | None:
+        """The newest complete checkpoint whose files match its manifest; a damaged one is skipped, with a warning."""
+
+        def pick() -> str | None:
+            for path in reversed(ckpt.list_checkpoints(self.ckpt_root)):
+                problem = ckpt.verify(path)
+                if problem is None:
+                    return str(path)
+                log.warning("skipping damaged checkpoint %s: %s", path, problem)
+            return None
+
+        found = self._on_main(pick)
+        return Path(found) if found else None
 
     def _clear_previous_run(self) -> None:
         """A fresh start owns out_dir: checkpoints of an earlier run would otherwise be resumed or pruned as ours."""
@@ -319,6 +375,17 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         path = ckpt.step_dir(self.ckpt_root, self.step)
+        try:
+            self._save(path)
+        except OSError as e:
+            if self.ctx.is_main:  # no partial directory left behind (resume=auto would ignore it anyway)
+                shutil.rmtree(path, ignore_errors=True)
+            kept = ckpt.latest_checkpoint(self.ckpt_root)
+            raise CheckpointError(f"saving checkpoint {path} failed ({e.strerror or e}); training stopped at step "
+                                  f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
+        return path
+
+    def _save(self, path: Path) -> None:
         state = self._saved_part(self.dp.checkpoint_state())
         if self.tp_state:
             state = self.tp_state.to_full(state)
@@ -327,7 +394,16 @@ class Trainer:
                              manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
         if self.ctx.is_main:
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)
-        return path
+
+    def _heartbeat(self) -> None:
+        """out_dir/heartbeat/rank_K.json: the last step this rank finished, when, and its process (to find a
+        stuck or dead rank)."""
+        folder = self.out_dir / "heartbeat"
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = folder / f".rank_{self.ctx.rank}.tmp"
+        tmp.write_text(json.dumps({"rank": self.ctx.rank, "step": self.step, "time": time.time(), "pid": os.getpid(),
+                                   "host": socket.gethostname()}))
+        os.replace(tmp, folder / f"rank_{self.ctx.rank}.json")
 
     # -- the loop -----------------------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
@@ -388,6 +464,8 @@ class Trainer:
                    mininterval=1.0, dynamic_ncols=True)
         run_start, prior_elapsed, start_step = time.perf_counter(), self.elapsed_s, self.step
         window_start, window_steps = run_start, 0
+        preemption = Preemption().install()
+        stop_flag = torch.zeros(1, device=self.device)
         try:
             while self.step < stop:
                 if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
@@ -426,11 +504,22 @@ class Trainer:
                     last["val_loss"] = self.evaluate()
                     self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
                     bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
-                if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop:
+                # every rank must stop at the same step: a SIGTERM seen by any rank stops them all
+                stop_flag.fill_(float(preemption.requested))
+                comm.all_reduce(stop_flag, None if self.ctx.world_size == 1 else torch.distributed.group.WORLD,
+                                None, op=torch.distributed.ReduceOp.MAX)
+                preempted = bool(stop_flag.item())
+                if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self.elapsed_s = prior_elapsed + time.perf_counter() - run_start
                     self.save_checkpoint()
+                self._heartbeat()
                 window_start += time.perf_counter() - paused  # eval and saving are not training throughput
+                if preempted:
+                    log.warning("SIGTERM: stopped after step %d with a checkpoint; train.resume=auto goes on from it",
+                                self.step)
+                    break
         finally:
+            preemption.restore()
             bar.close()
             self.metrics.close()
         if self.ctx.is_main:

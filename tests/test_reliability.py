@@ -1,0 +1,138 @@
+"""Surviving faults: SIGTERM, a failing disk, damaged checkpoints;
+and one consolidated file from a checkpoint of any layout."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.consolidate import load_full, save_full
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.sample import load_model
+from dist_llm.train import checkpoint as ckpt
+from dist_llm.train.trainer import CheckpointError, Trainer
+from tests.conftest import REPO, tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import corpus, train  # noqa: F401
+from tests.test_launch import env
+
+# big enough that a step takes tens of milliseconds, so a signal lands mid-run
+RUN = ["model.n_layer=2", "model.n_embd=64", "model.block_size=64", "train.micro_batch_size=8",
+       "train.global_batch_size=16", "train.eval_interval=0", "train.log_interval=1", "optim.warmup_steps=2"]
+
+
+def by_step(out_dir: Path) -> dict[int, float]:
+    """Loss per step; a step logged twice (before a crash and after the resume) keeps its last value."""
+    return {r["step"]: r["loss"] for r in map(json.loads, (out_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+def heartbeat(out_dir: Path, rank: int = 0) -> dict | None:
+    f = out_dir / "heartbeat" / f"rank_{rank}.json"
+    try:
+        return json.loads(f.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(predicate, timeout: float = 120) -> None:  # type: ignore[no-untyped-def]
+    end = time.time() + timeout
+    while not predicate():
+        if time.time() > end:
+            raise TimeoutError("condition not reached")
+        time.sleep(0.01)
+
+
+def train_cmd(out_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "dist_llm.train", "--config", str(REPO / "configs/tiny.yaml"), *RUN,
+            f"train.out_dir={out_dir}", *extra]
+
+
+def test_sigterm_saves_and_exits_0_then_resume_goes_on(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen(train_cmd(out, "train.max_steps=400", "train.ckpt_interval=1000"), env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (heartbeat(out) or {}).get("step", 0) >= 3)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-2000:]
+    stopped = heartbeat(out)["step"]
+    assert stopped < 400 and "SIGTERM: stopped after step" in err
+    assert ckpt.latest_checkpoint(out / "checkpoints") == ckpt.step_dir(out / "checkpoints", stopped)
+    # resume for three more steps; they equal an uninterrupted run's
+    more = subprocess.run(train_cmd(out, "train.max_steps=400", f"train.stop_after_step={stopped + 3}"), env=env(),
+                          capture_output=True, text=True, timeout=120)
+    assert more.returncode == 0, more.stderr[-2000:]
+    ref = tmp_path / "ref"
+    subprocess.run(train_cmd(ref, "train.max_steps=400", f"train.stop_after_step={stopped + 3}"), env=env(),
+                   capture_output=True, text=True, timeout=120, check=True)
+    assert by_step(out) == by_step(ref)
+
+
+def _trainer(out: Path, corpus: Path, **extra: object) -> Trainer:  # noqa: F811
+    cfg = load_config(None, tiny_overrides(out, data__source=str(corpus), train__eval_interval=0, **extra))
+    return Trainer(cfg, ParallelContext.from_config(cfg))
+
+
+def test_disk_full_keeps_the_last_complete_checkpoint(tmp_path: Path, corpus: Path,  # noqa: F811
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    trainer = _trainer(tmp_path, corpus, train__max_steps=12, train__ckpt_interval=4)
+    real_save, calls = ckpt.dcp.save, []
+
+    def failing_save(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            real_save(*args, **kwargs)  # some shards land, then the disk fills
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt.dcp, "save", failing_save)
+    with pytest.raises(CheckpointError) as info:
+        trainer.fit()
+    first = ckpt.step_dir(tmp_path / "checkpoints", 4)
+    assert str(info.value) == (f"saving checkpoint {ckpt.step_dir(tmp_path / 'checkpoints', 8)} failed (No space "
+                               f"left on device); training stopped at step 8, the last complete checkpoint is {first}")
+    assert ckpt.list_checkpoints(tmp_path / "checkpoints") == [first] and ckpt.verify(first) is None
+    assert not ckpt.step_dir(tmp_path / "checkpoints", 8).exists()
+
+
+def test_damaged_checkpoint_falls_back_or_names_the_file(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    _trainer(tmp_path, corpus, train__max_steps=8, train__ckpt_interval=4).fit()
+    newest = ckpt.step_dir(tmp_path / "checkpoints", 8)
+    shard = next(newest.glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])  # truncated
+    resumed = _trainer(tmp_path, corpus, train__max_steps=12, train__ckpt_interval=4)
+    assert resumed.resumed_from == ckpt.step_dir(tmp_path / "checkpoints", 4) and resumed.step == 4
+    with pytest.raises(ConfigError, match=rf"^train.resume: {shard}: \d+ bytes, the manifest says \d+$"):
+        _trainer(tmp_path, corpus, train__max_steps=12, train__resume=str(newest))
+    other = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__n_embd=64))
+    with pytest.raises(ConfigError, match="holds a different model than the model.* settings describe"):
+        Trainer(other, ParallelContext.from_config(other))
+
+
+@pytest.mark.parametrize("layout", [{}, {"parallel__tp": 2, "parallel__dp": 2, "train__micro_batch_size": 2}],
+                         ids=["one-process", "dp2-tp2"])
+def test_consolidated_file_of_any_layout(tmp_path: Path, corpus: Path, layout: dict) -> None:  # noqa: F811
+    extra = {**layout, "train__max_steps": 3}
+    if layout:
+        run_distributed(train, 4, tmp_path, corpus, extra, init_group=False)
+    else:
+        train(0, 1, tmp_path, corpus, extra)
+    model, _ = load_model(tmp_path, torch.device("cpu"))
+    out = save_full(tmp_path, tmp_path / "model.safetensors")
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(load_full(out)(tokens), model(tokens), rtol=0, atol=0)
+    proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "convert", "--to-full", str(tmp_path), "--out",
+                           str(out)], capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"dist-llm: error: --out: {out} already exists"
