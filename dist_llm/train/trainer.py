@@ -395,6 +395,15 @@ class Trainer:
         if self.ctx.is_main:
             ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)
 
+    def _agree_to_stop(self, requested: bool, flag: torch.Tensor) -> bool:
+        """Every rank must stop at the same step: a SIGTERM seen by any rank stops them all. One process
+        needs no collective (and no host sync)."""
+        if self.ctx.world_size == 1:
+            return requested
+        flag.fill_(float(requested))
+        comm.all_reduce(flag, torch.distributed.group.WORLD, None, op=torch.distributed.ReduceOp.MAX)
+        return bool(flag.item())
+
     def _heartbeat(self) -> None:
         """out_dir/heartbeat/rank_K.json: the last step this rank finished, when, and its process (to find a
         stuck or dead rank)."""
@@ -504,11 +513,7 @@ class Trainer:
                     last["val_loss"] = self.evaluate()
                     self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
                     bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
-                # every rank must stop at the same step: a SIGTERM seen by any rank stops them all
-                stop_flag.fill_(float(preemption.requested))
-                comm.all_reduce(stop_flag, None if self.ctx.world_size == 1 else torch.distributed.group.WORLD,
-                                None, op=torch.distributed.ReduceOp.MAX)
-                preempted = bool(stop_flag.item())
+                preempted = self._agree_to_stop(preemption.requested, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self.elapsed_s = prior_elapsed + time.perf_counter() - run_start
                     self.save_checkpoint()
