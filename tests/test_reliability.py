@@ -24,7 +24,7 @@ from dist_llm.train.trainer import CheckpointError, Trainer
 from tests.conftest import REPO, tiny_overrides
 from tests.distributed import run_distributed
 from tests.test_data_parallel import corpus, train  # noqa: F401
-from tests.test_launch import env
+from tests.test_launch import BIN, env
 
 # big enough that a step takes tens of milliseconds, so a signal lands mid-run
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.block_size=64", "train.micro_batch_size=8",
@@ -77,6 +77,33 @@ def test_sigterm_saves_and_exits_0_then_resume_goes_on(tmp_path: Path) -> None:
     subprocess.run(train_cmd(ref, "train.max_steps=400", f"train.stop_after_step={stopped + 3}"), env=env(),
                    capture_output=True, text=True, timeout=120, check=True)
     assert by_step(out) == by_step(ref)
+
+
+def torchrun_cmd(out_dir: Path, max_restarts: int, *extra: str) -> list[str]:
+    return [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2", "--max-restarts", str(max_restarts),
+            "-m", "dist_llm.train", *train_cmd(out_dir, *extra)[3:]]
+
+
+def test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint(tmp_path: Path) -> None:
+    run = ["train.max_steps=20", "train.ckpt_interval=10"]
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(torchrun_cmd(out, 1, *run), env=env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    # the heartbeat is written after the step's checkpoint: at step 10 the checkpoint is complete
+    wait_for(lambda: (heartbeat(out, rank=1) or {}).get("step", 0) >= 10)
+    victim = heartbeat(out, rank=1)
+    os.kill(victim["pid"], signal.SIGKILL)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert victim["step"] < 20, "the worker was killed too late to test a restart"
+    starts = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r.get("event") == "start"]
+    assert [s["resumed_from"] for s in starts] == [None, str(ckpt.step_dir(out / "checkpoints", 10))]
+
+    ref = tmp_path / "uninterrupted"
+    proc = subprocess.run(torchrun_cmd(ref, 0, *run), env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    after = {s: loss for s, loss in by_step(out).items() if s > 10}
+    assert list(after) == list(range(11, 21)) and after == {s: by_step(ref)[s] for s in range(11, 21)}
 
 
 def _trainer(out: Path, corpus: Path, **extra: object) -> Trainer:  # noqa: F811

@@ -12,6 +12,7 @@ the outermost split (their gradient reductions overlap with backward and tolerat
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.comm import CommStats
+
+log = logging.getLogger("dist_llm")
 
 
 def pick_device(kind: str, local_rank: int) -> torch.device:
@@ -51,6 +54,30 @@ def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_
         raise ConfigError(f"train.global_batch_size: {global_batch_size} is not divisible by "
                           f"train.micro_batch_size * dp = {micro_batch_size} * {dp}")
     return dp, tp, pp
+
+
+def init_process_group(backend: str, timeout: timedelta, device: torch.device) -> None:
+    """The default process group from torchrun's environment.
+
+    torchrun's agent keeps one TCPStore for all its restarts (`--max-restarts`), so a restarted worker would
+    read the previous attempt's addresses, of dead processes, and fail to connect (pytorch/pytorch#135712).
+    On one node the restart count is the same for every worker and names a fresh key prefix. Across nodes
+    it is not (a healthy node re-forms without counting a restart): there launch/ sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, which gives every attempt a new store."""
+    env = os.environ
+    device_id = device if device.type == "cuda" else None
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE", "1") != "1":
+        if attempt is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
+                and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("RANK") == "0":
+            log.warning("torchrun shares its store between restarts on %s nodes: a restart may fail to connect; "
+                        "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (launch/ does)", env["GROUP_WORLD_SIZE"])
+        dist.init_process_group(backend, timeout=timeout, device_id=device_id)
+        return
+    store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
+    store = dist.PrefixStore(f"dist_llm/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
+                            device_id=device_id)
 
 
 @dataclass
@@ -162,8 +189,7 @@ class ParallelContext:
         if world_size > 1:
             if not dist.is_initialized():
                 backend = "nccl" if device.type == "cuda" else "gloo"
-                dist.init_process_group(backend, timeout=timedelta(seconds=p.timeout_s),
-                                        device_id=device if device.type == "cuda" else None)
+                init_process_group(backend, timedelta(seconds=p.timeout_s), device)
                 ctx.owns_group = True
             ctx.mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
             ctx.hosts = [""] * world_size
