@@ -23,7 +23,7 @@ from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.trainer import CheckpointError, Trainer
 from tests.conftest import REPO, tiny_overrides
 from tests.distributed import run_distributed
-from tests.test_data_parallel import corpus, train  # noqa: F401
+from tests.test_data_parallel import corpus, reference, train  # noqa: F401
 from tests.test_launch import BIN, env
 
 # big enough that a step takes tens of milliseconds, so a signal lands mid-run
@@ -163,3 +163,29 @@ def test_consolidated_file_of_any_layout(tmp_path: Path, corpus: Path, layout: d
     proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "convert", "--to-full", str(tmp_path), "--out",
                            str(out)], capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == f"dist-llm: error: --out: {out} already exists"
+
+
+def test_3d_checkpoint_resumes_at_other_layouts(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                corpus: Path) -> None:  # noqa: F811
+    """Saved at dp=2 x tp=2 x pp=2 (ZeRO-1 shards), resumed at one process and at dp=2 x pp=2 ZeRO-2: the
+    next losses are the uninterrupted single process's."""
+    import shutil
+
+    layers = {"model__n_layer": 4, "train__micro_batch_size": 2}
+    saved = tmp_path / "saved"
+    run_distributed(train, 8, saved, corpus, {**layers, "parallel__dp": 2, "parallel__tp": 2, "parallel__pp": 2,
+                                              "parallel__zero_stage": 1, "train__stop_after_step": 4,
+                                              "train__ckpt_interval": 4}, init_group=False)
+    manifest = ckpt.read_json(ckpt.step_dir(saved / "checkpoints", 4) / ckpt.MANIFEST)
+    assert manifest["layout"] == {"world_size": 8, "dp": 2, "tp": 2, "pp": 2}
+    ref = reference(tmp_path_factory, corpus, **layers)
+    for name, world, layout in [("one-process", 1, {}),
+                                ("dp2-pp2-zero2", 4, {"parallel__pp": 2, "parallel__zero_stage": 2})]:
+        out = tmp_path / name
+        shutil.copytree(saved, out)
+        extra = {**layers, **layout}
+        got = run_distributed(train, world, out, corpus, extra, init_group=False)[0] if world > 1 \
+            else train(0, 1, out, corpus, extra)
+        assert len(got["losses"]) == 8, name
+        for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
+            assert a == pytest.approx(b, rel=1e-5), name
