@@ -175,6 +175,8 @@ class TrainConfig:
     """Steps between checkpoints (and one at the end); 0 saves only at the end."""
     keep_checkpoints: int = 2
     """Complete checkpoints to keep; older ones are deleted after a newer one is complete. 0 keeps all."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background: training stalls only while the tensors are copied to host memory."""
     out_dir: str = ""
     """Output directory; empty means runs/<config name>."""
     resume: str = "auto"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -189,3 +190,60 @@ def test_3d_checkpoint_resumes_at_other_layouts(tmp_path: Path, tmp_path_factory
         assert len(got["losses"]) == 8, name
         for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
             assert a == pytest.approx(b, rel=1e-5), name
+
+
+def _checkpoint_tensors(path: Path, out: Path) -> dict:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(str(path), str(out))
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["one-process", "dp2"])
+def test_async_checkpoint_equals_the_synchronous_one(tmp_path: Path, corpus: Path, world: int) -> None:  # noqa: F811
+    """Training goes on while the background save writes: the tensors it saved are those of its step, exactly,
+    and the run's losses are the synchronous run's."""
+    runs = {}
+    for mode in ("sync", "async"):
+        extra = {"train__max_steps": 8, "train__ckpt_interval": 2, "train__keep_checkpoints": 3,
+                 "train__async_checkpoint": mode == "async"}
+        if world > 1:
+            runs[mode] = run_distributed(train, world, tmp_path / mode, corpus, extra, init_group=False)[0]
+        else:
+            runs[mode] = train(0, 1, tmp_path / mode, corpus, extra)
+    assert runs["async"]["losses"] == runs["sync"]["losses"]
+    kept = ckpt.list_checkpoints(tmp_path / "async" / "checkpoints")
+    assert [p.name for p in kept] == ["step_000004", "step_000006", "step_000008"]  # pruned once complete
+    for path in kept:
+        assert ckpt.verify(path) is None
+        got = _checkpoint_tensors(path, tmp_path / "async.pt")
+        want = _checkpoint_tensors(tmp_path / "sync" / "checkpoints" / path.name, tmp_path / "sync.pt")
+        assert got.keys() == want.keys()
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_real_write_error_stops_with_one_line_and_keeps_the_checkpoint(tmp_path: Path) -> None:
+    """The kernel refuses the write (a file-size limit, as a full disk would): exit 1, one line naming the
+    checkpoint and the last complete one, which stays complete."""
+    import resource
+
+    out = tmp_path / "run"
+    subprocess.run(train_cmd(out, "train.max_steps=8", "train.stop_after_step=4"), env=env(), capture_output=True,
+                   timeout=120, check=True)
+    first = ckpt.step_dir(out / "checkpoints", 4)
+    limit = max(p.stat().st_size for p in first.iterdir() if p.is_file()) // 2
+
+    def small_files() -> None:  # in the child: writes past `limit` bytes fail with EFBIG instead of a signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
+    for mode in ("false", "true"):
+        proc = subprocess.run(train_cmd(out, "train.max_steps=8", f"train.async_checkpoint={mode}"), env=env(),
+                              capture_output=True, text=True, timeout=120, preexec_fn=small_files)
+        assert proc.returncode == 1, proc.stderr[-2000:]
+        # (the reason is the writer's own words: torch's serializer reports a short write as a RuntimeError)
+        assert re.fullmatch(rf"dist-llm: error: saving checkpoint {ckpt.step_dir(out / 'checkpoints', 8)} failed "
+                            rf"\(rank 0: .+\); training stopped at step 8, the last complete checkpoint is {first}",
+                            proc.stderr.strip().splitlines()[-1]), (mode, proc.stderr[-2000:])
+        assert ckpt.list_checkpoints(out / "checkpoints") == [first] and ckpt.verify(first) is None
+        assert not ckpt.step_dir(out / "checkpoints", 8).exists()

@@ -16,20 +16,23 @@ DCP's own `.metadata` index is a pickle, so, as with any PyTorch checkpoint, loa
 from __future__ import annotations
 
 import base64
-import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import time
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config
 from dist_llm.parallel.context import ParallelContext
@@ -42,12 +45,9 @@ def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
 
 
-@contextlib.contextmanager
-def _quiet_single_process() -> Iterator[None]:
-    # DCP warns that it "assumes a single process" when no process group exists, which is what we mean.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
+# DCP warns that it "assumes a single process" when no process group exists, which is what we mean; the
+# warning may come from the background save's thread, so it is filtered for the process.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -88,36 +88,106 @@ def set_rng_state(state: dict[str, str], device: torch.device) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]), device)
 
 
-def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
-                    ctx: ParallelContext, extra_files: dict[str, Path] | None = None,
-                    manifest_extra: dict[str, Any] | None = None) -> None:
-    """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
-    are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own."""
+def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
+           extra_files: dict[str, Path] | None) -> None:
+    """Everything of a checkpoint but its DCP tensors and the manifest: the small files, written at once."""
     if ctx.is_main and path.exists():
         shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
     ctx.barrier()
     (path / "rng").mkdir(parents=True, exist_ok=True)
-    with _quiet_single_process():
-        dcp.save(state, checkpoint_id=str(path))
     _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
-    ctx.barrier()
     if ctx.is_main:
         _atomic_write(path / "train_state.json", json.dumps(train_state, indent=1))
         _atomic_write(path / "config.yaml", cfg.to_yaml())
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, path / name)
-        files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
-        files.append(path / ".metadata")
-        manifest = {
-            "step": train_state["step"],
-            "tokens_seen": train_state.get("tokens_seen", 0),
-            "layout": ctx.layout(),
-            "model_fingerprint": cfg.fingerprint(),
-            "files": {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-            **(manifest_extra or {}),
-        }
-        _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
+
+
+def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
+              manifest_extra: dict[str, Any] | None, keep: int) -> None:
+    """On the main rank, once every rank's files are written: the manifest, atomically and last; then the
+    checkpoints beyond the newest `keep` go."""
+    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+    files.append(path / ".metadata")
+    manifest = {
+        "step": train_state["step"],
+        "tokens_seen": train_state.get("tokens_seen", 0),
+        "layout": ctx.layout(),
+        "model_fingerprint": cfg.fingerprint(),
+        "files": {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+        **(manifest_extra or {}),
+    }
+    _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
+    prune_checkpoints(path.parent, keep)
+
+
+def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
+                    ctx: ParallelContext, extra_files: dict[str, Path] | None = None,
+                    manifest_extra: dict[str, Any] | None = None, keep: int = 0) -> None:
+    """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
+    are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own; `keep` > 0
+    then deletes all but the newest `keep` complete checkpoints."""
+    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files)
+    dcp.save(state, checkpoint_id=str(path))
     ctx.barrier()
+    if ctx.is_main:
+        _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, manifest_extra=manifest_extra, keep=keep)
+    ctx.barrier()
+
+
+class PendingSave:
+    """A checkpoint being written in the background. `wait_staged()` returns once its tensors are copied off
+    the training state (until then the optimizer must not change them); `wait()` once the checkpoint is
+    complete (manifest written), raising what went wrong, e.g. an OSError of a full disk."""
+
+    def __init__(self, path: Path, staged: Future | None, complete: Future) -> None:
+        self.path, self._staged, self._complete = path, staged, complete
+        self.staged_wait_s = 0.0  # how long training waited for the copy (part of the save's stall)
+
+    def wait_staged(self) -> None:
+        if self._staged is not None:
+            start = time.perf_counter()
+            self._staged.result()
+            self.staged_wait_s = time.perf_counter() - start
+            self._staged = None
+
+    def done(self) -> bool:
+        return self._complete.done()
+
+    def wait(self) -> None:
+        self._complete.result()
+
+
+def host_stager(device: torch.device) -> DefaultStager:
+    """Copies a state to host memory in a background thread, into buffers it keeps for the next save (a
+    resident host copy of the checkpointed state: the price of not allocating it at every save); pinned, and
+    copied on a side stream, on a GPU."""
+    gpu = device.type == "cuda"
+    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
+                                        use_non_blocking_copy=gpu))
+
+
+_BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist_llm-checkpoint")
+
+
+def save_checkpoint_async(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
+                          ctx: ParallelContext, stager: DefaultStager, group: Any = None,
+                          extra_files: dict[str, Path] | None = None, manifest_extra: dict[str, Any] | None = None,
+                          keep: int = 0) -> PendingSave:
+    """`save_checkpoint` in the background: the small files now; the tensors staged by `stager` and written by
+    DCP from a thread, which coordinates the ranks over `group` (a gloo group of its own, so its collectives
+    never interleave with training's); then the main rank's manifest. One save at a time: wait for the last."""
+    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files)
+    response = dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager)
+    staged, upload = ((response.staging_completion, response.upload_completion)
+                      if isinstance(response, AsyncSaveResponse) else (None, response))
+
+    def finish() -> None:
+        upload.result()  # on the main rank: every rank's shards and DCP's .metadata are written
+        if ctx.is_main:
+            _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, manifest_extra=manifest_extra, keep=keep)
+
+    return PendingSave(path, staged, _BACKGROUND.submit(finish))
 
 
 def verify(path: Path) -> str | None:
@@ -172,20 +242,17 @@ def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = F
     checkpoints, which hold nothing of the frozen base."""
     if trainable_only:
         params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-        with _quiet_single_process():
-            dcp.load({"model": params}, checkpoint_id=str(path))  # in place, into the parameters
+        dcp.load({"model": params}, checkpoint_id=str(path))  # in place, into the parameters
         return
     state = {"model": get_model_state_dict(model)}
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))
     set_model_state_dict(model, state["model"])
 
 
 def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext) -> dict[str, Any]:
     """Fill `state` (tensors of this layout's shapes and shards) from the checkpoint, resharding as needed,
     restore this rank's RNG, and return the train state saved with them."""
-    with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(path))
+    dcp.load(state, checkpoint_id=str(path))
     rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
     if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine
         set_rng_state(read_json(rng_file), ctx.device)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -13,9 +14,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from dist_llm import memory
@@ -70,6 +72,16 @@ class Preemption:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
+
+
+def _io_reason(e: BaseException) -> str:
+    """The first OS error's words in an exception, or in DCP's per-rank failures, e.g. "No space left on device"."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e)
+    if isinstance(e, CheckpointException):
+        for rank, (inner, _) in sorted(e.failures.items()):  # (exception, traceback) per failed rank
+            return f"rank {rank}: {_io_reason(inner)}"
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 @dataclass
@@ -162,6 +174,11 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_s = 0.0
+        self.pending_save: ckpt.PendingSave | None = None
+        # background saves coordinate the ranks over a gloo group of their own, never interleaving with training's
+        self.save_group = (torch.distributed.new_group(backend="gloo")
+                           if t.async_checkpoint and ctx.world_size > 1 else None)
+        self.stager = ckpt.host_stager(self.device) if t.async_checkpoint else None
         self.resumed_from = self._resume()
         fresh = self.resumed_from is None
         if fresh and ctx.is_main:
@@ -277,6 +294,8 @@ class Trainer:
         finite = bool(torch.isfinite(grad_norm))
         self.scaler.update(finite)
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
+        if self.pending_save is not None:  # a background save may still be copying what the step changes
+            self.pending_save.wait_staged()
         if finite:
             engine_norm = self.dp.step(lr)
             if engine_norm is not None:
@@ -374,26 +393,43 @@ class Trainer:
         return {} if spec == "byte" else {"tokenizer.json": Path(spec)}
 
     def save_checkpoint(self) -> Path:
+        """Save at this step: complete on return, or with `train.async_checkpoint` once `wait_for_save` returns."""
+        self.wait_for_save()  # one save at a time
         path = ckpt.step_dir(self.ckpt_root, self.step)
-        try:
-            self._save(path)
-        except OSError as e:
-            if self.ctx.is_main:  # no partial directory left behind (resume=auto would ignore it anyway)
-                shutil.rmtree(path, ignore_errors=True)
-            kept = ckpt.latest_checkpoint(self.ckpt_root)
-            raise CheckpointError(f"saving checkpoint {path} failed ({e.strerror or e}); training stopped at step "
-                                  f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
-        return path
-
-    def _save(self, path: Path) -> None:
         state = self._saved_part(self.dp.checkpoint_state())
         if self.tp_state:
             state = self.tp_state.to_full(state)
-        ckpt.save_checkpoint(path, state=state, train_state=self.train_state(), cfg=self.cfg,
-                             ctx=self.ctx, extra_files=self.tokenizer_files(),
-                             manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
-        if self.ctx.is_main:
-            ckpt.prune_checkpoints(self.ckpt_root, self.cfg.train.keep_checkpoints)
+        args = dict(state=state, train_state=self.train_state(), cfg=self.cfg, ctx=self.ctx,
+                    extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
+                    manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
+        with self._saving(path):
+            if self.cfg.train.async_checkpoint:
+                if self.stager is None:
+                    self.stager = ckpt.host_stager(self.device)
+                self.pending_save = ckpt.save_checkpoint_async(path, group=self.save_group, stager=self.stager,
+                                                               **args)
+            else:
+                ckpt.save_checkpoint(path, **args)
+        return path
+
+    def wait_for_save(self) -> None:
+        """Until the checkpoint being written in the background (if any) is complete."""
+        pending, self.pending_save = self.pending_save, None
+        if pending is not None:
+            with self._saving(pending.path):
+                pending.wait()
+
+    @contextlib.contextmanager
+    def _saving(self, path: Path) -> Iterator[None]:
+        """A failed write (disk full, an I/O error) stops training with one line; no partial checkpoint stays."""
+        try:
+            yield
+        except (OSError, CheckpointException) as e:
+            if self.ctx.is_main:  # (resume=auto would ignore it anyway: it has no manifest)
+                shutil.rmtree(path, ignore_errors=True)
+            kept = ckpt.latest_checkpoint(self.ckpt_root)
+            raise CheckpointError(f"saving checkpoint {path} failed ({_io_reason(e)}); training stopped at step "
+                                  f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
 
     def _agree_to_stop(self, requested: bool, flag: torch.Tensor) -> bool:
         """Every rank must stop at the same step: a SIGTERM seen by any rank stops them all. One process
@@ -523,8 +559,12 @@ class Trainer:
                     log.warning("SIGTERM: stopped after step %d with a checkpoint; train.resume=auto goes on from it",
                                 self.step)
                     break
+            self.wait_for_save()
         finally:
             preemption.restore()
+            if self.stager is not None:
+                self.stager.close()
+                self.stager = None
             bar.close()
             self.metrics.close()
         if self.ctx.is_main:
