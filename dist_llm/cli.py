@@ -35,10 +35,15 @@ def setup_logging(rank: int, log_dir: Path | None = None) -> None:
     root.propagate = False
 
 
-def fail(message: str, code: int = EXIT_BAD_INPUT) -> int:
-    """One line on stderr, from rank 0 only (under torchrun every rank meets the same bad input)."""
-    if int(os.environ.get("RANK", "0")) == 0:
+def fail(message: str, code: int = EXIT_BAD_INPUT, *, every_rank: bool = False) -> int:
+    """One line on stderr, from rank 0 only (under torchrun every rank meets the same bad input), or from
+    every rank that meets it (a failed collective: each names its own rank)."""
+    if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"dist-llm: error: {message}", file=sys.stderr)
+        record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
+        for handler in log.handlers:  # and in the rank's log file (the console has it already)
+            if isinstance(handler, logging.FileHandler):
+                handler.handle(record)
     return code
 
 
@@ -46,14 +51,14 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
     """Turn the errors a user can cause into one line and an exit code instead of a traceback."""
 
     def run(args: argparse.Namespace) -> int:
-        from dist_llm.train.trainer import TrainingError
+        from dist_llm.train.trainer import CollectiveError, TrainingError
 
         try:
             return fn(args)
         except ConfigError as e:
             return fail(str(e))
         except TrainingError as e:
-            return fail(str(e), code=1)
+            return fail(str(e), code=1, every_rank=isinstance(e, CollectiveError))
         except KeyboardInterrupt:
             return fail("interrupted", code=130)
 

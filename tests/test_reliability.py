@@ -247,3 +247,25 @@ def test_a_real_write_error_stops_with_one_line_and_keeps_the_checkpoint(tmp_pat
                             proc.stderr.strip().splitlines()[-1]), (mode, proc.stderr[-2000:])
         assert ckpt.list_checkpoints(out / "checkpoints") == [first] and ckpt.verify(first) is None
         assert not ckpt.step_dir(out / "checkpoints", 8).exists()
+
+
+def test_a_stuck_rank_becomes_an_error_naming_the_collective_and_rank(tmp_path: Path) -> None:
+    """Rank 1 stops (SIGSTOP) mid-run: rank 0's next collective gives up after parallel.timeout_s and exits
+    with one line naming itself and the collective, instead of hanging."""
+    out = tmp_path / "run"
+    proc = subprocess.Popen(torchrun_cmd(out, 0, "train.max_steps=100000", "parallel.timeout_s=3"), env=env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (heartbeat(out, rank=1) or {}).get("step", 0) >= 3)
+    stuck, rank0 = heartbeat(out, rank=1)["pid"], heartbeat(out, rank=0)["pid"]
+    os.kill(stuck, signal.SIGSTOP)
+    try:
+        wait_for(lambda: not Path(f"/proc/{rank0}").exists() or "zombie" in Path(f"/proc/{rank0}/status").read_text(),
+                 timeout=60)
+    finally:
+        os.kill(stuck, signal.SIGKILL)
+    _, err = proc.communicate(timeout=120)
+    lines = [line for line in err.splitlines() if line.startswith("dist-llm: error:")]
+    assert lines, err[-3000:]
+    assert re.fullmatch(r"dist-llm: error: rank 0: \S.* failed: no answer within parallel.timeout_s=3 s: a rank is "
+                        r"stuck or far slower \(its heartbeat file shows its last finished step\)", lines[0]), lines
+    assert lines[0].removeprefix("dist-llm: error: ") in (out / "logs" / "rank_0.log").read_text()

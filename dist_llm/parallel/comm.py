@@ -12,8 +12,11 @@ the ideal (n-1)/n. NCCL keeps its native collective. This is the one place that 
 
 from __future__ import annotations
 
+import os
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -130,3 +133,42 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         return pending
     pending.wait()
     return None
+
+
+# -- failures -------------------------------------------------------------------------------------------------
+_TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe",
+              "Connection refused")
+
+
+def _dotted(filename: str, function: str) -> str:
+    parts = Path(filename).with_suffix("").parts
+    return ".".join([*parts[len(parts) - 1 - parts[::-1].index("dist_llm"):], function])
+
+
+def describe_failure(e: BaseException, *, rank: int, timeout_s: float, log_dir: str) -> str | None:
+    """One line for a collective that failed (a rank stuck past `parallel.timeout_s`, or a peer gone): the
+    collective, as the innermost torch.distributed call of the traceback names it, this rank, and what it
+    means. None for an error that is not a collective's."""
+    text = str(e)
+    if not isinstance(e, RuntimeError) or not (isinstance(e, dist.DistError)
+                                               or any(m in text for m in _TIMED_OUT + _PEER_LOST)):
+        return None
+    frames = traceback.extract_tb(e.__traceback__)
+    c10d = [f.name for f in frames if f.filename.endswith("distributed_c10d.py") and not f.name.startswith("_")]
+    ours = [_dotted(f.filename, f.name) for f in frames if f"{os.sep}dist_llm{os.sep}" in f.filename]
+    if c10d:
+        what = c10d[-1]
+    elif any(f.name == "backward" for f in frames):
+        what = "the gradient reduction in backward"
+    else:
+        what = "a collective"
+    where = f" (from {ours[-1]})" if ours else ""
+    if any(m in text for m in _PEER_LOST):
+        why = f"a peer rank closed its connection: it crashed or was killed (see its log in {log_dir})"
+    elif any(m in text for m in _TIMED_OUT):
+        why = (f"no answer within parallel.timeout_s={timeout_s:g} s: a rank is stuck or far slower "
+               f"(its heartbeat file shows its last finished step)")
+    else:
+        why = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return f"rank {rank}: {what}{where} failed: {why}"

@@ -52,6 +52,10 @@ class CheckpointError(TrainingError):
     """A checkpoint could not be written (disk full, an I/O error); the previous complete one is untouched."""
 
 
+class CollectiveError(TrainingError):
+    """A collective failed: a rank stuck past `parallel.timeout_s`, or a peer gone."""
+
+
 class Preemption:
     """SIGTERM (a scheduler's preemption, torchrun stopping the job) asks the run to stop: the step in flight
     finishes, a checkpoint is saved, and the process exits 0, ready for `train.resume=auto`."""
@@ -560,6 +564,12 @@ class Trainer:
                                 self.step)
                     break
             self.wait_for_save()
+        except RuntimeError as e:
+            message = comm.describe_failure(e, rank=self.ctx.rank, timeout_s=self.cfg.parallel.timeout_s,
+                                            log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
+            if message is None:
+                raise
+            raise CollectiveError(message) from None
         finally:
             preemption.restore()
             if self.stager is not None:
