@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import math
 import os
 import types
 import typing
@@ -398,6 +399,11 @@ def _non_negative(cfg: Config, *keys: str) -> None:
 def validate(cfg: Config) -> None:
     """Every rule between fields, in one place. Rules that need the world size live in the ParallelContext."""
     m, d, o, p, t = cfg.model, cfg.data, cfg.optim, cfg.parallel, cfg.train
+    for section, cls in SECTIONS.items():  # nan and inf pass every comparison below unnoticed
+        for name, annotation in _field_types(cls).items():
+            value = getattr(getattr(cfg, section), name)
+            if annotation is float and not math.isfinite(value):
+                raise ConfigError(f"{section}.{name}: must be a finite number, got {value}")
     _positive(cfg, "model.n_layer", "model.n_head", "model.pad_vocab_to", "model.n_embd", "model.vocab_size", "model.block_size",
               "model.rope_theta", "model.norm_eps", "model.init_std",
               "train.micro_batch_size", "train.global_batch_size", "train.max_steps", "train.log_interval",
@@ -405,7 +411,9 @@ def validate(cfg: Config) -> None:
               "parallel.timeout_s", "optim.lr")
     _non_negative(cfg, "model.n_kv_head", "model.mlp_hidden", "optim.min_lr", "optim.warmup_steps",
                   "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval",
-                  "train.ckpt_interval", "train.keep_checkpoints", "train.stop_after_step")
+                  "train.ckpt_interval", "train.keep_checkpoints", "train.stop_after_step", "train.seed")
+    if t.seed >= 2**63:
+        raise ConfigError(f"train.seed: must be below 2**63, got {t.seed}")
     if m.n_embd % m.n_head:
         raise ConfigError(f"model.n_embd: {m.n_embd} is not divisible by model.n_head={m.n_head}")
     if m.n_head % m.kv_heads:
@@ -422,8 +430,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.tokenizer: must be byte, bpe or a tokenizer.json file; not found: {d.tokenizer}")
     if d.tokenizer == "byte" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size: the byte tokenizer needs at least 256, got {m.vocab_size}")
-    if not (0.0 <= o.beta1 < 1.0 and 0.0 <= o.beta2 < 1.0):
-        raise ConfigError(f"optim.beta1/beta2: must be in [0, 1), got {o.beta1}, {o.beta2}")
+    for key, beta in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):
+        if not 0.0 <= beta < 1.0:
+            raise ConfigError(f"{key}: must be in [0, 1), got {beta}")
     if o.min_lr > o.lr:
         raise ConfigError(f"optim.min_lr: {o.min_lr} is above optim.lr={o.lr}")
     dp = p.dp or 1
