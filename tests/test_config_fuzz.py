@@ -132,3 +132,35 @@ def test_device_cuda_on_a_cpu_machine_is_one_line(small_corpus: Path, tmp_path: 
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("case", ["empty file", "missing file", "empty folder", "smaller than a block",
+                                  "tokenizer of another kind", "tokenizer not JSON"])
+def test_bad_data_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "blank.txt").write_text("")
+    (tmp_path / "short.txt").write_text("a short text, of some forty bytes only.\n")
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_embd": 768}')  # JSON, not a tokenizer
+    (tmp_path / "vocab.txt").write_text("hello\nworld\n")
+    overrides, expected = {
+        "empty file": (["data.source=EMPTY"], "data.source: EMPTY is empty"),
+        "missing file": (["data.source=MISSING"], "data.source: file or directory not found: MISSING"),
+        "empty folder": (["data.source=FOLDER"], "data.source: every file under FOLDER is empty"),
+        "smaller than a block": (["data.source=SHORT", "model.block_size=64", "data.val_fraction=0.5"],
+                                 "model.block_size: 64 needs at least 66 tokens, but the training split of "
+                                 "data.source has 20; use a larger corpus or a smaller block"),
+        "tokenizer of another kind": (["data.source=SHORT", "data.tokenizer=CONFIG", "model.vocab_size=50304"],
+                                      "data.tokenizer: CONFIG is not a Hugging Face tokenizer.json ("),
+        "tokenizer not JSON": (["data.source=SHORT", "data.tokenizer=VOCAB", "model.vocab_size=50304"],
+                               "data.tokenizer: VOCAB is not a Hugging Face tokenizer.json ("),
+    }[case]
+    names = {"EMPTY": tmp_path / "empty.txt", "MISSING": tmp_path / "missing.txt", "FOLDER": tmp_path / "folder",
+             "SHORT": tmp_path / "short.txt", "CONFIG": tmp_path / "config.json", "VOCAB": tmp_path / "vocab.txt"}
+    for name, path in names.items():
+        overrides = [o.replace(name, str(path)) for o in overrides]
+        expected = expected.replace(name, str(path))
+    code = cli.main(["train", *TINY, f"train.out_dir={tmp_path / 'run'}",
+                     f"data.cache_dir={tmp_path / 'cache'}", *overrides])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"dist-llm: error: {expected}"), err

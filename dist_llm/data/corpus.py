@@ -329,6 +329,9 @@ def prepare_data(data: DataConfig, vocab_size: int) -> PreparedData:
     docs = documents(data.source)
     if kind != "bin" and not docs:
         raise ConfigError(f"data.source: no documents found in {data.source}")
+    if all(path.stat().st_size == 0 for _, path in docs):
+        raise ConfigError(f"data.source: {data.source} is empty" if kind != "dir" and len(docs) == 1
+                          else f"data.source: every file under {data.source} is empty")
 
     def build(tmp: Path) -> None:
         if kind == "bin":

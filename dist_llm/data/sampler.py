@@ -21,8 +21,9 @@ class GlobalBatchSampler:
     def __init__(self, n_tokens: int, block_size: int, global_batch_size: int, seed: int, *, stream: int = 0) -> None:
         # A window is block_size inputs plus one more token for the last target.
         if n_tokens < block_size + 2:
-            raise ConfigError(
-                f"model.block_size: {block_size} needs at least {block_size + 2} tokens, but the split has {n_tokens}")
+            split = "validation" if stream == VAL_STREAM else "training"
+            raise ConfigError(f"model.block_size: {block_size} needs at least {block_size + 2} tokens, but the {split} "
+                              f"split of data.source has {n_tokens}; use a larger corpus or a smaller block")
         if global_batch_size <= 0:
             raise ConfigError(f"train.global_batch_size: must be positive, got {global_batch_size}")
         self.n_tokens = n_tokens

@@ -145,7 +145,8 @@ def load_tokenizer(spec: str, directory: Path | None = None) -> Tokenizer:
     try:
         return BPETokenizer.from_file(path)
     except Exception as e:  # the library raises a bare Exception on a malformed file
-        raise ConfigError(f"data.tokenizer: cannot load {spec}: {str(e).splitlines()[0] if str(e) else e!r}") from None
+        reason = str(e).splitlines()[0] if str(e) else repr(e)
+        raise ConfigError(f"data.tokenizer: {spec} is not a Hugging Face tokenizer.json ({reason})") from None
 
 
 def _is_byte_marker(path: Path) -> bool:
