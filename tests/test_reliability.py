@@ -269,3 +269,43 @@ def test_a_stuck_rank_becomes_an_error_naming_the_collective_and_rank(tmp_path: 
     assert re.fullmatch(r"dist-llm: error: rank 0: \S.* failed: no answer within parallel.timeout_s=3 s: a rank is "
                         r"stuck or far slower \(its heartbeat file shows its last finished step\)", lines[0]), lines
     assert lines[0].removeprefix("dist-llm: error: ") in (out / "logs" / "rank_0.log").read_text()
+
+
+class _RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):  # type: ignore[no-untyped-def]
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_loading_a_checkpoint_runs_no_code_from_it(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """DCP's .metadata is a pickle: ours is read by an unpickler that takes only an index's classes, and
+    tensor entries only (a bytes entry would be unpickled by DCP with weights_only=False)."""
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    _trainer(tmp_path, corpus, train__max_steps=2).fit()
+    path = ckpt.step_dir(tmp_path / "checkpoints", 2)
+    model, _ = load_model(tmp_path, torch.device("cpu"))  # the genuine index loads
+    index = path / ".metadata"
+    genuine = index.read_bytes()
+
+    marker = tmp_path / "PWNED"
+    index.write_bytes(pickle.dumps(_RunsCode(marker)))
+    with pytest.raises(ConfigError, match=rf"^{index}: refers to posix.system, which no checkpoint index holds; "
+                                          r"not loaded \(unpickling it could run code\)$"):
+        ckpt.load_model_weights(path, model)
+    assert not marker.exists()
+
+    metadata = pickle.loads(genuine)
+    metadata.state_dict_metadata["model.wte.weight"] = BytesStorageMetadata()
+    index.write_bytes(pickle.dumps(metadata))
+    with pytest.raises(ConfigError, match=rf"^{index}: entry 'model.wte.weight' is not a tensor"):
+        ckpt.load_model_weights(path, model)
+    # through the CLI: one line, exit 2 (the checksum would catch the change first on resume; sample has none)
+    proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "sample", "--checkpoint", str(tmp_path),
+                           "--max-new-tokens", "2"],
+                          capture_output=True, text=True, env=env(), timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip().startswith(f"dist-llm: error: {index}: entry"), proc.stderr

@@ -9,8 +9,10 @@ Layout of `checkpoints/step_NNNNNN/`:
   config.yaml                the resolved config, so `dist-llm sample` needs nothing else
   manifest.json              written last, atomically: the checkpoint is complete only once it exists
 
-Only tensors go through DCP (it would unpickle any other object on load) and everything else is JSON.
-DCP's own `.metadata` index is a pickle, so, as with any PyTorch checkpoint, load only checkpoints you trust.
+Loading runs no code from the checkpoint: only tensors go through DCP (whose shards torch reads with
+weights_only=True), everything else is JSON, and DCP's own `.metadata` index, a pickle, is read by an
+unpickler that accepts only the classes an index is made of, and only tensor entries (DCP would unpickle
+any other kind with weights_only=False).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import base64
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -30,11 +33,13 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dist_llm.config import Config
+from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
 
 MANIFEST = "manifest.json"
@@ -233,6 +238,52 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+# what DCP's .metadata pickle is made of: its own dataclasses, torch sizes, dtypes and layouts, paths
+_INDEX_MODULES = {"torch.distributed.checkpoint.metadata"}
+_INDEX_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+                  ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                  ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def __init__(self, file: Any, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        if module in _INDEX_MODULES or (module, name) in _INDEX_GLOBALS or (
+                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise ConfigError(f"{self.path}: refers to {module}.{name}, which no checkpoint index holds; not loaded "
+                          "(unpickling it could run code)")
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader, with the index read by `_IndexUnpickler` and checked to hold tensors only."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = Path(self._get_metadata_path(kwargs.get("rank")))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _IndexUnpickler(f, path).load()
+        if not isinstance(metadata, Metadata):
+            raise ConfigError(f"{path}: not a DCP checkpoint index")
+        for key, entry in metadata.state_dict_metadata.items():
+            if not isinstance(entry, TensorStorageMetadata):
+                raise ConfigError(f"{path}: entry {key!r} is not a tensor; dist_llm checkpoints hold tensors only")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def _load(state: dict[str, Any], path: Path) -> None:
+    """dcp.load through `SafeReader`. The index is read once before, so that a refusal is raised as itself
+    (inside dcp.load, DCP would log it at length and fall back to looking for per-rank indexes)."""
+    reader = SafeReader(str(path))
+    reader.read_metadata()
+    dcp.load(state, storage_reader=reader)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
@@ -242,17 +293,17 @@ def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = F
     checkpoints, which hold nothing of the frozen base."""
     if trainable_only:
         params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-        dcp.load({"model": params}, checkpoint_id=str(path))  # in place, into the parameters
+        _load({"model": params}, path)  # in place, into the parameters
         return
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, checkpoint_id=str(path))
+    _load(state, path)
     set_model_state_dict(model, state["model"])
 
 
 def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext) -> dict[str, Any]:
     """Fill `state` (tensors of this layout's shapes and shards) from the checkpoint, resharding as needed,
     restore this rank's RNG, and return the train state saved with them."""
-    dcp.load(state, checkpoint_id=str(path))
+    _load(state, path)
     rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
     if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine
         set_rng_state(read_json(rng_file), ctx.device)
