@@ -18,7 +18,6 @@ from tests.distributed import run_distributed
 from tests.test_data_parallel import assert_same_run, corpus, reference, train  # noqa: F401
 from tests.test_hf import hf_llama, hf_logits, save
 from tests.test_peft import LORA
-from tests.test_tensor_parallel import PARAM_ATOL
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +45,7 @@ def test_lora_from_hf_at_tp2_matches_one_process(tmp_path: Path, tmp_path_factor
     extra = {**LORA, "model__init_from": f"hf:{llama_dir}"}
     results = run_distributed(train, 2, tmp_path, corpus, {**extra, "parallel__tp": 2}, init_group=False)
     ref = reference(tmp_path_factory, corpus, **extra)
-    assert_same_run(results[0], ref, rtol=1e-5, param_atol=PARAM_ATOL)
+    assert_same_run(results[0], ref, rtol=1e-5)
 
 
 def test_init_from_a_checkpoint(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
@@ -88,7 +87,7 @@ def test_records_mask_prompt_targets(tmp_path: Path) -> None:
 def test_records_train_at_tp2_like_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory) -> None:
     source = _records(tmp_path_factory.mktemp("sft") / "r.jsonl")
     results = run_distributed(train, 2, tmp_path, source, {"parallel__tp": 2}, init_group=False)
-    assert_same_run(results[0], reference(tmp_path_factory, source), rtol=1e-5, param_atol=PARAM_ATOL)
+    assert_same_run(results[0], reference(tmp_path_factory, source), rtol=1e-5)
 
 
 def test_bad_records_name_the_line(tmp_path: Path) -> None:

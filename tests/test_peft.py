@@ -18,7 +18,6 @@ from dist_llm.train.optim import build_optimizer
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401
-from tests.test_tensor_parallel import PARAM_ATOL
 
 ALL = "[qkv, attn_out, mlp_up, mlp_down]"
 LORA = {"peft__method": "lora", "peft__targets": ALL, "peft__rank": 4, "optim__lr": 1e-2}
@@ -172,7 +171,7 @@ def test_lora_layouts_match_one_process(tmp_path: Path, tmp_path_factory: pytest
     got = results[0]
     if "parallel__pp" in layout:  # each stage holds its own blocks
         got = {**got, "params": {k: v for r in results for k, v in r["params"].items()}}
-    assert_same_run(got, ref, rtol=1e-5, param_atol=PARAM_ATOL)
+    assert_same_run(got, ref, rtol=1e-5)
 
 
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
@@ -182,7 +181,7 @@ def test_adapters_tensor_parallel_match_one_process(tmp_path: Path, tmp_path_fac
     results = run_distributed(train, 2, tmp_path, corpus, {**extra, "parallel__tp": 2,
                                                            "parallel__sequence_parallel": sequence_parallel},
                               init_group=False)
-    assert_same_run(results[0], reference(tmp_path_factory, corpus, **extra), rtol=1e-5, param_atol=PARAM_ATOL)
+    assert_same_run(results[0], reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
 
 
 def test_qlora_trains(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
