@@ -6,10 +6,13 @@
 
     results = run_distributed(fn, 2, arg)   # fn(rank, world_size, arg) on 2 ranks; returns [result_0, result_1]
 
-Each rank is a fresh `spawn`ed interpreter with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK,
-MASTER_ADDR, MASTER_PORT) set, so code under test sees what it sees under torchrun. A rank's exception is
-re-raised in the test with that rank's traceback; a rank that hangs or dies fails the test after `timeout`
-instead of blocking CI.
+Each rank is a new process with the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+MASTER_PORT) set, so code under test sees what it sees under torchrun. Ranks are forked from a server process
+that has already imported torch and dist_llm (multiprocessing's "forkserver", started once per test worker,
+without threads or a process group): a fresh interpreter per rank spent seconds in imports, most of a small
+test. Each rank takes the test's environment and working directory. A rank's exception is re-raised in the
+test with that rank's traceback; a rank that hangs or dies fails the test after `timeout` instead of
+blocking CI.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ from datetime import timedelta
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT_S = 180.0
+# imported once by the fork server, so that no rank pays for them (torch._dynamo: torch.optim's first use)
+PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "matplotlib.pyplot",
+           "dist_llm.train.trainer", "tests.test_data_parallel"]
 
 
 class RankFailed(AssertionError):
@@ -48,8 +54,10 @@ def _resolve(ref: tuple[str, str] | Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _rank_main(ref: Any, rank: int, world_size: int, port: int, init_group: bool, env: dict[str, str],
-               args: tuple, kwargs: dict, queue: Any) -> None:
+               cwd: str, args: tuple, kwargs: dict, queue: Any) -> None:
+    os.environ.clear()
     os.environ.update(env)
+    os.chdir(cwd)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                        "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     import torch
@@ -90,11 +98,13 @@ def run_distributed(fn: Callable[..., Any] | tuple[str, str], world_size: int, *
 
 def _run(fn: Callable[..., Any] | tuple[str, str], world_size: int, args: tuple, kwargs: dict, timeout: float,
          init_group: bool, env: dict[str, str] | None) -> list[Any]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, init_group, env or {}, args, kwargs, queue),
-                         daemon=True) for r in range(world_size)]
+    rank_env = {**os.environ, "MPLBACKEND": "Agg", **(env or {})}
+    procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, port, init_group, rank_env, os.getcwd(), args,
+                                                  kwargs, queue), daemon=True) for r in range(world_size)]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
