@@ -1,8 +1,8 @@
 """Checkpoint save and load: dist_llm's synchronous and background (async) saves beside `torch.save`.
 
-    python scripts/bench_checkpoint.py [--layers 12] [--width 768] [--rounds 2] [--dir DIR] [--json PATH]
+    python scripts/bench_checkpoint.py [--layers 14] [--width 768] [--rounds 2] [--dir DIR] [--json PATH]
 
-One process builds the trainer for a GPT of about 85M parameters (12 x 768, byte vocabulary; `--layers` and
+One process builds the trainer for a GPT of about 100M parameters (14 x 768, byte vocabulary; `--layers` and
 `--width` change it), takes one optimizer step so AdamW's moments exist, and then, `--rounds` times:
   sync         `Trainer.save_checkpoint` with train.async_checkpoint=false: DCP shards, rng and train state,
                sha256 of every file, manifest written last. The training loop waits for all of it.
@@ -70,7 +70,7 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--layers", type=int, default=14)
     ap.add_argument("--width", type=int, default=768)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dir", type=Path, default=None, help="where to write (default: a temporary directory)")
