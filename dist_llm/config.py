@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field, fields
@@ -160,6 +161,9 @@ class TrainConfig:
     """Optimizer steps to train for (also the length of the LR schedule)."""
     stop_after_step: int = 0
     """Stop after this step as if interrupted (the LR schedule still follows max_steps); 0 = run to max_steps."""
+    profile_steps: str = ""
+    """Steps a:b (from 1, both included) to trace with the PyTorch profiler into out_dir/profile/rank_K.json
+    (Chrome trace; open in Perfetto or chrome://tracing). Empty: no profiling."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """fp32, or autocast to bf16/fp16 over fp32 master weights (fp16 with dynamic loss scaling)."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -336,13 +340,35 @@ def _flatten(tree: Any, where: str = "") -> list[tuple[str, Any]]:
     return out
 
 
+class _YAMLLoader(yaml.SafeLoader):
+    """YAML 1.1 without its base-60 numbers, which would read `train.profile_steps=2:3` as the integer 123."""
+
+
+_YAMLLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in ("tag:yaml.org,2002:int", "tag:yaml.org,2002:float")]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^(?:[-+]?0b[0-1_]+|[-+]?0[0-7_]+|[-+]?(?:0|[1-9][0-9_]*)|[-+]?0x[0-9a-fA-F_]+)$"),
+    list("-+0123456789"))
+_YAMLLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+][0-9]+)?|\.[0-9][0-9_]*(?:[eE][-+][0-9]+)?"
+               r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"),
+    list("-+0123456789."))
+
+
+def read_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_YAMLLoader)  # noqa: S506 - a SafeLoader
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """`section.key=value`, the value read as YAML (so 3e-4, true, [1, 2] and strings all work)."""
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise ConfigError(f"override '{text}': expected section.key=value")
     try:
-        value = yaml.safe_load(raw) if raw != "" else ""
+        value = read_yaml(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     return key.strip(), value
@@ -356,7 +382,7 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         if not p.is_file():
             raise ConfigError(f"--config: file not found: {p}")
         try:
-            tree = yaml.safe_load(p.read_text()) or {}
+            tree = read_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
             line = getattr(getattr(e, "problem_mark", None), "line", None)
             at = f" at line {line + 1}" if line is not None else ""
@@ -394,6 +420,20 @@ def _non_negative(cfg: Config, *keys: str) -> None:
         section, name = key.split(".")
         if getattr(getattr(cfg, section), name) < 0:
             raise ConfigError(f"{key}: must be >= 0, got {getattr(getattr(cfg, section), name)}")
+
+
+def parse_steps(text: str) -> tuple[int, int] | None:
+    """"a:b" -> (a, b), steps counted from 1 as in metrics.jsonl, both included; "" -> None. ValueError else."""
+    if not text:
+        return None
+    first, sep, last = str(text).partition(":")
+    try:
+        a, b = int(first), int(last if sep else first)
+    except ValueError:
+        a = b = 0
+    if not 1 <= a <= b:
+        raise ValueError(f"expected a:b with 1 <= a <= b, got {text!r}")
+    return a, b
 
 
 def validate(cfg: Config) -> None:
@@ -442,6 +482,10 @@ def validate(cfg: Config) -> None:
             f"train.micro_batch_size * parallel.dp = {t.micro_batch_size} * {dp}")
     if t.resume not in ("auto", "never") and not Path(t.resume).expanduser().is_dir():
         raise ConfigError(f"train.resume: must be auto, never or a checkpoint directory; not found: {t.resume}")
+    try:
+        parse_steps(t.profile_steps)
+    except ValueError as e:
+        raise ConfigError(f"train.profile_steps: {e}") from None
     if t.stop_after_step > t.max_steps:
         raise ConfigError(f"train.stop_after_step: {t.stop_after_step} is beyond train.max_steps={t.max_steps}")
     if p.zero_stage not in (0, 1, 2, 3):

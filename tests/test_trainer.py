@@ -16,6 +16,8 @@ from dist_llm.train.optim import lr_at
 from dist_llm.train.precision import LossScaler
 from dist_llm.train.trainer import Trainer, TrainingError
 from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import corpus, train  # noqa: F401 - corpus is a fixture
 
 
 def make_trainer(out_dir: Path, corpus: Path, **extra: object) -> Trainer:
@@ -191,3 +193,18 @@ def test_loss_scale_is_not_taken_from_an_unscaled_run() -> None:
     other = LossScaler(enabled=True, scale=8.0)
     fp16.load_state_dict(other.state_dict())
     assert fp16.scale == 8.0
+
+
+def test_profile_steps_write_a_chrome_trace_per_rank(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """train.profile_steps=2:3 at dp=2 ZeRO-2: each rank's trace holds steps 2 and 3 only, with the compute
+    and communication ranges named."""
+    run_distributed(train, 2, tmp_path, corpus, {"parallel__zero_stage": 2, "train__max_steps": 4,
+                                                 "train__profile_steps": "2:3"}, init_group=False)
+    for rank in (0, 1):
+        events = json.loads((tmp_path / "profile" / f"rank_{rank}.json").read_text())["traceEvents"]
+        names = {e.get("name") for e in events}
+        assert {n for n in names if n and n.startswith("step ")} == {"step 2", "step 3"}
+        assert {"forward", "backward", "grad_sync", "clip", "optimizer", "comm.reduce_scatter",
+                "comm.all_gather", "comm.all_reduce"} <= names, sorted(n for n in names if n and "." not in n[:3])
+    with pytest.raises(ConfigError, match=r"^train.profile_steps: expected a:b with 1 <= a <= b, got '3:2'$"):
+        load_config(None, tiny_overrides(tmp_path, train__profile_steps="3:2"))

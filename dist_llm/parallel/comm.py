@@ -21,6 +21,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dist_llm.profiling import span
+
 ProcessGroup = dist.ProcessGroup
 
 # torch 2.13 renames the single-tensor collectives (and warns on the old names); older releases lack the new ones
@@ -76,7 +78,8 @@ def all_reduce(t: torch.Tensor, group: ProcessGroup | None, stats: CommStats | N
         return None
     if stats is not None:
         stats.add("all_reduce", 2 * (n - 1) / n * _nbytes(t))
-    return dist.all_reduce(t, op=op, group=group, async_op=async_op)
+    with span("comm.all_reduce"):
+        return dist.all_reduce(t, op=op, group=group, async_op=async_op)
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, stats: CommStats | None, *,
@@ -88,7 +91,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | 
         return None
     if stats is not None:
         stats.add("all_gather", (n - 1) * _nbytes(input))
-    return _all_gather_single(output, input, group=group, async_op=async_op)
+    with span("comm.all_gather"):
+        return _all_gather_single(output, input, group=group, async_op=async_op)
 
 
 class _AllToAllReduceScatter:
@@ -123,11 +127,13 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
         stats.add("reduce_scatter", (n - 1) / n * _nbytes(input))
     average = op == dist.ReduceOp.AVG
     if not _is_gloo(group):
-        return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+        with span("comm.reduce_scatter"):
+            return _reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     if op not in (dist.ReduceOp.SUM, dist.ReduceOp.AVG):
         raise ValueError(f"reduce_scatter on gloo supports SUM and AVG, not {op}")
     received = torch.empty((n, output.numel()), dtype=input.dtype, device=input.device)
-    work = dist.all_to_all_single(received, input.reshape(-1).contiguous(), group=group, async_op=async_op)
+    with span("comm.reduce_scatter"):
+        work = dist.all_to_all_single(received, input.reshape(-1).contiguous(), group=group, async_op=async_op)
     pending = _AllToAllReduceScatter(work, received, output.view(-1), average)
     if async_op:
         return pending

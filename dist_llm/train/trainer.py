@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from dist_llm import memory
-from dist_llm.config import Config, ConfigError, validate
+from dist_llm.config import Config, ConfigError, parse_steps, validate
 from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.parallel import comm
@@ -36,6 +36,7 @@ from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
 from dist_llm.train.report import write_report
 from dist_llm.peft import apply_peft, trainable_names
+from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.train.optim import lr_at
 from dist_llm.train.precision import DTYPES, LossScaler, autocast
@@ -275,11 +276,13 @@ class Trainer:
         else:
             for i, (x, y) in enumerate(micro_batches):
                 with self.dp.micro_step(last=i == len(micro_batches) - 1):
-                    with autocast(t.precision, self.device):
+                    with span("forward"), autocast(t.precision, self.device):
                         loss = self.model(x, y)
                     loss_sum += loss.detach()
-                    self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
-        self.dp.finish_grads()
+                    with span("backward"):
+                        self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
+        with span("grad_sync"):
+            self.dp.finish_grads()
         if (self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings
                 and self.module.wte.weight.requires_grad):  # (frozen under PEFT)
             # the first stage's embedding and the last stage's head are one weight: sum their gradients
@@ -288,7 +291,8 @@ class Trainer:
             sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
 
         self.scaler.unscale_(self.dp.local_grads())
-        grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
+        with span("clip"):
+            grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
         if self.stage is not None:
             # the norm's all-reduce over the stages is the step's common end: a stage that finished its
             # schedule early waits here, and that wait is its share of the pipeline flush
@@ -301,7 +305,8 @@ class Trainer:
         if self.pending_save is not None:  # a background save may still be copying what the step changes
             self.pending_save.wait_staged()
         if finite:
-            engine_norm = self.dp.step(lr)
+            with span("optimizer"):
+                engine_norm = self.dp.step(lr)
             if engine_norm is not None:
                 grad_norm = engine_norm
         if self.state_bytes is None:  # measured once, while gradients and optimizer states all exist
@@ -514,16 +519,18 @@ class Trainer:
         run_start, prior_elapsed, start_step = time.perf_counter(), self.elapsed_s, self.step
         window_start, window_steps = run_start, 0
         preemption = Preemption().install()
+        profiler = StepProfiler(parse_steps(t.profile_steps), self.out_dir, self.ctx.rank, self.device)
         stop_flag = torch.zeros(1, device=self.device)
         try:
             while self.step < stop:
-                if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
-                    with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
-                                          module=self.module if self.dp.name == "fsdp2" else None) as meter:
+                with profiler.around(self.step + 1):
+                    if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
+                        with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
+                                              module=self.module if self.dp.name == "fsdp2" else None) as meter:
+                            out = self.train_step()
+                        self.activation_bytes = meter.peak_bytes
+                    else:
                         out = self.train_step()
-                    self.activation_bytes = meter.peak_bytes
-                else:
-                    out = self.train_step()
                 window_steps += 1
                 bar.update(1)
                 if window_steps == 1 and self.step == start_step + 1:
@@ -571,6 +578,8 @@ class Trainer:
                 raise
             raise CollectiveError(message) from None
         finally:
+            if profiler.finish():  # the run ended inside the profiled range
+                log.info("profile of steps %s written to %s", t.profile_steps, profiler.path)
             preemption.restore()
             if self.stager is not None:
                 self.stager.close()

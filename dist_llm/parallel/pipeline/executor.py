@@ -23,6 +23,7 @@ from torch import nn
 
 from dist_llm.parallel import comm
 from dist_llm.parallel.pipeline.schedule import Action
+from dist_llm.profiling import span
 
 
 @dataclass
@@ -55,13 +56,15 @@ class PointToPoint:
     def send(self, t: torch.Tensor, to: int) -> None:
         t = t.contiguous()
         self.stats.add("p2p", t.numel() * t.element_size())
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to)]):
-            self.pending.append((work, t))  # the tensor lives until the send completes
+        with span("comm.p2p_send"):
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to)]):
+                self.pending.append((work, t))  # the tensor lives until the send completes
 
     def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
         t = torch.empty(shape, dtype=dtype, device=device)
-        for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src)]):
-            work.wait()
+        with span("comm.p2p_recv"):
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src)]):
+                work.wait()
         return t
 
     def finish(self) -> None:
@@ -129,7 +132,8 @@ def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
             inputs[m] = p2p.recv(act_shape, act_dtype, device, p2p.prev).requires_grad_(train)
         elif a.kind == "F":
             x, y = batches[m]
-            with _computing(clock), autocast(), (contextlib.nullcontext() if train else torch.no_grad()):
+            with _computing(clock), span(f"forward {m}"), autocast(), \
+                    (contextlib.nullcontext() if train else torch.no_grad()):
                 out = stage.forward(x if stage.first else inputs[m])
                 if stage.last:
                     loss = stage.model.loss(out, y)
@@ -144,7 +148,7 @@ def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
         elif a.kind == "RECV_B":
             out_grads[m] = p2p.recv(act_shape, act_dtype, device, p2p.next)
         elif a.kind == "B":
-            with _computing(clock), micro_step(m == last_backward):
+            with _computing(clock), span(f"backward {m}"), micro_step(m == last_backward):
                 if stage.last:
                     backward(outputs.pop(m))
                 else:
