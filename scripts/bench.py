@@ -1,0 +1,194 @@
+"""One benchmark entry: run named scenarios, print one table of ours against the references, write JSON.
+
+    python scripts/bench.py --scenario all-cpu [--json bench.json] [--max-procs 4]
+    python scripts/bench.py --scenario dp,scaling
+
+Scenarios (each runs one of the scripts beside this one, or dist_llm's own trainer, in this one command):
+  model    scripts/bench_model.py, the tiny config: our GPT against transformers' GPT2LMHeadModel (SDPA) of the
+           same shape, forward+backward tokens/s on one process.
+  dp       scripts/bench_dp.py on 2 processes: our ZeRO 0-3 against plain torch DDP and FSDP2 and DeepSpeed
+           ZeRO 1-3 (same model, batches and optimizer), step times as ratios, bytes sent per step against theory.
+  tp       scripts/bench_tp.py: tp=2 and tp=2 with sequence parallelism against tp=1; tensor-parallel bytes
+           against Megatron's count.
+  pp       scripts/bench_pp.py on 2 stages: each stage's idle fraction (the bubble) for GPipe and 1F1B against
+           (p-1)/(m+p-1).
+  scaling  `dist-llm train` of one model at 1, 2 and up to --max-procs processes, laid out as dp, tp and pp:
+           tokens/s of the whole job (median over the logged steps after the first); runs with more processes
+           than cores are marked oversubscribed.
+  all-cpu  all of the above, at sizes that finish in a few minutes on a 2-core machine.
+
+The table has one row per comparison: ours, the reference, the figure compared and the ratio ours/reference
+(for times: below 1 is faster; for tokens/s: above 1 is faster). `--json` keeps every row and each script's
+full results, for scripts/plot_bench.py. MFU needs a GPU's peak and is not computed on CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ["model", "dp", "tp", "pp", "scaling"]
+# the sizes of all-cpu: a few minutes in all on 2 cores
+SMALL = {
+    "model": ["--models", "tiny", "--steps", "10", "--warmup", "2"],
+    "dp": ["--layers", "4", "--width", "256", "--seq", "128", "--steps", "8", "--warmup", "2", "--rounds", "2"],
+    "tp": ["--layers", "4", "--width", "256", "--heads", "8", "--seq", "128", "--steps", "4", "--warmup", "1"],
+    "pp": ["--micro-batches", "1", "4", "8", "--layers", "4", "--width", "128", "--heads", "4", "--steps", "2"],
+}
+SCALING_MODEL = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.block_size=128",
+                 "train.micro_batch_size=4", "train.global_batch_size=16", "train.max_steps=8",
+                 "train.log_interval=1", "train.eval_interval=0", "train.ckpt_interval=0", "optim.warmup_steps=2"]
+
+
+def run_script(name: str, extra: list[str], out: Path) -> dict[str, Any]:
+    cmd = [sys.executable, str(ROOT / "scripts" / f"bench_{name}.py"), *extra, "--json", str(out)]
+    print(f"$ {' '.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    if proc.returncode != 0 or not out.is_file():
+        raise RuntimeError(f"bench_{name}.py failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def row(scenario: str, ours: str, reference: str, what: str, ours_value: float, ref_value: float,
+        target: str = "", met: bool | None = None, **extra: Any) -> dict[str, Any]:
+    ratio = ours_value / ref_value if ref_value else float("nan")
+    return {"scenario": scenario, "ours": ours, "reference": reference, "what": what, "ours_value": ours_value,
+            "reference_value": ref_value, "ratio": ratio, "target": target, "met": met, **extra}
+
+
+def model_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for name, res in r["results"].items():
+        ours, hf = res["models"]["ours"], res["models"]["HF"]
+        out.append(row("model", f"GPT {name}", "HF GPT2 (sdpa)", "tokens/s", ours["tokens_per_s"], hf["tokens_per_s"],
+                       "no slower (>= 1)", ours["tokens_per_s"] >= hf["tokens_per_s"]))
+    return out
+
+
+def dp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    scen = r["scenarios"]
+    for t in r["targets"]:
+        a, b = scen[t["ours"]], scen[t["reference"]]
+        out.append(row("dp", t["ours"], t["reference"], "step ms", a["step_ms_median"], b["step_ms_median"],
+                       f"<= {t['limit']:.2f}", t["met"]))
+    for name, s in scen.items():
+        if name.startswith("ours") and s.get("theory_bytes"):
+            measured = sum(s["comm_bytes"].values()) if isinstance(s["comm_bytes"], dict) else s["comm_bytes"]
+            out.append(row("dp", name, "theory", "bytes/step", measured, s["theory_bytes"], "within 10%",
+                           abs(measured / s["theory_bytes"] - 1) <= 0.10, comm_by_kind=s["comm_bytes"]))
+    return out
+
+
+def tp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    scen = r["scenarios"]
+    for k in ("tp2", "tp2-sp"):
+        s = scen.get(k, {})
+        if s.get("theory_bytes"):
+            out.append(row("tp", k, "Megatron's count", "bytes/step", s["comm_total"], s["theory_bytes"], "within 10%",
+                           abs(s["comm_total"] / s["theory_bytes"] - 1) <= 0.10))
+        if "tp1" in scen and scen[k].get("step_ms_all") and scen["tp1"].get("step_ms_all"):
+            out.append(row("tp", k, "tp1", "step ms", statistics.median(s["step_ms_all"]),
+                           statistics.median(scen["tp1"]["step_ms_all"])))
+    return out
+
+
+def pp_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for r in rows:
+        out.append(row("pp", f"{r['schedule']} m={r['m']}", "(p-1)/(m+p-1)", "stage-0 idle", r["idle_fraction"][0],
+                       r["formula"], busy_s=r["busy_s"], idle_fraction=r["idle_fraction"],
+                       first_stage_saved_bytes=r["first_stage_saved_bytes"]))
+    return out
+
+
+def scaling_run(form: str, n: int, out_dir: Path) -> dict[str, Any]:
+    layout = {"dp": [], "tp": [f"parallel.tp={n}"], "pp": [f"parallel.pp={n}", "train.micro_batch_size=2"]}[form]
+    cmd = [sys.executable, "-m", "dist_llm.cli", "train", "--config", str(ROOT / "configs/tiny.yaml"), *SCALING_MODEL,
+           *layout, f"train.out_dir={out_dir}", "train.resume=never"]
+    if n > 1:
+        cmd[4:4] = ["--nproc-per-node", str(n)]  # after "train"
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    if proc.returncode != 0:
+        raise RuntimeError(f"{form}={n} failed:\n{proc.stderr[-2000:]}")
+    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "tokens_per_s" in r][1:]  # the first step carries the warm-up
+    return {"form": form, "procs": n, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+            "wall_s": time.perf_counter() - start, "oversubscribed": n > (os.cpu_count() or 1)}
+
+
+def scaling_rows(max_procs: int, tmp: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    sizes = [n for n in (1, 2, 4, 8) if n <= max_procs]
+    runs = []
+    one = scaling_run("dp", 1, tmp / "scale-1")
+    runs.append({**one, "form": "one process"})
+    for form in ("dp", "tp", "pp"):
+        for n in sizes[1:]:
+            print(f"  scaling: {form}={n}", flush=True)
+            runs.append(scaling_run(form, n, tmp / f"scale-{form}{n}"))
+    rows = [row("scaling", f"{r['form']}={r['procs']}" + (" (oversubscribed)" if r["oversubscribed"] else ""),
+                "1 process", "tokens/s", r["tokens_per_s"], one["tokens_per_s"]) for r in runs[1:]]
+    return rows, runs
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    head = (f"{'scenario':<8} {'ours':<28} {'reference':<18} {'figure':<12} {'ours':>12} {'reference':>12} "
+            f"{'ratio':>7}  target")
+    print("\n" + head + "\n" + "-" * len(head))
+    for r in rows:
+        verdict = "" if r["met"] is None else (" met" if r["met"] else " NOT met")
+        print(f"{r['scenario']:<8} {r['ours']:<28} {r['reference']:<18} {r['what']:<12} {r['ours_value']:>12,.3f} "
+              f"{r['reference_value']:>12,.3f} {r['ratio']:>7.3f}  {r['target']}{verdict}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--scenario", default="all-cpu", help=f"all-cpu, or comma-separated: {', '.join(SCENARIOS)}")
+    p.add_argument("--max-procs", type=int, default=4, help="largest process count of the scaling scenario")
+    p.add_argument("--json", type=Path, default=None, help="write every row and each script's results here")
+    args = p.parse_args(argv)
+    wanted = SCENARIOS if args.scenario == "all-cpu" else args.scenario.split(",")
+    unknown = [s for s in wanted if s not in SCENARIOS]
+    if unknown:
+        p.error(f"--scenario: unknown {', '.join(unknown)}; choose all-cpu or from {', '.join(SCENARIOS)}")
+    import torch
+
+    started = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    raw: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="dist_llm_bench_") as tmp_name:
+        tmp = Path(tmp_name)
+        for s in wanted:
+            t0 = time.perf_counter()
+            if s == "scaling":
+                new, raw[s] = scaling_rows(args.max_procs, tmp)
+            else:
+                raw[s] = run_script(s, SMALL[s], tmp / f"{s}.json")
+                new = {"model": model_rows, "dp": dp_rows, "tp": tp_rows, "pp": pp_rows}[s](raw[s])
+            rows += new
+            print(f"  {s}: {time.perf_counter() - t0:.0f} s", flush=True)
+    device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
+    print(f"\ndist_llm benchmarks: {', '.join(wanted)} | torch {torch.__version__} | {device}, {os.cpu_count()} cores | "
+          f"{time.strftime('%Y-%m-%d')} | {time.perf_counter() - started:.0f} s")
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"torch": torch.__version__, "device": device, "cores": os.cpu_count(),
+                                         "date": time.strftime("%Y-%m-%d"), "rows": rows, "raw": raw}, indent=1))
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
