@@ -67,9 +67,10 @@ def init_process_group(backend: str, timeout: timedelta, device: torch.device) -
     env = os.environ
     device_id = device if device.type == "cuda" else None
     attempt = env.get("TORCHELASTIC_RESTART_COUNT")
-    if attempt is None or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or env.get("GROUP_WORLD_SIZE", "1") != "1":
-        if attempt is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" \
-                and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("RANK") == "0":
+    shared_store = attempt is not None and env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    one_node = env.get("GROUP_WORLD_SIZE", "1") == "1"
+    if not (shared_store and one_node):
+        if shared_store and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0 and env.get("RANK") == "0":
             log.warning("torchrun shares its store between restarts on %s nodes: a restart may fail to connect; "
                         "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (launch/ does)", env["GROUP_WORLD_SIZE"])
         dist.init_process_group(backend, timeout=timeout, device_id=device_id)

@@ -83,9 +83,9 @@ def _io_reason(e: BaseException) -> str:
     """The first OS error's words in an exception, or in DCP's per-rank failures, e.g. "No space left on device"."""
     if isinstance(e, OSError):
         return e.strerror or str(e)
-    if isinstance(e, CheckpointException):
-        for rank, (inner, _) in sorted(e.failures.items()):  # (exception, traceback) per failed rank
-            return f"rank {rank}: {_io_reason(inner)}"
+    if isinstance(e, CheckpointException) and e.failures:
+        rank, (inner, _) = min(e.failures.items())  # (exception, traceback) per failed rank: the first
+        return f"rank {rank}: {_io_reason(inner)}"
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
@@ -183,7 +183,7 @@ class Trainer:
         # background saves coordinate the ranks over a gloo group of their own, never interleaving with training's
         self.save_group = (torch.distributed.new_group(backend="gloo")
                            if t.async_checkpoint and ctx.world_size > 1 else None)
-        self.stager = ckpt.host_stager(self.device) if t.async_checkpoint else None
+        self.stager: Any = None  # the host copy of background saves, made at the first one
         self.resumed_from = self._resume()
         fresh = self.resumed_from is None
         if fresh and ctx.is_main:
