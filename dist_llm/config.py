@@ -98,6 +98,8 @@ class DataConfig:
     """Share of the corpus held out for validation."""
     cache_dir: str = ""
     """Where prepared token files live; empty means $DIST_LLM_CACHE or ~/.cache/dist_llm."""
+    prefetch: bool = True
+    """Build the next step's batches in a background thread (in pinned memory for a GPU) while a step computes."""
 
 
 @dataclass
@@ -193,7 +195,11 @@ class TrainConfig:
     loss_scale_init: float = 2.0**16
     """Initial dynamic loss scale for fp16."""
     max_bad_steps: int = 20
-    """Abort after this many consecutive steps with non-finite gradients."""
+    """Abort after this many consecutive steps with non-finite gradients (each skipped). Checked at log steps,
+    so that no step waits on the host to read whether it overflowed."""
+    peak_tflops: float = 0.0
+    """One device's peak TFLOP/s, against which metrics.jsonl reports `mfu`; 0 measures it at start with a large
+    matmul in the training dtype on a GPU, and leaves mfu out on the CPU."""
     tensorboard: bool = False
     """Also write TensorBoard event files to out_dir/tensorboard (needs the tensorboard package)."""
     wandb: Literal["off", "offline", "online"] = "off"
@@ -450,7 +456,7 @@ def validate(cfg: Config) -> None:
               "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp",
               "parallel.timeout_s", "optim.lr")
     _non_negative(cfg, "model.n_kv_head", "model.mlp_hidden", "optim.min_lr", "optim.warmup_steps",
-                  "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval",
+                  "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval", "train.peak_tflops",
                   "train.ckpt_interval", "train.keep_checkpoints", "train.stop_after_step", "train.seed")
     if t.seed >= 2**63:
         raise ConfigError(f"train.seed: must be below 2**63, got {t.seed}")

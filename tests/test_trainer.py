@@ -121,26 +121,55 @@ def test_non_finite_gradients_skip_the_step_then_abort(tmp_path: Path, corpus_fi
     before = [p.detach().clone() for p in trainer.model.parameters()]
     trainer.model.blocks[0].mlp.up.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
     out = trainer.train_step()
-    assert out.skipped and trainer.scaler.skipped_steps == 1
+    assert out.skipped.item() and trainer.scaler.skipped_steps == 1
     for p, b in zip(trainer.model.parameters(), before):
         assert torch.equal(p, b)
-    with pytest.raises(TrainingError, match="2 steps in a row had non-finite gradients"):
-        trainer.train_step()
+    # the fused optimizer skipped on the device: no moment moved, no step counted (bias correction stays right)
+    for state in trainer.optimizer.state.values():
+        assert state["step"].item() == 0 and not state["exp_avg"].any() and not state["exp_avg_sq"].any()
+    trainer.train_step()
+    with pytest.raises(TrainingError, match=r"^2 steps in a row had non-finite gradients \(train.max_bad_steps=2\); "
+                                            r"stopping at step 2"):
+        trainer.check_bad_steps()
+
+
+@pytest.mark.parametrize("log_interval", [1, 3])
+def test_bad_steps_stop_the_run_at_a_log_step(tmp_path: Path, corpus_file: Path, log_interval: int) -> None:
+    """The run reads the skip counters at log steps only (no host sync in a step): it stops at the first log
+    step at or after max_bad_steps bad steps in a row, and saves no checkpoint of the diverged run."""
+    out = tmp_path / "run"
+    trainer = make_trainer(out, corpus_file, train__max_bad_steps=2, train__log_interval=log_interval,
+                           train__max_steps=8, train__eval_interval=0)
+    trainer.model.blocks[0].mlp.up.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    with pytest.raises(TrainingError, match=f"^{max(2, log_interval)} steps in a row .* stopping at step "
+                                            f"{max(2, log_interval)},"):
+        trainer.fit()
+    assert ckpt.list_checkpoints(out / "checkpoints") == []
 
 
 def test_loss_scaler() -> None:
+    bad, good = torch.tensor(1.0), torch.tensor(0.0)
     s = LossScaler(enabled=True, scale=1024.0, growth_interval=3)
-    s.update(False)
+    s.update(bad)
     assert s.scale == 512.0 and s.skipped_steps == 1
     for _ in range(3):
-        s.update(True)
+        s.update(good)
     assert s.scale == 1024.0 and s.bad_steps_in_row == 0
-    grads = [torch.full((3,), 1024.0)]
+    s.update(bad)
+    s.update(bad)
+    s.update(good)
+    assert s.scale == 256.0 and s.skipped_steps == 3 and s.take_worst_run() == 2 and s.take_worst_run() == 0
+    floor = LossScaler(enabled=True, scale=2.0, min_scale=1.0)
+    for _ in range(3):
+        floor.update(bad)
+    assert floor.scale == 1.0
+    grads = [torch.full((3,), 256.0)]
     s.unscale_(grads)
     assert grads[0].tolist() == [1.0, 1.0, 1.0]
     restored = LossScaler(enabled=True)
     restored.load_state_dict(s.state_dict())
     assert restored.scale == s.scale and restored.good_steps == s.good_steps
+    assert restored.skipped_steps == s.skipped_steps == 3
     off = LossScaler(enabled=False, scale=1024.0)
     assert off.scale == 1.0 and off.scale_loss(torch.tensor(2.0)).item() == 2.0
 

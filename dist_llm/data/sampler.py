@@ -75,10 +75,11 @@ def val_sampler(n_tokens: int, block_size: int, global_batch_size: int) -> Globa
 IGNORE_INDEX = -100  # a target the loss skips
 
 
-def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int,
-              device: torch.device | str = "cpu", mask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs and next-token targets, int64 tensors of shape (B, T); y[:, i] == x[:, i + 1], or -100 where
-    `mask` (fine-tuning records) is 0 at that target: a prompt token, not to be learned."""
+def host_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, mask: np.ndarray | None = None, *,
+               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs and next-token targets on the host, int64 tensors of shape (B, T); y[:, i] == x[:, i + 1], or -100
+    where `mask` (fine-tuning records) is 0 at that target: a prompt token, not to be learned. `pin` puts them
+    in page-locked memory, from which a copy to the GPU runs asynchronously."""
     # One gather of T+1 tokens per window, (B, T+1); reading only these pages keeps memmaps cheap.
     index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)
     windows = tokens[index].astype(np.int64)
@@ -88,8 +89,16 @@ def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int,
     if mask is not None:
         targets[mask[index][:, 1:] == 0] = IGNORE_INDEX
     y = torch.from_numpy(targets)
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+
+
+def to_device(x: torch.Tensor, y: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A host batch on `device`; from pinned memory the copy is queued without waiting (non_blocking)."""
+    return x.to(device, non_blocking=x.is_pinned()), y.to(device, non_blocking=y.is_pinned())
+
+
+def get_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int,
+              device: torch.device | str = "cpu", mask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`host_batch` on `device` (through pinned memory to a GPU)."""
     device = torch.device(device)
-    if device.type == "cuda":
-        # Pinned host memory lets the copy overlap with compute.
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
+    return to_device(*host_batch(tokens, starts, block_size, mask, pin=device.type == "cuda"), device)

@@ -97,6 +97,9 @@ class ParallelContext:
     embedding_group: dist.ProcessGroup | None = None
     #: every rank's hostname, by rank
     hosts: list[str] = field(default_factory=list)
+    #: a gloo group of every rank for small host-side agreements (whether to stop, peak memory): a collective on
+    #: CPU tensors that never makes the host wait for the GPU. The default group when that is gloo already.
+    cpu_group: dist.ProcessGroup | None = None
 
     # -- coordinates ------------------------------------------------------------------------------------------
     @property
@@ -192,6 +195,7 @@ class ParallelContext:
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 init_process_group(backend, timedelta(seconds=p.timeout_s), device)
                 ctx.owns_group = True
+            ctx.cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
             ctx.mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
             ctx.hosts = [""] * world_size
             dist.all_gather_object(ctx.hosts, socket.gethostname())

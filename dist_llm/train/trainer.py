@@ -22,8 +22,10 @@ from tqdm import tqdm
 
 from dist_llm import memory
 from dist_llm.config import Config, ConfigError, parse_steps, validate
-from dist_llm.data import GlobalBatchSampler, get_batch, prepare_data, val_sampler
+from dist_llm import perf
+from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepare_data, to_device, val_sampler
 from dist_llm.model import GPT, LayerFactory
+from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import build_data_parallel
@@ -96,7 +98,7 @@ class StepOutput:
     loss: torch.Tensor
     grad_norm: torch.Tensor
     lr: float
-    skipped: bool
+    skipped: torch.Tensor  # bool, 0-dim: the gradients were not finite, so the optimizer left everything as it was
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
@@ -164,7 +166,10 @@ class Trainer:
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
         self.scaler = LossScaler(enabled=t.precision == "fp16" and not self.dp.handles_loss_scaling,
-                                 scale=t.loss_scale_init)
+                                 scale=t.loss_scale_init, device=self.device)
+        self.sdpa_kernel = self._check_attention_kernel()
+        self.loader = BatchPrefetcher(lambda step: self._host_micro_batches(self.sampler, step, self.train_tokens),
+                                      enabled=cfg.data.prefetch)
         self.accum_steps = t.global_batch_size // (t.micro_batch_size * ctx.dp)
         self.tokens_per_step = t.global_batch_size * m.block_size
         if ctx.pp > 1 and self.accum_steps < ctx.pp:
@@ -260,17 +265,22 @@ class Trainer:
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def _micro_batches(self, sampler: GlobalBatchSampler, step: int, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of `step` on the device, built in this thread (validation)."""
+        return [to_device(x, y, self.device) for x, y in self._host_micro_batches(sampler, step, tokens)]
+
+    def _host_micro_batches(self, sampler: GlobalBatchSampler, step: int, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's micro-batches of `step` on the host (pinned for a GPU): what the prefetch thread builds."""
         starts = sampler.micro_batch_starts(step, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp,
                                             micro_batch_size=self.cfg.train.micro_batch_size)
-        mask = self.masks[id(tokens)]
-        return [get_batch(tokens, s, self.cfg.model.block_size, self.device, mask) for s in starts]
+        mask, pin = self.masks[id(tokens)], self.device.type == "cuda"
+        return [host_batch(tokens, s, self.cfg.model.block_size, mask, pin=pin) for s in starts]
 
     def train_step(self) -> StepOutput:
         t = self.cfg.train
         self.model.train()
         self.ctx.comm.reset()
         loss_sum = torch.zeros((), device=self.device)
-        micro_batches = self._micro_batches(self.sampler, self.step, self.train_tokens)
+        micro_batches = [to_device(x, y, self.device) for x, y in self.loader.get(self.step)]
         if self.stage is not None:
             loss_sum = self._pipeline(micro_batches, train=True)
         else:
@@ -297,18 +307,18 @@ class Trainer:
             # the norm's all-reduce over the stages is the step's common end: a stage that finished its
             # schedule early waits here, and that wait is its share of the pipeline flush
             self.stage_clock.end = self.stage_clock.mark()
-        # One host sync a step: whether to skip it (fp16 overflow, or a non-finite guard in bf16/fp32).
-        # The norm is global, so every rank takes the same decision.
-        finite = bool(torch.isfinite(grad_norm))
-        self.scaler.update(finite)
+        # Whether to skip the step (fp16 overflow, or the non-finite guard in bf16/fp32) stays on the device: the
+        # optimizer reads it there, so the host never waits for this step's gradients and queues the next step's
+        # work at once. The norm is global, so every rank takes the same decision.
+        found_inf = (~torch.isfinite(grad_norm)).float()
+        self.scaler.update(found_inf)
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         if self.pending_save is not None:  # a background save may still be copying what the step changes
             self.pending_save.wait_staged()
-        if finite:
-            with span("optimizer"):
-                engine_norm = self.dp.step(lr)
-            if engine_norm is not None:
-                grad_norm = engine_norm
+        with span("optimizer"):
+            engine_norm = self.dp.step(lr, found_inf)
+        if engine_norm is not None:
+            grad_norm = engine_norm
         if self.state_bytes is None:  # measured once, while gradients and optimizer states all exist
             self.state_bytes = self.dp.model_state_bytes()
         self.dp.zero_grad()
@@ -316,11 +326,16 @@ class Trainer:
         self.step += 1
         self.sampler.step = self.step
         self.tokens_seen += self.tokens_per_step
-        if self.scaler.bad_steps_in_row >= t.max_bad_steps:
-            raise TrainingError(f"{self.scaler.bad_steps_in_row} steps in a row had non-finite gradients "
-                                f"(train.max_bad_steps={t.max_bad_steps}); stopping at step {self.step}, "
-                                "the last complete checkpoint is kept")
-        return StepOutput(loss=loss_sum / self.accum_steps, grad_norm=grad_norm, lr=lr, skipped=not finite)
+        return StepOutput(loss=loss_sum / self.accum_steps, grad_norm=grad_norm, lr=lr, skipped=found_inf != 0)
+
+    def check_bad_steps(self) -> None:
+        """Stop when `train.max_bad_steps` steps in a row had non-finite gradients since the last check (one host
+        read of the scaler's counters: the trainer calls it at log steps)."""
+        worst = self.scaler.take_worst_run()
+        limit = self.cfg.train.max_bad_steps
+        if worst >= limit:
+            raise TrainingError(f"{worst} steps in a row had non-finite gradients (train.max_bad_steps={limit}); "
+                                f"stopping at step {self.step}, the last complete checkpoint is kept")
 
     def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool) -> torch.Tensor:
         """One step's (or one eval batch's) micro-batches through the pipeline; the loss sum on the last stage."""
@@ -445,8 +460,8 @@ class Trainer:
         needs no collective (and no host sync)."""
         if self.ctx.world_size == 1:
             return requested
-        flag.fill_(float(requested))
-        comm.all_reduce(flag, torch.distributed.group.WORLD, None, op=torch.distributed.ReduceOp.MAX)
+        flag.fill_(float(requested))  # a host tensor over the gloo group: no wait for the GPU
+        comm.all_reduce(flag, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
         return bool(flag.item())
 
     def _heartbeat(self) -> None:
@@ -466,12 +481,49 @@ class Trainer:
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
-                "flops_per_token": self._flops_per_token(),
+                "flops_per_token": self._flops_per_token(), "sdpa_kernel": self.sdpa_kernel,
+                "peak_memory": "cuda max_memory_allocated" if self.device.type == "cuda" else "host peak RSS",
                 "device_name": torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else "cpu"}
 
     def _flops_per_token(self) -> float:
         with torch.device("meta"):
             return GPT(self.cfg.model).flops_per_token()
+
+    def _peak_flops(self) -> float:
+        """One device's peak FLOP/s for `mfu`: train.peak_tflops, else measured on a GPU; 0 (no mfu) on the CPU."""
+        if self.cfg.train.peak_tflops:
+            return self.cfg.train.peak_tflops * 1e12
+        if self.device.type != "cuda":
+            return 0.0
+        flops = perf.measure_peak_flops(self.device, DTYPES[self.cfg.train.precision])
+        log.info("peak of %s in %s, measured with a matmul: %.1f TFLOP/s (mfu is quoted against it)",
+                 torch.cuda.get_device_name(self.device), self.cfg.train.precision, flops / 1e12)
+        return flops
+
+    def _peak_memory(self) -> list[int]:
+        """Every rank's peak memory since training began (see perf.peak_memory_bytes), by rank."""
+        mine = torch.tensor([perf.peak_memory_bytes(self.device)], dtype=torch.int64)
+        if self.ctx.world_size == 1:
+            return mine.tolist()
+        every = torch.zeros(self.ctx.world_size, dtype=torch.int64)
+        comm.all_gather(every, mine, self.ctx.cpu_group, None)
+        return every.tolist()
+
+    def _check_attention_kernel(self) -> str:
+        """Which SDPA kernel this run's attention takes; on a GPU the unfused math fallback gets a warning."""
+        attention = next((m for m in self.module.modules() if isinstance(m, Attention)), None)
+        if attention is None:
+            return "none"
+        m, t = self.cfg.model, self.cfg.train
+        kernel = perf.sdpa_kernel(attention, seq=m.block_size, dtype=DTYPES[t.precision], device=self.device)
+        if self.device.type == "cuda" and kernel not in perf.FUSED_CUDA_KERNELS:
+            log.warning("attention runs SDPA's %s kernel, not flash/efficient/cudnn: it materialises the %d x %d "
+                        "scores (check train.precision, model.dropout, the head size %d)", kernel, m.block_size,
+                        m.block_size, m.head_dim)
+        else:
+            log.info("attention: SDPA %s kernel (%s, %d heads of %d)", kernel, t.precision, attention.n_head,
+                     m.head_dim)
+        return kernel
 
     def _log_accounting(self) -> None:
         """Once, after the first step (when gradients exist): what this rank holds and sends per step, and
@@ -520,7 +572,9 @@ class Trainer:
         window_start, window_steps = run_start, 0
         preemption = Preemption().install()
         profiler = StepProfiler(parse_steps(t.profile_steps), self.out_dir, self.ctx.rank, self.device)
-        stop_flag = torch.zeros(1, device=self.device)
+        stop_flag = torch.zeros(1)  # on the host (see _agree_to_stop)
+        peak_flops = self._peak_flops()
+        perf.reset_peak_memory(self.device)  # the peak of training, not of preparing the data
         try:
             while self.step < stop:
                 with profiler.around(self.step + 1):
@@ -536,6 +590,7 @@ class Trainer:
                 if window_steps == 1 and self.step == start_step + 1:
                     self._log_accounting()
                 if self.step % t.log_interval == 0 or self.step == stop:
+                    self.check_bad_steps()
                     now = time.perf_counter()
                     self.elapsed_s = prior_elapsed + now - run_start
                     last = {"step": self.step, "loss": self._from_last_stage(self._dp_mean(out.loss)).item(),
@@ -543,7 +598,10 @@ class Trainer:
                             "grad_norm": out.grad_norm.item(),
                             "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
                             "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
-                            "model_state_bytes": self.state_bytes}
+                            "model_state_bytes": self.state_bytes, "peak_memory_bytes": self._peak_memory()}
+                    if peak_flops:
+                        last["mfu"] = round(perf.mfu(last["tokens_per_s"], self._flops_per_token(),
+                                                     peak_flops * self.ctx.world_size), 5)
                     if self.activation_bytes is not None:
                         last["activation_bytes"] = self.activation_bytes
                     if self.stage_clock is not None:
@@ -581,6 +639,7 @@ class Trainer:
             if profiler.finish():  # the run ended inside the profiled range
                 log.info("profile of steps %s written to %s", t.profile_steps, profiler.path)
             preemption.restore()
+            self.loader.close()
             if self.stager is not None:
                 self.stager.close()
                 self.stager = None

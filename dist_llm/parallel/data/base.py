@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.train.optim import build_optimizer, set_lr
+from dist_llm.train.optim import build_optimizer, guarded_step, set_lr
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -118,8 +118,9 @@ class DataParallel:
                     squares[i] = replicated_rows_square_sum(p, g, offset)
                 if getattr(p, "pp_duplicate", False):  # the tied embedding, also held by the first stage
                     squares[i] = 0.0
-            sharded = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=device)
-            sums = torch.stack([squares[sharded].sum(), squares[~sharded].sum()])
+            sharded = self._tp_sharded_mask(shards)
+            # (where, not a boolean index: indexing by a mask makes the host wait for the device)
+            sums = torch.stack([torch.where(sharded, squares, 0.0).sum(), torch.where(sharded, 0.0, squares).sum()])
         if self.dp_sharded_grads:
             comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
         comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
@@ -131,11 +132,21 @@ class DataParallel:
             torch._foreach_mul_([g for _, g, _ in shards], coef)
         return norm
 
-    def step(self, lr: float) -> torch.Tensor | None:
-        """The optimizer step at learning rate `lr`. Returns the gradient norm when the engine computes it
-        inside its step (DeepSpeed), else None."""
+    def _tp_sharded_mask(self, shards: list[tuple[nn.Parameter, torch.Tensor, int]]) -> torch.Tensor:
+        """Which of `shards` are tensor-parallel shards, as a bool tensor on the device, made once (the
+        parameters with gradients are the same every step)."""
+        key = tuple(id(p) for p, _, _ in shards)
+        cached = getattr(self, "_sharded_mask", None)
+        if cached is None or cached[0] != key:
+            mask = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=self.ctx.device)
+            self._sharded_mask = cached = (key, mask)
+        return cached[1]
+
+    def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
+        """The optimizer step at learning rate `lr`, a no-op on the device where `found_inf` (0-dim float32)
+        is nonzero. Returns the gradient norm when the engine computes it inside its step (DeepSpeed), else None."""
         set_lr(self.optimizer, lr)
-        self.optimizer.step()
+        guarded_step(self.optimizer, found_inf)
         return None
 
     def zero_grad(self) -> None:

@@ -140,7 +140,8 @@ class DeepSpeedDataParallel(DataParallel):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return torch.zeros((), device=self.ctx.device)  # DeepSpeed clips inside step (gradient_clipping)
 
-    def step(self, lr: float) -> torch.Tensor | None:
+    def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
+        # found_inf is always 0 here (clip_grad_norm_ above returns 0): DeepSpeed skips overflowing steps itself
         set_lr(self.optimizer, lr)
         self.engine.step()
         norm = self.engine.get_global_grad_norm()

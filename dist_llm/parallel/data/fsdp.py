@@ -71,10 +71,12 @@ class FSDPDataParallel(DataParallel):
             unit.set_custom_all_gather(CountedAllGather(ctx.comm))
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
         self.fsdp_units = [*blocks, model]
-        self._offsets: dict[int, int] = {}
         for name, p in model.named_parameters():
             for attr, value in marks[name].items():
                 setattr(p, attr, value)
+        # where each rank's shard starts in the flattened parameter: fixed, so computed here once (DTensor's layout
+        # arithmetic costs more than the rest of a small parameter's step, and reads the mesh back to the host)
+        self._offsets = {id(p): self._shard_offset(p) for p in model.parameters()}
         super().__init__(model, cfg, ctx)
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
@@ -90,15 +92,11 @@ class FSDPDataParallel(DataParallel):
         out = []
         for p in self.module.parameters():
             if p.grad is not None:
-                out.append((p, p.grad.to_local(), self._shard_offset(p)))
+                out.append((p, p.grad.to_local(), self._offsets[id(p)]))
         return out
 
-    def _shard_offset(self, p: nn.Parameter) -> int:
-        """Where this rank's shard starts in the flattened parameter; fixed, so computed once (DTensor's
-        layout arithmetic costs more than the rest of a small parameter's step)."""
-        offset = self._offsets.get(id(p))
-        if offset is None:
-            _, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-            row_len = p[0].numel() if p.dim() > 1 else 1
-            offset = self._offsets[id(p)] = global_offset[0] * row_len if global_offset else 0
-        return offset
+    @staticmethod
+    def _shard_offset(p: nn.Parameter) -> int:
+        _, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+        row_len = p[0].numel() if p.dim() > 1 else 1
+        return global_offset[0] * row_len if global_offset else 0

@@ -30,7 +30,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, quantised_bytes, tensor_bytes
-from dist_llm.train.optim import set_lr
+from dist_llm.train.optim import adamw, guarded_step, set_lr
 from dist_llm.train.precision import DTYPES
 
 
@@ -209,8 +209,7 @@ class ZeroDataParallel(DataParallel):
             self._opt_params.append(p)
             (decay if seg.entry.param.dim() >= 2 else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        return torch.optim.AdamW(groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                 fused=True if self.ctx.device.type == "cuda" else None)
+        return adamw(groups, o, self.ctx.device)
 
     # -- gradients ------------------------------------------------------------------------------------------
     def _grad_ready(self, b: Bucket) -> None:
@@ -273,13 +272,13 @@ class ZeroDataParallel(DataParallel):
         return [(seg.entry.param, self._grad_shard_view(seg), seg.lo - seg.entry.offset) for seg in self.segments]
 
     # -- the step -------------------------------------------------------------------------------------------
-    def step(self, lr: float) -> torch.Tensor | None:
+    def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
         set_lr(self.optimizer, lr)
         if self.master is not None:
             # the optimizer works in fp32: give the master shard fp32 copies of the 16-bit gradient shard
             for seg, p in zip(self.segments, self._opt_params):
                 p.grad = self._grad_shard_view(seg).float()
-        self.optimizer.step()
+        guarded_step(self.optimizer, found_inf)  # (a skipped step leaves the masters, so the copy below restores)
         if self.master is not None:
             for p in self._opt_params:
                 p.grad = None

@@ -213,9 +213,9 @@ class _VocabParallelCrossEntropy(Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
         softmax, local_t, mine, keep, count = ctx.saved_tensors
-        g = softmax.clone()
-        rows = torch.arange(g.shape[0], device=g.device)
-        g[rows[mine], local_t[mine]] -= 1.0
+        # d(loss)/d(logit) = softmax - onehot(target), the onehot only on the rank whose slice holds the target
+        # (local_t is 0 on the others, which then subtract 0). No boolean indexing: it makes the host wait.
+        g = softmax.clone().scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
         return (g * (keep / count * grad).unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None
 
 
