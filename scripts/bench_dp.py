@@ -8,13 +8,13 @@ The script starts its own workers: it re-runs itself under `python -m torch.dist
 (so DeepSpeed finds a torchrun environment) and rank 0 prints the table. CPU, gloo, fp32, one micro-step.
 
 Scenarios (each builds the same GPT from the same seed, takes the same token batches, clips to 1.0 and steps
-the same AdamW: decay on matrices only):
+the same AdamW, torch's fused kernel, decay on matrices only):
   ours-zero0..3  dist_llm's `build_data_parallel` at parallel.zero_stage 0..3, driven in the order of
                  `Trainer.train_step`: micro_step context, forward under autocast, backward, finish_grads,
-                 unscale (a no-op in fp32), clip_grad_norm_, step(lr), zero_grad.
+                 unscale (a no-op in fp32), clip_grad_norm_, step(lr, found_inf), zero_grad.
   torch-ddp      DistributedDataParallel (defaults) + torch AdamW + clip_grad_norm_.
   torch-fsdp2    fully_shard on each block, then the root (defaults) + torch AdamW + clip_grad_norm_.
-  ds-zero1..3    deepspeed.initialize with a torch AdamW passed in (no fused_adam JIT build), ZeRO stage K
+  ds-zero1..3    deepspeed.initialize with a torch AdamW passed in (not DeepSpeed's JIT-built ops), ZeRO stage K
                  with DeepSpeed's default buckets; engine(x, y), engine.backward, engine.step.
 The reference scenarios are written inline here and use no dist_llm data-parallel code.
 
@@ -25,6 +25,10 @@ step (all its threads, barriers excluded), which other load on a shared machine 
 Ratios are step times, ours / reference (below 1: ours is faster). Correctness, cheaply: the step-1 loss (same
 weights, same batch) must agree across scenarios; the step-2 loss (after one clipped AdamW step) is shown as a
 check of the update.
+
+Memory: "peak MiB" is the most a rank's memory rose above where it stood before the scenario was built, the
+largest over ranks and rounds (CUDA: max_memory_allocated; CPU: the peak resident set, Linux's VmHWM reset per
+scenario, with glibc's mmap threshold fixed so that freed buffers leave the resident set).
 """
 
 from __future__ import annotations
@@ -94,6 +98,9 @@ def launch(argv: list[str], args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))  # also keeps torchrun from warning
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))  # DeepSpeed's JIT ops
+    # glibc returns large freed blocks to the system only above its mmap threshold, which it raises as big blocks
+    # come and go; a fixed one keeps the resident set close to what is live, so each scenario's peak is its own
+    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", *argv]
     print("launching: " + " ".join(cmd[1:]), flush=True)
@@ -119,6 +126,7 @@ class Result:
     cpu: list[float] = field(default_factory=list)  # rank 0's process CPU seconds over the same steps
     losses: list[float] = field(default_factory=list)  # rank 0's loss at steps 1 and 2 of the first round
     comm: dict[str, int] = field(default_factory=dict)
+    peak_bytes: list[int] = field(default_factory=list)  # per rank: the most memory above the start, over rounds
     error: str = ""
 
 
@@ -134,6 +142,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
+    from dist_llm import perf
     from dist_llm.config import load_config
     from dist_llm.model import GPT
     from dist_llm.parallel.context import ParallelContext
@@ -150,7 +159,7 @@ def worker(args: argparse.Namespace) -> int:
                  "train.device=cpu", "train.precision=fp32", "optim.grad_clip=1.0", "parallel.timeout_s=300"]
     base_cfg = load_config(None, overrides)
     ctx0 = ParallelContext.from_config(base_cfg)  # creates the process group that every scenario reuses
-    rank, world = ctx0.rank, ctx0.world_size
+    rank, world, device = ctx0.rank, ctx0.world_size, ctx0.device
     main = rank == 0
     o = base_cfg.optim
     lr = o.lr  # constant: every scenario steps with the same learning rate
@@ -208,10 +217,9 @@ def worker(args: argparse.Namespace) -> int:
             dp.finish_grads()
             scaler.unscale_(dp.local_grads())
             grad_norm = dp.clip_grad_norm_(cfg.optim.grad_clip or math.inf)
-            finite = bool(torch.isfinite(grad_norm))
-            scaler.update(finite)
-            if finite:
-                dp.step(lr)
+            found_inf = (~torch.isfinite(grad_norm)).float()  # the skip decided on the device, as the trainer does
+            scaler.update(found_inf)
+            dp.step(lr, found_inf)
             dp.zero_grad()
             return loss_sum / accum_steps
 
@@ -220,7 +228,8 @@ def worker(args: argparse.Namespace) -> int:
     # -- plain PyTorch references -------------------------------------------------------------------------
     def plain_training(model: torch.nn.Module) -> Built:
         """The textbook step over a wrapped model: forward, backward, clip, AdamW."""
-        opt = torch.optim.AdamW(adamw_groups(model, o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        opt = torch.optim.AdamW(adamw_groups(model, o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                fused=True)
 
         def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
             loss = model(x, y)
@@ -256,7 +265,8 @@ def worker(args: argparse.Namespace) -> int:
             ds.init_distributed(dist_backend="gloo")
             say(f"deepspeed.init_distributed took {time.perf_counter() - t0:.1f} s")
         model = make_model()
-        opt = torch.optim.AdamW(adamw_groups(model, o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps)
+        opt = torch.optim.AdamW(adamw_groups(model, o.weight_decay), lr=lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                fused=True)
         config = {"train_batch_size": args.micro_batch * world, "train_micro_batch_size_per_gpu": args.micro_batch,
                   "gradient_accumulation_steps": 1, "gradient_clipping": 1.0, "zero_optimization": {"stage": stage},
                   "steps_per_print": 10**9, "wall_clock_breakdown": False}
@@ -296,6 +306,9 @@ def worker(args: argparse.Namespace) -> int:
                 continue
             say(f"round {rnd + 1}/{args.rounds}: {name}")
             try:
+                gc.collect()
+                start_bytes = perf.memory_bytes(device)
+                perf.reset_peak_memory(device)
                 built = builders[name]()
                 for i, (x, y) in enumerate(batches):
                     timed = i >= args.warmup
@@ -312,6 +325,9 @@ def worker(args: argparse.Namespace) -> int:
                         res.losses.append(float(loss))
                 if built.comm is not None:
                     res.comm = built.comm.snapshot()
+                peaks: list[int] = [0] * world
+                dist.all_gather_object(peaks, perf.peak_memory_bytes(device) - start_bytes)
+                res.peak_bytes = [max(a, b) for a, b in zip(res.peak_bytes, peaks)] if res.peak_bytes else peaks
                 built.close()
             except Exception as e:  # noqa: BLE001 - report it and go on with the other scenarios
                 res.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
@@ -364,7 +380,7 @@ def report(args: argparse.Namespace, results: dict[str, Result], n_params: int, 
           f"{max((len(r.times) for r in results.values()), default=0)} timed steps per scenario; ratio = step time "
           f"ours / reference (median)")
     header = (f"{'scenario':<12} {'step ms (med)':>13} {'step ms (min)':>13} {'cpu ms (med)':>12} {'tokens/s':>9} "
-              f"{'ratio':>16} {'comm MiB/step':>13} {'theory MiB':>10}  ours: comm by kind (MiB)")
+              f"{'ratio':>16} {'peak MiB':>8} {'comm MiB/step':>13} {'theory MiB':>10}  ours: comm by kind (MiB)")
     print(header)
     print("-" * len(header))
     for s, r in results.items():
@@ -377,7 +393,7 @@ def report(args: argparse.Namespace, results: dict[str, Result], n_params: int, 
         # the ZeRO grad-norm all-reduce is one fp32 scalar: show tiny kinds in bytes
         kinds = ", ".join(f"{k} {v / 2**20:.2f}" if v >= 2**20 / 100 else f"{k} {v} B" for k, v in r.comm.items())
         print(f"{s:<12} {med[s] * 1e3:>13.1f} {min(r.times) * 1e3:>13.1f} {statistics.median(r.cpu) * 1e3:>12.1f} "
-              f"{tokens / med[s]:>9,.0f} {ratio:>16} "
+              f"{tokens / med[s]:>9,.0f} {ratio:>16} {max(r.peak_bytes, default=0) / 2**20:>8.1f} "
               f"{comm_total:>13} {theory_bytes(s, n_params, world) / 2**20:>10.2f}  {kinds}")
 
     print("\ntargets (step time ours / reference, median; min-based in brackets):")
@@ -406,7 +422,7 @@ def report(args: argparse.Namespace, results: dict[str, Result], n_params: int, 
             "world": world, "n_params": n_params, "tokens_per_step": tokens, "targets": summary,
             "scenarios": {s: {"step_ms_median": med.get(s, math.nan) * 1e3,
                               "step_ms_all": [t * 1e3 for t in r.times], "cpu_ms_all": [t * 1e3 for t in r.cpu],
-                              "losses": r.losses, "comm_bytes": r.comm,
+                              "losses": r.losses, "comm_bytes": r.comm, "peak_bytes_per_rank": r.peak_bytes,
                               "theory_bytes": theory_bytes(s, n_params, world), "error": r.error}
                           for s, r in results.items()}}, indent=2))
         print(f"wrote {args.json}")
