@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import re
 import resource
 import sys
@@ -85,14 +86,25 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def reset_peak_memory(device: torch.device) -> None:
-    """Start a new peak: CUDA's allocator statistics, or Linux's VmHWM (writing 5 to /proc/self/clear_refs)."""
+    """Start a new peak: CUDA's allocator statistics; on the CPU, Linux's VmHWM (writing 5 to
+    /proc/self/clear_refs), after handing the heap's free pages back to the system (glibc's malloc_trim).
+    Without the trim, tensors freed before would leave pages resident that later ones reuse unseen, and a peak
+    measured after another workload in the same process would miss them."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return
+    _trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:  # not Linux: ru_maxrss cannot be reset, the peak then covers the whole process
+        pass
+
+
+def _trim_heap() -> None:
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
         pass
 
 

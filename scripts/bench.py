@@ -16,10 +16,20 @@ Scenarios (each runs one of the scripts beside this one, or dist_llm's own train
            tokens/s of the whole job (median over the logged steps after the first); runs with more processes
            than cores are marked oversubscribed.
   all-cpu  all of the above, at sizes that finish in a few minutes on a 2-core machine.
+  gpu      (one CUDA GPU) scripts/bench_model.py in bf16 with the fused AdamW step timed: the GPT-2 124M shape
+           (batch 16 x 1024) against HF GPT-2 with SDPA, ours eager and with each block compiled; and a 1.3B GPT
+           (24 x 2048, seq 2048, batch 8), compiled. MFU against the GPU's bf16 peak, which bench_model.py
+           measures with an 8192^3 matmul and prints. Targets: 124M at 40% MFU, 1.3B at 50%, ours no slower than HF.
 
 The table has one row per comparison: ours, the reference, the figure compared and the ratio ours/reference
-(for times: below 1 is faster; for tokens/s: above 1 is faster). `--json` keeps every row and each script's
-full results, for scripts/plot_bench.py. MFU needs a GPU's peak and is not computed on CPU.
+(for times: below 1 is faster; for tokens/s: above 1 is faster), and the peak memory of each side where it was
+measured, in MiB, the highest rank's (CUDA: max_memory_allocated; CPU: the peak resident set, dist_llm.perf):
+  model    what one training step adds above where it starts (activations, gradients, temporaries)
+  dp, tp   the most a rank's memory rose above where it stood before the model was built (model states too)
+  pp       the most a stage's memory rose over the steps, once the trainer was built
+  scaling  the whole process's peak during training (`peak_memory_bytes` in metrics.jsonl)
+Below it, the bytes each layout sent per step by kind of collective. `--json` keeps every row and each script's full results, for
+scripts/plot_bench.py. MFU is computed on a GPU only: a CPU's matmul peak says little about training on it.
 """
 
 from __future__ import annotations
@@ -36,10 +46,11 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ["model", "dp", "tp", "pp", "scaling"]
+SCENARIOS = ["model", "dp", "tp", "pp", "scaling"]  # all-cpu
+EXTRA_SCENARIOS = ["gpu"]
 # the sizes of all-cpu: a few minutes in all on 2 cores
 SMALL = {
-    "model": ["--models", "tiny", "--steps", "10", "--warmup", "2"],
+    "model": ["--models", "tiny", "--steps", "20", "--warmup", "3"],
     "dp": ["--layers", "4", "--width", "256", "--seq", "128", "--steps", "8", "--warmup", "2", "--rounds", "2"],
     "tp": ["--layers", "4", "--width", "256", "--heads", "8", "--seq", "128", "--steps", "4", "--warmup", "1"],
     "pp": ["--micro-batches", "1", "4", "8", "--layers", "4", "--width", "128", "--heads", "4", "--steps", "2"],
@@ -49,29 +60,58 @@ SCALING_MODEL = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model
                  "train.log_interval=1", "train.eval_interval=0", "train.ckpt_interval=0", "optim.warmup_steps=2"]
 
 
+GPU_RUNS = {  # bench_model.py arguments of the gpu scenario
+    "124m": ["--models", "gpt2-124m", "--device", "cuda", "--dtype", "bf16", "--compile", "--steps", "20",
+             "--warmup", "5"],
+    "1.3b": ["--models", "gpt-1.3b", "--device", "cuda", "--dtype", "bf16", "--compile", "--no-hf", "--steps", "10",
+             "--warmup", "3"],
+}
+MFU_TARGETS = {"gpt2-124m": 0.40, "gpt-1.3b": 0.50}
+ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
 def run_script(name: str, extra: list[str], out: Path) -> dict[str, Any]:
     cmd = [sys.executable, str(ROOT / "scripts" / f"bench_{name}.py"), *extra, "--json", str(out)]
     print(f"$ {' '.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=ENV)
     if proc.returncode != 0 or not out.is_file():
         raise RuntimeError(f"bench_{name}.py failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
     return json.loads(out.read_text())
 
 
 def row(scenario: str, ours: str, reference: str, what: str, ours_value: float, ref_value: float,
-        target: str = "", met: bool | None = None, **extra: Any) -> dict[str, Any]:
+        target: str = "", met: bool | None = None, *, ours_mem: int | None = None, ref_mem: int | None = None,
+        **extra: Any) -> dict[str, Any]:
     ratio = ours_value / ref_value if ref_value else float("nan")
     return {"scenario": scenario, "ours": ours, "reference": reference, "what": what, "ours_value": ours_value,
-            "reference_value": ref_value, "ratio": ratio, "target": target, "met": met, **extra}
+            "reference_value": ref_value, "ratio": ratio, "target": target, "met": met, "ours_peak_bytes": ours_mem,
+            "reference_peak_bytes": ref_mem, **extra}
 
 
-def model_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+def model_rows(r: dict[str, Any], scenario: str = "model") -> list[dict[str, Any]]:
     out = []
     for name, res in r["results"].items():
-        ours, hf = res["models"]["ours"], res["models"]["HF"]
-        out.append(row("model", f"GPT {name}", "HF GPT2 (sdpa)", "tokens/s", ours["tokens_per_s"], hf["tokens_per_s"],
-                       "no slower (>= 1)", ours["tokens_per_s"] >= hf["tokens_per_s"]))
+        models = res["models"]
+        ours = models["ours"]
+        if "HF" in models:
+            hf = models["HF"]
+            out.append(row(scenario, f"GPT {name}", "HF GPT2 (sdpa)", "tokens/s", ours["tokens_per_s"],
+                           hf["tokens_per_s"], "no slower (>= 1)", ours["tokens_per_s"] >= hf["tokens_per_s"],
+                           ours_mem=ours["peak_bytes"], ref_mem=hf["peak_bytes"]))
+        if scenario == "gpu":  # MFU only where the peak is a GPU's
+            for variant in ("ours", "ours+compile"):
+                if variant in models and name in MFU_TARGETS:
+                    mfu, goal = models[variant]["mfu"], MFU_TARGETS[name]
+                    out.append(row(scenario, f"GPT {name}" + (" compiled" if variant != "ours" else ""),
+                                   f"target {goal:.0%}", "MFU", mfu, goal, f">= {goal:.2f}", mfu >= goal,
+                                   ours_mem=models[variant]["peak_bytes"], sdpa_kernel=res["sdpa_kernel"]))
     return out
+
+
+def gpu_rows(tmp: Path) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    raw = {name: run_script("model", args, tmp / f"gpu-{name}.json") for name, args in GPU_RUNS.items()}
+    rows = [r for res in raw.values() for r in model_rows(res, "gpu")]
+    return rows, raw
 
 
 def dp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
@@ -80,7 +120,8 @@ def dp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
     for t in r["targets"]:
         a, b = scen[t["ours"]], scen[t["reference"]]
         out.append(row("dp", t["ours"], t["reference"], "step ms", a["step_ms_median"], b["step_ms_median"],
-                       f"<= {t['limit']:.2f}", t["met"]))
+                       f"<= {t['limit']:.2f}", t["met"], ours_mem=max(a.get("peak_bytes_per_rank") or [0]),
+                       ref_mem=max(b.get("peak_bytes_per_rank") or [0])))
     for name, s in scen.items():
         if name.startswith("ours") and s.get("theory_bytes"):
             measured = sum(s["comm_bytes"].values()) if isinstance(s["comm_bytes"], dict) else s["comm_bytes"]
@@ -99,7 +140,8 @@ def tp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
                            abs(s["comm_total"] / s["theory_bytes"] - 1) <= 0.10))
         if "tp1" in scen and scen[k].get("step_ms_all") and scen["tp1"].get("step_ms_all"):
             out.append(row("tp", k, "tp1", "step ms", statistics.median(s["step_ms_all"]),
-                           statistics.median(scen["tp1"]["step_ms_all"])))
+                           statistics.median(scen["tp1"]["step_ms_all"]), ours_mem=s.get("peak_bytes"),
+                           ref_mem=scen["tp1"].get("peak_bytes")))
     return out
 
 
@@ -107,7 +149,8 @@ def pp_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     out = []
     for r in rows:
         out.append(row("pp", f"{r['schedule']} m={r['m']}", "(p-1)/(m+p-1)", "stage-0 idle", r["idle_fraction"][0],
-                       r["formula"], busy_s=r["busy_s"], idle_fraction=r["idle_fraction"],
+                       r["formula"], ours_mem=max(r.get("peak_bytes") or [0]), busy_s=r["busy_s"],
+                       idle_fraction=r["idle_fraction"],
                        first_stage_saved_bytes=r["first_stage_saved_bytes"]))
     return out
 
@@ -119,13 +162,13 @@ def scaling_run(form: str, n: int, out_dir: Path) -> dict[str, Any]:
     if n > 1:
         cmd[4:4] = ["--nproc-per-node", str(n)]  # after "train"
     start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise RuntimeError(f"{form}={n} failed:\n{proc.stderr[-2000:]}")
     records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in records if "tokens_per_s" in r][1:]  # the first step carries the warm-up
     return {"form": form, "procs": n, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
+            "peak_bytes": max(max(r["peak_memory_bytes"]) for r in steps), "comm_bytes": steps[-1]["comm_bytes"],
             "wall_s": time.perf_counter() - start, "oversubscribed": n > (os.cpu_count() or 1)}
 
 
@@ -139,31 +182,64 @@ def scaling_rows(max_procs: int, tmp: Path) -> tuple[list[dict[str, Any]], list[
             print(f"  scaling: {form}={n}", flush=True)
             runs.append(scaling_run(form, n, tmp / f"scale-{form}{n}"))
     rows = [row("scaling", f"{r['form']}={r['procs']}" + (" (oversubscribed)" if r["oversubscribed"] else ""),
-                "1 process", "tokens/s", r["tokens_per_s"], one["tokens_per_s"]) for r in runs[1:]]
+                "1 process", "tokens/s", r["tokens_per_s"], one["tokens_per_s"], ours_mem=r["peak_bytes"],
+                ref_mem=one["peak_bytes"], comm_by_kind=r["comm_bytes"]) for r in runs[1:]]
     return rows, runs
 
 
+def _mib(n: int | None) -> str:
+    return f"{n / 2**20:,.0f}" if n else "-"
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
-    head = (f"{'scenario':<8} {'ours':<28} {'reference':<18} {'figure':<12} {'ours':>12} {'reference':>12} "
-            f"{'ratio':>7}  target")
+    head = (f"{'scenario':<8} {'ours':<28} {'reference':<18} {'figure':<12} {'ours':>14} {'reference':>14} "
+            f"{'ratio':>7} {'ours MiB':>9} {'ref MiB':>8}  target")
     print("\n" + head + "\n" + "-" * len(head))
     for r in rows:
         verdict = "" if r["met"] is None else (" met" if r["met"] else " NOT met")
-        print(f"{r['scenario']:<8} {r['ours']:<28} {r['reference']:<18} {r['what']:<12} {r['ours_value']:>12,.3f} "
-              f"{r['reference_value']:>12,.3f} {r['ratio']:>7.3f}  {r['target']}{verdict}")
+        print(f"{r['scenario']:<8} {r['ours']:<28} {r['reference']:<18} {r['what']:<12} {r['ours_value']:>14,.3f} "
+              f"{r['reference_value']:>14,.3f} {r['ratio']:>7.3f} {_mib(r['ours_peak_bytes']):>9} "
+              f"{_mib(r['reference_peak_bytes']):>8}  {r['target']}{verdict}")
+
+
+def print_comm(raw: dict[str, Any]) -> None:
+    """Bytes sent per step by rank 0, by kind of collective, for every layout that communicates."""
+    layouts: dict[str, dict[str, int]] = {}
+    for name, s in raw.get("dp", {}).get("scenarios", {}).items():
+        if name.startswith("ours") and isinstance(s.get("comm_bytes"), dict):
+            layouts[f"dp2 {name[5:]}"] = s["comm_bytes"]
+    for name, s in raw.get("tp", {}).get("scenarios", {}).items():
+        if s.get("comm_bytes"):
+            layouts[name] = s["comm_bytes"]
+    for r in raw.get("scaling", []):
+        if r.get("comm_bytes"):
+            layouts[f"train {r['form']}={r['procs']}"] = r["comm_bytes"]
+    if not layouts:
+        return
+    kinds = sorted({k for v in layouts.values() for k in v})
+    head = f"{'layout':<18} " + " ".join(f"{k:>15}" for k in kinds) + f" {'total':>15}"
+    print("\nbytes sent per step by rank 0, by collective (MiB; p2p: pipeline sends)\n" + head + "\n" + "-" * len(head))
+    for name, by_kind in layouts.items():
+        print(f"{name:<18} " + " ".join(f"{by_kind.get(k, 0) / 2**20:>15.3f}" for k in kinds)
+              + f" {sum(by_kind.values()) / 2**20:>15.3f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--scenario", default="all-cpu", help=f"all-cpu, or comma-separated: {', '.join(SCENARIOS)}")
+    p.add_argument("--scenario", default="all-cpu",
+                   help=f"all-cpu, or comma-separated: {', '.join(SCENARIOS + EXTRA_SCENARIOS)}")
     p.add_argument("--max-procs", type=int, default=4, help="largest process count of the scaling scenario")
     p.add_argument("--json", type=Path, default=None, help="write every row and each script's results here")
     args = p.parse_args(argv)
     wanted = SCENARIOS if args.scenario == "all-cpu" else args.scenario.split(",")
-    unknown = [s for s in wanted if s not in SCENARIOS]
+    unknown = [s for s in wanted if s not in SCENARIOS + EXTRA_SCENARIOS]
     if unknown:
-        p.error(f"--scenario: unknown {', '.join(unknown)}; choose all-cpu or from {', '.join(SCENARIOS)}")
+        p.error(f"--scenario: unknown {', '.join(unknown)}; choose all-cpu or from "
+                f"{', '.join(SCENARIOS + EXTRA_SCENARIOS)}")
     import torch
+
+    if "gpu" in wanted and not torch.cuda.is_available():
+        p.error("--scenario gpu: needs a CUDA GPU (torch.cuda.is_available() is False); all-cpu runs anywhere")
 
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -174,6 +250,8 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.perf_counter()
             if s == "scaling":
                 new, raw[s] = scaling_rows(args.max_procs, tmp)
+            elif s == "gpu":
+                new, raw[s] = gpu_rows(tmp)
             else:
                 raw[s] = run_script(s, SMALL[s], tmp / f"{s}.json")
                 new = {"model": model_rows, "dp": dp_rows, "tp": tp_rows, "pp": pp_rows}[s](raw[s])
@@ -182,7 +260,11 @@ def main(argv: list[str] | None = None) -> int:
     device = "cpu" if not torch.cuda.is_available() else torch.cuda.get_device_name()
     print(f"\ndist_llm benchmarks: {', '.join(wanted)} | torch {torch.__version__} | {device}, {os.cpu_count()} cores | "
           f"{time.strftime('%Y-%m-%d')} | {time.perf_counter() - started:.0f} s")
+    for name, res in raw.get("gpu", {}).items():
+        print(f"gpu {name}: {res['device']}, peak {res['peak_flops'] / 1e12:.1f} TFLOP/s measured with a bf16 "
+              f"matmul; attention kernel {', '.join(r['sdpa_kernel'] for r in res['results'].values())}")
     print_table(rows)
+    print_comm(raw)
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": device, "cores": os.cpu_count(),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows, "raw": raw}, indent=1))

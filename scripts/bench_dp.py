@@ -28,7 +28,7 @@ check of the update.
 
 Memory: "peak MiB" is the most a rank's memory rose above where it stood before the scenario was built, the
 largest over ranks and rounds (CUDA: max_memory_allocated; CPU: the peak resident set, Linux's VmHWM reset per
-scenario, with glibc's mmap threshold fixed so that freed buffers leave the resident set).
+scenario after the heap's free pages went back to the system, see dist_llm.perf.reset_peak_memory).
 """
 
 from __future__ import annotations
@@ -98,9 +98,6 @@ def launch(argv: list[str], args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max(1, cores // args.nproc)))  # also keeps torchrun from warning
     env.setdefault("TORCH_EXTENSIONS_DIR", str(ROOT / ".cache" / "torch_extensions"))  # DeepSpeed's JIT ops
-    # glibc returns large freed blocks to the system only above its mmap threshold, which it raises as big blocks
-    # come and go; a fixed one keeps the resident set close to what is live, so each scenario's peak is its own
-    env.setdefault("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            str(Path(__file__).resolve()), "--worker", *argv]
     print("launching: " + " ".join(cmd[1:]), flush=True)
@@ -307,8 +304,8 @@ def worker(args: argparse.Namespace) -> int:
             say(f"round {rnd + 1}/{args.rounds}: {name}")
             try:
                 gc.collect()
-                start_bytes = perf.memory_bytes(device)
                 perf.reset_peak_memory(device)
+                start_bytes = perf.memory_bytes(device)
                 built = builders[name]()
                 for i, (x, y) in enumerate(batches):
                     timed = i >= args.warmup

@@ -15,7 +15,8 @@ the timed steps gives tokens/s. --compile adds "ours+compile": our GPT with each
 
 MFU (model FLOPs utilisation) = tokens/s x `GPT.flops_per_token` (6N + 12*L*C*T) / the device's peak, which the
 script measures once with a large matmul in --dtype (dist_llm.perf.measure_peak_flops) unless --peak-tflops
-gives it. Peak memory is each model's most over its steps (CUDA: max_memory_allocated; CPU: peak resident set).
+gives it. "step MiB" is the most memory one more untimed step of a model adds above where it starts
+(activations, gradients, temporaries; CUDA: max_memory_allocated; CPU: the peak resident set).
 
 Equal work in the loss: HF's `labels=` shifts inside the model (logits[:, :-1] against labels[:, 1:]), ours
 takes inputs and targets already shifted. We pass HF our targets through its own loss path as
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -159,25 +161,36 @@ def make_step(model: nn.Module, loss_of: Callable[[], torch.Tensor], *, dtype: s
 
 
 def run_interleaved(steps: dict[str, Callable[[], torch.Tensor]], *, warmup: int, timed: int,
-                    device: torch.device) -> tuple[dict[str, list[float]], dict[str, int]]:
-    """Step times in seconds per model, and each model's peak memory over its steps; repetition r runs the
-    models in order (A, B, C) when r is even, else reversed, so drift falls on all alike."""
+                    device: torch.device) -> dict[str, list[float]]:
+    """Step times in seconds per model; repetition r runs the models in order (A, B, C) when r is even, else
+    reversed, so drift falls on all alike."""
     names = list(steps)
     times: dict[str, list[float]] = {n: [] for n in names}
-    peaks = {n: 0 for n in names}
     for rep in range(warmup + timed):
         order = names if rep % 2 == 0 else names[::-1]
         for name in order:
             perf.synchronize(device)
-            perf.reset_peak_memory(device)
             t0 = time.perf_counter()
             steps[name]()
             perf.synchronize(device)
-            dt = time.perf_counter() - t0
-            peaks[name] = max(peaks[name], perf.peak_memory_bytes(device))
             if rep >= warmup:
-                times[name].append(dt)
-    return times, peaks
+                times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def step_memory(steps: dict[str, Callable[[], torch.Tensor]], device: torch.device) -> dict[str, int]:
+    """Per model, the most memory one more (untimed) step adds above where it starts: activations, gradients
+    and temporaries (the models share the process, so an absolute peak would count the others' weights)."""
+    peaks = {}
+    for name, step in steps.items():
+        gc.collect()
+        perf.synchronize(device)
+        perf.reset_peak_memory(device)
+        start = perf.memory_bytes(device)
+        step()
+        perf.synchronize(device)
+        peaks[name] = perf.peak_memory_bytes(device) - start
+    return peaks
 
 
 def bench_shape(name: str, shape: Shape, *, hf_act: str, device: torch.device, dtype: str, compile: bool,
@@ -226,7 +239,8 @@ def bench_shape(name: str, shape: Shape, *, hf_act: str, device: torch.device, d
     steps = {m: make_step(models[m], losses[m], dtype=dtype, device=device, optimizer=optimizer) for m in models}
     kernel = perf.sdpa_kernel(ours.blocks[0].attn, seq=shape.seq, dtype=DTYPES[dtype], device=device,
                               batch=shape.batch)
-    times, peaks = run_interleaved(steps, warmup=shape.warmup, timed=shape.steps, device=device)
+    times = run_interleaved(steps, warmup=shape.warmup, timed=shape.steps, device=device)
+    peaks = step_memory(steps, device)
     tokens = shape.batch * shape.seq
     flops_per_token = flops_at(cfg, shape.seq)
     rows = {}
@@ -272,7 +286,7 @@ def print_table(name: str, r: dict, *, dtype: str, optimizer: bool) -> None:
     print("   first-step loss, same weights and batch: " + ", ".join(f"{m} {v:.6f}" for m, v in r["first_losses"].items())
           + "".join(f"; wte grad max rel diff {m} {d:.1e}" for m, d in (r["wte_grad_rel_diff"] or {}).items()))
     header = (f"{'model':<24} {'params':>14} {'step ms (median)':>17} {'step ms (min)':>14} {'tokens/s':>11} "
-              f"{'MFU':>6} {'peak MiB':>9}")
+              f"{'MFU':>6} {'step MiB':>9}")
     print(header)
     print("-" * len(header))
     for model_name, row in r["models"].items():

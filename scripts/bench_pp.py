@@ -13,6 +13,8 @@ What it measures, through dist_llm's Trainer (fp32, dp=1, tp=1, one process per 
   activations     the most bytes autograd held saved for backward on the first stage during the first step
                   (saved_tensors_hooks, each storage once, parameters and buffers left out), and that figure in
                   micro-batches: divided by the same count at m=1. GPipe holds all m micro-batches, 1F1B at most p.
+  peak memory     per stage, the most its memory (the peak resident set on the CPU) rose over the steps above where
+                  it stood once the trainer was built: optimizer states, gradients, saved activations, buffers.
 
 With --pp larger than the cores, stages share cores and the idle figures mean little (the table says so).
 The script starts its own workers with `python -m torch.distributed.run --standalone`; rank 0 prints the table.
@@ -21,6 +23,7 @@ The script starts its own workers with `python -m torch.distributed.run --standa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -53,6 +56,7 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
+    from dist_llm import perf
     from dist_llm.config import load_config
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.saved_tensors import SavedTensorMeter
@@ -70,6 +74,8 @@ def worker(args: argparse.Namespace) -> None:
                     "train.device=cpu", f"train.out_dir={tmp}/{schedule}{m}", "train.resume=never"])
                 ctx = ParallelContext.from_config(cfg)
                 trainer = Trainer(cfg, ctx)
+                perf.reset_peak_memory(ctx.device)
+                start_bytes = perf.memory_bytes(ctx.device)
                 module = trainer.module
                 with SavedTensorMeter([*module.parameters(), *module.buffers()]) as meter:
                     trainer.train_step()  # also the warm-up step
@@ -83,11 +89,16 @@ def worker(args: argparse.Namespace) -> None:
                     busy.append(times["pp_busy_s"])
                 held = torch.tensor([meter.peak_bytes], dtype=torch.float64)
                 torch.distributed.broadcast(held, src=0)  # the first stage's figure
+                peaks = torch.zeros(args.pp, dtype=torch.int64)  # each stage's memory rise over the trainer's life
+                torch.distributed.all_gather_into_tensor(
+                    peaks, torch.tensor([perf.peak_memory_bytes(ctx.device) - start_bytes], dtype=torch.int64))
+                del trainer
+                gc.collect()
                 rows.append({"schedule": schedule, "m": m, "p": args.pp,
                              "idle_fraction": [statistics.median(s[i] for s in idle) for i in range(args.pp)],
                              "busy_s": [statistics.median(s[i] for s in busy) for i in range(args.pp)],
                              "formula": (args.pp - 1) / (m + args.pp - 1),
-                             "first_stage_saved_bytes": int(held.item())})
+                             "first_stage_saved_bytes": int(held.item()), "peak_bytes": peaks.tolist()})
     if int(os.environ["RANK"]) == 0:
         args.worker.write_text(json.dumps(rows))
     torch.distributed.destroy_process_group()
@@ -96,7 +107,7 @@ def worker(args: argparse.Namespace) -> None:
 def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     one = {r["schedule"]: r["first_stage_saved_bytes"] for r in rows if r["m"] == 1}
     head = (f"{'schedule':>8} {'m':>3}  {'idle fraction per stage':>{8 * pp}}  {'(p-1)/(m+p-1)':>13}  "
-            f"{'stage-0 saved MiB':>17} {'in micro-batches':>16} {'expected':>8}")
+            f"{'stage-0 saved MiB':>17} {'in micro-batches':>16} {'expected':>8}  peak MiB per stage")
     lines = [head, "-" * len(head)]
     for r in rows:
         if r["m"] not in wanted:
@@ -105,7 +116,8 @@ def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
         expected = r["m"] if r["schedule"] == "gpipe" else min(r["m"], pp)
         lines.append(f"{r['schedule']:>8} {r['m']:>3}  {idle:>{8 * pp}}  {r['formula']:>13.3f}  "
                      f"{r['first_stage_saved_bytes'] / 2**20:>17.2f} "
-                     f"{r['first_stage_saved_bytes'] / one[r['schedule']]:>16.2f} {expected:>8}")
+                     f"{r['first_stage_saved_bytes'] / one[r['schedule']]:>16.2f} {expected:>8}  "
+                     + " ".join(f"{b / 2**20:.1f}" for b in r["peak_bytes"]))
     return "\n".join(lines)
 
 

@@ -12,6 +12,8 @@ What it measures, for one GPT (vocab 256, fp32, dp=1, one micro-batch a step, Ad
   tensor-parallel bytes   what ctx.comm counted in a step, by kind, beside Megatron's count for the activations:
                           (4*n_layer + 2) * b*s*h * 4 bytes, times 2(tp-1)/tp for ring collectives (the same total
                           with sequence parallelism, where each all-reduce becomes a reduce-scatter + all-gather).
+  peak memory             the most any rank's memory (CPU: peak resident set) rose above where it stood before the
+                          trainer was built, over building it and all its steps.
   activation memory       for one forward of one micro-batch in training mode (a copy of the model built with
                           model.dropout=--dropout, so dropout saves its masks), the bytes autograd saves for backward
                           per rank (torch.autograd.graph.saved_tensors_hooks; each storage counted once, parameters
@@ -209,6 +211,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     sys.path.insert(0, str(ROOT))
+    from dist_llm import perf
     from dist_llm.config import load_config
     from dist_llm.model import GPT
     from dist_llm.parallel.context import ParallelContext
@@ -254,6 +257,8 @@ def worker(args: argparse.Namespace) -> int:
         del model
         gc.collect()
 
+        perf.reset_peak_memory(ctx.device)
+        start_bytes = perf.memory_bytes(ctx.device)
         trainer = Trainer(cfg, ctx)
         say(f"  {name}: {trainer.module.num_params():,} parameters on rank 0; "
             f"{args.warmup} warm-up + {args.steps} timed steps")
@@ -270,6 +275,10 @@ def worker(args: argparse.Namespace) -> int:
                 res["cpu"].append(c1 - c0)
             if i < 2:
                 res["losses"].append(loss)
+        peak = torch.tensor([perf.peak_memory_bytes(ctx.device) - start_bytes], dtype=torch.int64)
+        if dist.is_initialized():
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        res["peak_bytes"] = int(peak)  # the most any rank's memory rose above where it stood before the trainer
         res["comm"] = dict(trainer.comm_bytes)
         res["comm_calls"] = dict(ctx.comm.calls)
         # CPU time per step summed over the ranks (each rank's own process time)
@@ -336,7 +345,7 @@ def report(args: argparse.Namespace, meta: dict[str, Any], results: dict[str, di
 
     print(f"\nspeed: {tokens:,} tokens/step; cpu s = CPU seconds per step summed over all ranks (median)")
     header = (f"{'scenario':<8} {'step ms (med)':>13} {'step ms (min)':>13} {'tokens/s':>9} {'vs tp1':>7} "
-              f"{'cpu s':>6} {'tp MiB/step':>11} {'Megatron MiB':>12} {'meas/theory':>11}  comm by kind (MiB, calls)")
+              f"{'cpu s':>6} {'peak MiB':>8} {'tp MiB/step':>11} {'Megatron MiB':>12} {'meas/theory':>11}  comm by kind (MiB, calls)")
     print(header)
     print("-" * len(header))
     rows = {}
@@ -352,11 +361,11 @@ def report(args: argparse.Namespace, meta: dict[str, Any], results: dict[str, di
         kinds = ", ".join(f"{kind} {mib(v) if v >= 2**20 / 100 else f'{v} B'} ({r['comm_calls'].get(kind, 0)})"
                           for kind, v in r["comm"].items()) or "none"
         print(f"{k:<8} {med[k] * 1e3:>13.0f} {min(r['times']) * 1e3:>13.0f} {tokens / med[k]:>9,.0f} {speedup:>7} "
-              f"{statistics.median(r['cpu']):>6.2f} {mib(comm_total):>11} {mib(theory):>12} {ratio:>11}  {kinds}")
+              f"{statistics.median(r['cpu']):>6.2f} {mib(r['peak_bytes']):>8} {mib(comm_total):>11} {mib(theory):>12} {ratio:>11}  {kinds}")
         rows[k] = {"step_ms_median": med[k] * 1e3, "step_ms_min": min(r["times"]) * 1e3,
                    "tokens_per_s": tokens / med[k], "cpu_s_median": statistics.median(r["cpu"]),
                    "comm_bytes": r["comm"], "comm_calls": r["comm_calls"], "comm_total": comm_total,
-                   "theory_bytes": theory}
+                   "theory_bytes": theory, "peak_bytes": r["peak_bytes"]}
 
     b, s, h = args.micro_batch, args.seq, args.width
     print(f"\nactivation memory per rank: bytes saved for backward by one training forward of one micro-batch "

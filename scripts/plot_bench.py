@@ -1,5 +1,5 @@
-"""Draw scripts/bench.py's JSON: tokens/s per layout (the scaling scenario, and ours against the references
-of the data-parallel scenario) and, where the JSON has them, the bytes each layout sends per step.
+"""Draw scripts/bench.py's JSON: tokens/s and peak memory per layout (the scaling scenario, and ours against the
+references of the data-parallel scenario), the bytes each layout sends per step, and on a GPU tokens/s and MFU.
 
     python scripts/plot_bench.py bench.json [--out bench.png]
 """
@@ -26,18 +26,31 @@ def main(argv: list[str] | None = None) -> int:
     panels = []
     if "scaling" in raw:
         runs = raw["scaling"]
-        panels.append(("tokens/s by layout (scaling)",
-                       [(f"{r['form']}" if r["form"] == "one process" else f"{r['form']}={r['procs']}"
-                         + ("*" if r["oversubscribed"] else ""), r["tokens_per_s"]) for r in runs], "tokens/s"))
+        labels = [r["form"] if r["form"] == "one process" else f"{r['form']}={r['procs']}"
+                  + ("*" if r["oversubscribed"] else "") for r in runs]
+        panels.append(("tokens/s by layout (scaling)", list(zip(labels, [r["tokens_per_s"] for r in runs])),
+                       "tokens/s"))
+        if all("peak_bytes" in r for r in runs):
+            panels.append(("peak memory per rank by layout (scaling: the highest rank's peak resident set)",
+                           list(zip(labels, [r["peak_bytes"] / 2**20 for r in runs])), "MiB"))
     if "dp" in raw:
         scen = raw["dp"]["scenarios"]
         tokens = raw["dp"]["tokens_per_step"]
         panels.append(("data parallel: ours and the references",
                        [(k, tokens / (s["step_ms_median"] / 1e3)) for k, s in scen.items() if s.get("step_ms_median")],
                        "tokens/s"))
+        panels.append(("data parallel: peak memory of the highest rank above its start",
+                       [(k, max(s["peak_bytes_per_rank"]) / 2**20) for k, s in scen.items()
+                        if s.get("peak_bytes_per_rank")], "MiB"))
         panels.append(("bytes sent per step, rank 0",
                        [(k, sum(s["comm_bytes"].values()) / 2**20 if isinstance(s["comm_bytes"], dict)
                          else s["comm_bytes"] / 2**20) for k, s in scen.items() if s.get("comm_bytes")], "MiB"))
+    for name, res in raw.get("gpu", {}).items():
+        for model, r in res["results"].items():
+            panels.append((f"{model} on {res['device']} ({res['dtype']}): tokens/s",
+                           [(k, v["tokens_per_s"]) for k, v in r["models"].items()], "tokens/s"))
+            panels.append((f"{model}: MFU against the measured {res['peak_flops'] / 1e12:.0f} TFLOP/s",
+                           [(k, 100 * v["mfu"]) for k, v in r["models"].items() if v.get("mfu")], "%"))
     if not panels:
         p.error(f"{args.json}: no scaling or dp results to draw")
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 3.2 * len(panels)), squeeze=False)

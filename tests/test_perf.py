@@ -102,3 +102,20 @@ def test_peak_flops_and_mfu() -> None:
     flops = perf.measure_peak_flops(torch.device("cpu"), torch.float32, n=256, repeats=2, rounds=1)
     assert 1e8 < flops < 1e14
     assert perf.mfu(tokens_per_s=1000.0, flops_per_token=6e6, peak_flops=1.2e10) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize("stage, kind", [(0, "comm.all_reduce"), (2, "comm.reduce_scatter"), (3, "comm.reduce_scatter")])
+def test_gradient_reduction_overlaps_backward(tmp_path: Path, corpus: Path, stage: int, kind: str) -> None:  # noqa: F811
+    """The profiler trace of a step at dp=2 with small buckets: DDP's bucket all-reduces, ZeRO-2's bucket
+    reduce-scatters and FSDP2's per-block reduce-scatters start while backward is still running, not after it."""
+    run_distributed(train, 2, tmp_path, corpus, {"parallel__zero_stage": stage, "parallel__bucket_mb": 0.01,
+                                                 "train__max_steps": 2, "train__profile_steps": "2:2"},
+                    init_group=False)
+    events = json.loads((tmp_path / "profile" / "rank_0.json").read_text())["traceEvents"]
+    ranges = [e for e in events if e.get("ph") == "X"]
+    (backward,) = [e for e in ranges if e["name"] == "backward"]
+    end = backward["ts"] + backward["dur"]
+    launched = [e for e in ranges if e["name"] == kind and backward["ts"] <= e["ts"] < end]
+    assert len(launched) >= 2, f"{kind}: {len(launched)} launched inside backward"
+    last_inside = max(e["ts"] + e["dur"] for e in launched)
+    assert last_inside < end  # and backward went on computing after them
