@@ -140,7 +140,7 @@ def sdpa_kernel(attention: nn.Module, *, seq: int, dtype: torch.dtype, device: t
     falling back to math, which materialises the T x T scores; this runs one call and reads which it took.
     The random streams are restored, so a training run draws the same numbers with or without the check."""
     heads, kv_heads, head_dim = attention.n_head, attention.n_kv_head, attention.head_dim
-    cuda = [device] if device.type == "cuda" else []
+    cuda = [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
     lower = dtype in (torch.bfloat16, torch.float16)
     autocast = torch.autocast(device_type=device.type, dtype=dtype) if lower else nullcontext()
     with torch.random.fork_rng(devices=cuda), autocast:

@@ -68,11 +68,18 @@ def build_report(run_dir: Path) -> str:
         if flops:
             lines.append(f"- model FLOPs: {flops * tps / 1e12:.3f} TFLOP/s ({flops:.3g} per token)")
             peak = next((v for k, v in PEAK_BF16.items() if k in start.get("device_name", "")), None)
-            if device.startswith("cuda") and peak:
+            if last.get("mfu") is not None:
+                lines.append(f"- MFU: {100 * last['mfu']:.1f}% of the device's peak (measured with a matmul at the "
+                             f"start, or train.peak_tflops)")
+            elif device.startswith("cuda") and peak:
                 lines.append(f"- MFU: {100 * flops * tps / (peak * layout.get('world_size', 1)):.1f}% of "
-                             f"{start.get('device_name')}'s bf16 peak")
+                             f"{start.get('device_name')}'s bf16 datasheet peak")
             else:
-                lines.append("- MFU: only on a GPU of known peak")
+                lines.append("- MFU: on a GPU, or with train.peak_tflops")
+        if last.get("peak_memory_bytes"):
+            lines.append(f"- peak memory per rank ({start.get('peak_memory', 'peak')}): "
+                         + ", ".join(f"{b / 2**30:.2f} GiB" for b in last["peak_memory_bytes"][:16])
+                         + (" ..." if len(last["peak_memory_bytes"]) > 16 else ""))
         comm = last.get("comm_bytes") or {}
         lines.append("- bytes sent per step by rank 0: " + (", ".join(f"{k} {v / 2**20:.3f} MiB" for k, v in comm.items())
                                                             or "none"))
