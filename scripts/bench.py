@@ -51,7 +51,7 @@ EXTRA_SCENARIOS = ["gpu"]
 # the sizes of all-cpu: a few minutes in all on 2 cores
 SMALL = {
     "model": ["--models", "tiny", "--steps", "20", "--warmup", "3"],
-    "dp": ["--layers", "4", "--width", "256", "--seq", "128", "--steps", "8", "--warmup", "2", "--rounds", "2"],
+    "dp": ["--layers", "4", "--width", "256", "--seq", "128", "--steps", "8", "--warmup", "2", "--rounds", "3"],
     "tp": ["--layers", "4", "--width", "256", "--heads", "8", "--seq", "128", "--steps", "4", "--warmup", "1"],
     "pp": ["--micro-batches", "1", "4", "8", "--layers", "4", "--width", "128", "--heads", "4", "--steps", "2"],
 }
@@ -95,8 +95,13 @@ def model_rows(r: dict[str, Any], scenario: str = "model") -> list[dict[str, Any
         ours = models["ours"]
         if "HF" in models:
             hf = models["HF"]
+            # The target (no slower than HF) is the GPU's. On a CPU the two run the same aten kernels (a profile
+            # of the tiny step: 1.062 s against 1.064 s of self CPU time over 5 steps), so the ratio is 1 within
+            # the machine's noise and is shown without a verdict.
+            gpu = scenario == "gpu"
             out.append(row(scenario, f"GPT {name}", "HF GPT2 (sdpa)", "tokens/s", ours["tokens_per_s"],
-                           hf["tokens_per_s"], "no slower (>= 1)", ours["tokens_per_s"] >= hf["tokens_per_s"],
+                           hf["tokens_per_s"], "no slower (>= 1)" if gpu else "(the target is the GPU's)",
+                           ours["tokens_per_s"] >= hf["tokens_per_s"] if gpu else None,
                            ours_mem=ours["peak_bytes"], ref_mem=hf["peak_bytes"]))
         if scenario == "gpu":  # MFU only where the peak is a GPU's
             for variant in ("ours", "ours+compile"):
