@@ -574,6 +574,7 @@ class Trainer:
         profiler = StepProfiler(parse_steps(t.profile_steps), self.out_dir, self.ctx.rank, self.device)
         stop_flag = torch.zeros(1)  # on the host (see _agree_to_stop)
         peak_flops = self._peak_flops()
+        flops_per_token = self._flops_per_token() if peak_flops else 0.0  # (builds a meta model: once, here)
         perf.reset_peak_memory(self.device)  # the peak of training, not of preparing the data
         try:
             while self.step < stop:
@@ -600,7 +601,7 @@ class Trainer:
                             "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
                             "model_state_bytes": self.state_bytes, "peak_memory_bytes": self._peak_memory()}
                     if peak_flops:
-                        last["mfu"] = round(perf.mfu(last["tokens_per_s"], self._flops_per_token(),
+                        last["mfu"] = round(perf.mfu(last["tokens_per_s"], flops_per_token,
                                                      peak_flops * self.ctx.world_size), 5)
                     if self.activation_bytes is not None:
                         last["activation_bytes"] = self.activation_bytes
