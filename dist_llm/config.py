@@ -91,13 +91,15 @@ class ModelConfig:
 @dataclass
 class DataConfig:
     source: str = "stdlib"
-    """'stdlib' (the running Python's standard library .py files), a text file, a directory of text files, or a .bin of uint16 tokens."""
+    """'stdlib' (the running Python's standard library .py files), a text file, a directory of text files, or a .bin of tokens (uint16 or uint32, see token_dtype)."""
     tokenizer: str = "byte"
     """'byte' (256 symbols), 'bpe' (trained on the corpus to model.vocab_size), or a path to a tokenizer.json."""
     val_fraction: float = 0.05
     """Share of the corpus held out for validation."""
     cache_dir: str = ""
     """Where prepared token files live; empty means $DIST_LLM_CACHE or ~/.cache/dist_llm."""
+    token_dtype: str = "auto"
+    """Token file width: 'auto' (uint16 when the tokenizer has at most 65,536 tokens, else uint32), 'uint16' or 'uint32'. For a .bin source, how its tokens are stored."""
     prefetch: bool = True
     """Build the next step's batches in a background thread (in pinned memory for a GPU) while a step computes."""
 
@@ -474,6 +476,8 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"data.source: file or directory not found: {d.source}")
     if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).expanduser().is_file():
         raise ConfigError(f"data.tokenizer: must be byte, bpe or a tokenizer.json file; not found: {d.tokenizer}")
+    if d.token_dtype not in ("auto", "uint16", "uint32"):
+        raise ConfigError(f"data.token_dtype: must be auto, uint16 or uint32, got {d.token_dtype!r}")
     if d.tokenizer == "byte" and m.vocab_size < 256:
         raise ConfigError(f"model.vocab_size: the byte tokenizer needs at least 256, got {m.vocab_size}")
     for key, beta in (("optim.beta1", o.beta1), ("optim.beta2", o.beta2)):

@@ -1,4 +1,4 @@
-"""Data: tokenizers, corpus preparation into cached uint16 token files, and layout-independent sampling."""
+"""Data: tokenizers, corpus preparation into cached token files (uint16, or uint32 past 65,536 tokens), and layout-independent sampling."""
 
 from dist_llm.data.corpus import PreparedData, documents, is_val_document, prepare_data
 from dist_llm.data.loader import BatchPrefetcher

@@ -1,7 +1,7 @@
-"""Turn `data.source` into two uint16 token files, train.bin and val.bin, prepared once and cached.
+"""Turn `data.source` into two token files (uint16, or uint32 for vocabularies over 65,536), train.bin and val.bin, prepared once and cached.
 
 Sources: 'stdlib' (the running Python's standard library, *.py, without site-packages), a directory of
-text files, a single text file, a .bin of uint16 tokens, or a .jsonl of fine-tuning records (records.py). Documents are read as UTF-8 with
+text files, a single text file, a .bin of tokens, or a .jsonl of fine-tuning records (records.py). Documents are read as UTF-8 with
 errors="replace": a stray non-UTF-8 file (the stdlib has four) costs a few U+FFFD characters rather
 than a failed run. Within a split, documents are joined with SEPARATOR between them, so decoding a
 split's tokens gives back exactly SEPARATOR.join(its documents' text).
@@ -27,13 +27,17 @@ import numpy as np
 from dist_llm.config import ConfigError, DataConfig
 from dist_llm.data.cache import COMPLETE_FILE, build_once, cache_root, folder_name
 from dist_llm.data.records import MASK_DTYPE, build_records
-from dist_llm.data.tokenizer import MAX_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer
+from dist_llm.data.tokenizer import (MAX_VOCAB, UINT16_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
+                                     token_dtype)
 
 # Bump when the content of a prepared folder would change for the same inputs.
 FORMAT_VERSION = 1
 SEPARATOR = "\n"
-# Little-endian spelled out so a folder on a shared filesystem reads the same on every host.
-TOKEN_DTYPE = np.dtype("<u2")
+# Little-endian spelled out so a folder on a shared filesystem reads the same on every host. Folders
+# written before uint32 existed have no "dtype" in their meta and hold uint16.
+LEGACY_DTYPE = np.dtype("<u2")
+_DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 _EXCLUDED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 # Text per encode_batch call: large enough to keep the library's threads busy, small enough to stream.
 _BATCH_CHARS = 8_000_000
@@ -59,11 +63,16 @@ class PreparedData:
     def n_val(self) -> int:
         return int(self.meta["n_val"])
 
+    @property
+    def dtype(self) -> np.dtype:
+        """The token files' dtype, as recorded in meta.json."""
+        return np.dtype(self.meta.get("dtype", LEGACY_DTYPE.str))
+
     def train_tokens(self) -> np.ndarray:
-        return np.memmap(self.train_path, dtype=TOKEN_DTYPE, mode="r")
+        return np.memmap(self.train_path, dtype=self.dtype, mode="r")
 
     def val_tokens(self) -> np.ndarray:
-        return np.memmap(self.val_path, dtype=TOKEN_DTYPE, mode="r")
+        return np.memmap(self.val_path, dtype=self.dtype, mode="r")
 
     def train_mask(self) -> np.ndarray | None:
         """For fine-tuning records: 1 where a token is a target to learn, 0 on prompt tokens; else None."""
@@ -129,16 +138,16 @@ def _read(path: Path) -> str:
 
 # --- tokenizing ------------------------------------------------------------------------------------
 
-def _encode_stream(tok: Tokenizer, texts: Iterable[str], out: BinaryIO) -> int:
-    """Write the tokens of SEPARATOR.join(texts) to `out`; return how many were written."""
-    sep = _encode_many(tok, [SEPARATOR])[0]
+def _encode_stream(tok: Tokenizer, texts: Iterable[str], out: BinaryIO, dtype: np.dtype) -> int:
+    """Write the tokens of SEPARATOR.join(texts) to `out` as `dtype`; return how many were written."""
+    sep = _encode_many(tok, [SEPARATOR])[0].astype(dtype)
     n = 0
     first = True
     for arr in _encode_batches(tok, texts):
         if not first:
             out.write(sep.tobytes())
             n += len(sep)
-        out.write(arr.tobytes())
+        out.write(arr.astype(dtype, copy=False).tobytes())
         n += len(arr)
         first = False
     return n
@@ -159,10 +168,12 @@ def _encode_batches(tok: Tokenizer, texts: Iterable[str]) -> Iterator[np.ndarray
 
 
 def _encode_many(tok: Tokenizer, texts: list[str]) -> list[np.ndarray]:
+    """Token arrays in the tokenizer's file dtype (`token_dtype` of its vocabulary)."""
     if isinstance(tok, ByteTokenizer):
         return [tok.encode_array(t) for t in texts]
     ids = tok.encode_batch(texts) if isinstance(tok, BPETokenizer) else [tok.encode(t) for t in texts]
-    return [np.asarray(i, dtype=TOKEN_DTYPE) for i in ids]
+    dtype = token_dtype(tok.vocab_size)
+    return [np.asarray(i, dtype=dtype) for i in ids]
 
 
 def _line_pieces(text: str, size: int) -> Iterator[str]:
@@ -185,10 +196,21 @@ def _position_split(n: int, val_fraction: float) -> int:
     return n_val
 
 
-def _copy_tokens(tokens: np.ndarray, path: Path) -> None:
+def _copy_tokens(tokens: np.ndarray, path: Path, dtype: np.dtype) -> None:
     with open(path, "wb") as out:
         for i in range(0, len(tokens), _COPY_TOKENS):
-            out.write(np.ascontiguousarray(tokens[i:i + _COPY_TOKENS]).tobytes())
+            out.write(np.ascontiguousarray(tokens[i:i + _COPY_TOKENS], dtype=dtype).tobytes())
+
+
+def _file_dtype(data: DataConfig, vocab: int) -> np.dtype:
+    """The dtype of the token files for a `vocab`-token tokenizer under `data.token_dtype`."""
+    if data.token_dtype == "auto":
+        return token_dtype(vocab)
+    dtype = _DTYPES[data.token_dtype]
+    if vocab > UINT16_VOCAB and dtype.itemsize == 2:
+        raise ConfigError(f"data.token_dtype: uint16 cannot hold the ids of a {vocab}-token vocabulary "
+                          f"(at most {UINT16_VOCAB}); use auto or uint32")
+    return dtype
 
 
 # --- building a folder -----------------------------------------------------------------------------
@@ -208,7 +230,7 @@ def _resolve_tokenizer(spec: str, kind: str) -> str:
 def _check_vocab(tok: Tokenizer, vocab_size: int) -> None:
     if tok.vocab_size > MAX_VOCAB:
         raise ConfigError(
-            f"data.tokenizer: {tok.vocab_size} tokens do not fit the uint16 token files (max {MAX_VOCAB})")
+            f"data.tokenizer: {tok.vocab_size} tokens do not fit the uint32 token files (max {MAX_VOCAB})")
     if tok.vocab_size > vocab_size:
         raise ConfigError(
             f"model.vocab_size: {vocab_size} is smaller than the tokenizer's vocabulary of {tok.vocab_size}")
@@ -232,6 +254,8 @@ def _cache_key(data: DataConfig, kind: str, tok_spec: str, vocab_size: int,
         "tokenizer": tok_spec,
         "val_fraction": data.val_fraction,
     }
+    if data.token_dtype != "auto":  # only when set, so folders prepared before the key existed are reused
+        key["token_dtype"] = data.token_dtype
     if kind == "stdlib":
         key["python"] = f"{platform.python_implementation()}-{platform.python_version()}"
     if tok_spec == "bpe":
@@ -258,11 +282,12 @@ def _build_text(tmp: Path, data: DataConfig, kind: str, tok_spec: str, vocab_siz
         else:
             tok = load_tokenizer(tok_spec)
         _check_vocab(tok, vocab_size)
+        dtype = _file_dtype(data, tok.vocab_size)
         pieces = _encode_many(tok, list(_line_pieces(text, _BATCH_CHARS // 8)))
-        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=TOKEN_DTYPE)
+        tokens = np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
         n_val = _position_split(len(tokens), data.val_fraction)
-        _copy_tokens(tokens[: len(tokens) - n_val], tmp / "train.bin")
-        _copy_tokens(tokens[len(tokens) - n_val:], tmp / "val.bin")
+        _copy_tokens(tokens[: len(tokens) - n_val], tmp / "train.bin", dtype)
+        _copy_tokens(tokens[len(tokens) - n_val:], tmp / "val.bin", dtype)
         n_train, split, n_val_docs = len(tokens) - n_val, "position", 0
     else:
         val_docs = [p for name, p in docs if is_val_document(name, data.val_fraction)]
@@ -276,10 +301,11 @@ def _build_text(tmp: Path, data: DataConfig, kind: str, tok_spec: str, vocab_siz
         else:
             tok = load_tokenizer(tok_spec)
         _check_vocab(tok, vocab_size)
+        dtype = _file_dtype(data, tok.vocab_size)
         with open(tmp / "train.bin", "wb") as f:
-            n_train = _encode_stream(tok, map(_read, train_docs), f)
+            n_train = _encode_stream(tok, map(_read, train_docs), f, dtype)
         with open(tmp / "val.bin", "wb") as f:
-            n_val = _encode_stream(tok, map(_read, val_docs), f)
+            n_val = _encode_stream(tok, map(_read, val_docs), f, dtype)
         split, n_val_docs = "document", len(val_docs)
     if n_train == 0 or n_val == 0:
         raise ConfigError(
@@ -287,26 +313,29 @@ def _build_text(tmp: Path, data: DataConfig, kind: str, tok_spec: str, vocab_siz
     if tok_spec == "bpe":
         tok.save(tmp)
     return {"n_train": n_train, "n_val": n_val, "n_documents": len(docs), "n_val_documents": n_val_docs,
-            "split": split, "vocab": tok.vocab_size, "max_token": None}
+            "split": split, "vocab": tok.vocab_size, "max_token": None, "dtype": dtype.str}
 
 
 def _build_bin(tmp: Path, data: DataConfig, tok_spec: str, vocab_size: int) -> dict[str, Any]:
     path = Path(data.source).expanduser()
     size = path.stat().st_size
-    if size == 0 or size % TOKEN_DTYPE.itemsize:
-        raise ConfigError(
-            f"data.source: {data.source} is {size} bytes; a .bin of uint16 tokens needs a positive even size")
-    tokens = np.memmap(path, dtype=TOKEN_DTYPE, mode="r")
-    n_val = _position_split(len(tokens), data.val_fraction)
-    _copy_tokens(tokens[: len(tokens) - n_val], tmp / "train.bin")
-    _copy_tokens(tokens[len(tokens) - n_val:], tmp / "val.bin")
-    max_token = max(int(tokens[i:i + _COPY_TOKENS].max()) for i in range(0, len(tokens), _COPY_TOKENS))
     vocab = load_tokenizer(tok_spec).vocab_size
+    # The file's own width: what data.token_dtype says, or what the tokenizer's ids need.
+    dtype = _file_dtype(data, vocab)
+    if size == 0 or size % dtype.itemsize:
+        raise ConfigError(
+            f"data.source: {data.source} is {size} bytes; a .bin of {_NAMES[dtype]} tokens needs a positive "
+            f"multiple of {dtype.itemsize} (data.token_dtype={data.token_dtype})")
+    tokens = np.memmap(path, dtype=dtype, mode="r")
+    n_val = _position_split(len(tokens), data.val_fraction)
+    _copy_tokens(tokens[: len(tokens) - n_val], tmp / "train.bin", dtype)
+    _copy_tokens(tokens[len(tokens) - n_val:], tmp / "val.bin", dtype)
+    max_token = max(int(tokens[i:i + _COPY_TOKENS].max()) for i in range(0, len(tokens), _COPY_TOKENS))
     if max_token >= vocab:
         raise ConfigError(
             f"data.tokenizer: {data.source} holds token id {max_token}, beyond the tokenizer's {vocab} tokens")
     return {"n_train": len(tokens) - n_val, "n_val": n_val, "n_documents": 1, "n_val_documents": 0,
-            "split": "position", "vocab": vocab, "max_token": max_token}
+            "split": "position", "vocab": vocab, "max_token": max_token, "dtype": dtype.str}
 
 
 def _spec_in(folder: Path, tok_spec: str) -> str:
@@ -340,12 +369,15 @@ def prepare_data(data: DataConfig, vocab_size: int) -> PreparedData:
             if tok_spec == "bpe":
                 raise ConfigError("data.tokenizer: fine-tuning records need byte or the base model's tokenizer.json, not bpe")
             tok = load_tokenizer(tok_spec)
-            info = build_records(tmp, data, tok, _encode_many, SEPARATOR, is_val_document)
+            dtype = _file_dtype(data, tok.vocab_size)
+            info = build_records(tmp, data, tok, lambda t, texts: [a.astype(dtype) for a in _encode_many(t, texts)],
+                                 SEPARATOR, is_val_document)
+            info["dtype"] = dtype.str
         else:
             info = _build_text(tmp, data, kind, tok_spec, vocab_size, docs)
         meta = {"format": FORMAT_VERSION, "source": data.source, "kind": kind,
                 "tokenizer": tok_spec, "val_fraction": data.val_fraction, "separator": SEPARATOR,
-                "dtype": TOKEN_DTYPE.str, **info}
+                **info}
         (tmp / COMPLETE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
     key = _cache_key(data, kind, tok_spec, vocab_size, docs)

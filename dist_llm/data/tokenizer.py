@@ -17,8 +17,15 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dist_llm.config import ConfigError
 
-# Token files are uint16, which caps every vocabulary.
-MAX_VOCAB = 2**16
+# Token files are uint16 while every id fits (vocabularies up to 65,536 tokens) and uint32 beyond, so
+# Llama-3 (128,256) and Qwen2 (151,646) tokenizers work; uint32 caps every vocabulary.
+UINT16_VOCAB = 2**16
+MAX_VOCAB = 2**32
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest little-endian unsigned dtype that holds ids 0..vocab_size-1 of a token file."""
+    return np.dtype("<u2") if vocab_size <= UINT16_VOCAB else np.dtype("<u4")
 # The byte tokenizer has nothing to save; this file only marks "byte" so `load_tokenizer` can read it back.
 BYTE_MARKER_FILE = "byte_tokenizer.json"
 _BYTE_MARKER_KEY = "dist_llm_tokenizer"
