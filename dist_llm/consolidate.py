@@ -16,6 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dist_llm.config import ConfigError, ModelConfig
+from dist_llm.fileio import atomic_path
 from dist_llm.model import GPT
 
 
@@ -31,9 +32,8 @@ def save_full(checkpoint: Path, out: Path) -> Path:
     tensors = {name: t.detach().float().contiguous().clone() for name, t in model.state_dict().items()}
     meta = {"dist_llm_model_config": json.dumps(dataclasses.asdict(model.cfg))}
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    save_file(tensors, str(tmp), metadata=meta)
-    tmp.replace(out)
+    with atomic_path(out) as tmp:
+        save_file(tensors, str(tmp), metadata=meta)
     return out
 
 

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from dist_llm.config import Config, ConfigError, ModelConfig
+from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.model import GPT
 
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
@@ -488,8 +489,10 @@ def save_hf(model: GPT, path: str | Path) -> Path:
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)
     dtype = next(iter(tensors.values())).dtype
-    save_file(tensors, str(path / SAFETENSORS_FILE), metadata={"format": "pt"})
-    (path / CONFIG_FILE).write_text(json.dumps(hf_config(model.cfg, dtype), indent=2) + "\n")
+    # each file whole or not at all; the weights first, so a config.json never describes weights not there
+    with atomic_path(path / SAFETENSORS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_text(path / CONFIG_FILE, json.dumps(hf_config(model.cfg, dtype), indent=2) + "\n")
     return path
 
 
@@ -514,7 +517,7 @@ def load_checkpoint_model(path: str | Path) -> GPT:
 
 def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
     """A dist_llm checkpoint -> a Hugging Face directory (config.json, model.safetensors, and the checkpoint's
-    tokenizer.json when it has one)."""
+    tokenizer.json when it has one), built in a temporary folder beside `out` and renamed to it at the end."""
     from dist_llm.sample import resolve_checkpoint
 
     out = _empty_out(Path(out))
@@ -523,10 +526,13 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
 
     merge_into_base(model)  # a LoRA/QLoRA checkpoint exports as its merged model
     export_family(model.cfg)  # fail before creating anything
-    save_hf(model, out)
     tok = resolve_checkpoint(Path(checkpoint).expanduser()) / "tokenizer.json"
-    if tok.is_file():
-        shutil.copyfile(tok, out / "tokenizer.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # built beside `out` and renamed into place: `out` is a complete export or absent (or left empty)
+    with atomic_folder(out) as building:
+        save_hf(model, building)
+        if tok.is_file():
+            shutil.copyfile(tok, building / "tokenizer.json")
     return out
 
 

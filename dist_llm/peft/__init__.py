@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dist_llm.config import ConfigError, PeftConfig
+from dist_llm.fileio import atomic_path, atomic_write_text
 from dist_llm.peft.adapter import Adapter, add_adapter
 from dist_llm.peft.lora import LoRA, add_lora, lora_modules, merge, unmerge
 
@@ -111,10 +112,12 @@ def save_adapter(model: nn.Module, path: Path, cfg: PeftConfig, base: dict[str, 
     """Write `adapter.safetensors` (the trainable tensors, full shapes: call on a single-process model) and
     `adapter.json` (the peft settings and `base`, the identity of the model they adapt) into `path`."""
     path.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.contiguous().cpu() for n, t in adapter_state(model).items()}, str(path / "adapter.safetensors"))
+    # each file whole or not at all (a failed save keeps the previous adapter); tensors first, then their json
+    with atomic_path(path / "adapter.safetensors") as tmp:
+        save_file({n: t.contiguous().cpu() for n, t in adapter_state(model).items()}, str(tmp))
     meta = {"method": cfg.method, "rank": cfg.rank, "alpha": cfg.alpha, "dropout": cfg.dropout,
             "targets": list(cfg.targets), "base": base}
-    (path / "adapter.json").write_text(json.dumps(meta, indent=1))
+    atomic_write_text(path / "adapter.json", json.dumps(meta, indent=1))
 
 
 def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:

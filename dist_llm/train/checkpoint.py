@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.fileio import atomic_write_text
 from dist_llm.parallel.context import ParallelContext
 
 MANIFEST = "manifest.json"
@@ -56,17 +57,7 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 
 def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    atomic_write_text(path, text)
 
 
 def _sha256(path: Path) -> str:

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_llm.config import ConfigError
+from dist_llm.fileio import atomic_path
 
 
 class MetricsLog:
@@ -96,5 +97,8 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(png_path)
-    plt.close(fig)
+    try:
+        with atomic_path(png_path) as tmp:  # a resumed run redraws it: a failed draw keeps the previous plot
+            fig.savefig(tmp, format="png")  # the temporary name has no .png to infer the format from
+    finally:
+        plt.close(fig)

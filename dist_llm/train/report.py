@@ -12,6 +12,7 @@ from typing import Any
 import yaml
 
 from dist_llm.config import ConfigError, config_from_dict
+from dist_llm.fileio import atomic_write_text
 from dist_llm.train.metrics import read_metrics
 
 #: dense bf16 peak FLOP/s of devices we know, for MFU (name fragment -> FLOP/s)
@@ -91,5 +92,5 @@ def build_report(run_dir: Path) -> str:
 
 def write_report(run_dir: Path) -> Path:
     out = run_dir / "report.md"
-    out.write_text(build_report(run_dir))
+    atomic_write_text(out, build_report(run_dir))  # a rewrite (`dist-llm report`) never leaves half a page
     return out
