@@ -59,6 +59,10 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
             return fail(str(e))
         except TrainingError as e:
             return fail(str(e), code=1, every_rank=isinstance(e, CollectiveError))
+        except OSError as e:  # a disk full or unwritable --out: the file and the reason, from the rank that met it
+            where = f"{e.filename}: " if e.filename else ""
+            rank = os.environ.get("RANK")
+            return fail(f"{f'rank {rank}: ' if rank else ''}{where}{e.strerror or e}", code=1, every_rank=True)
         except KeyboardInterrupt:
             return fail("interrupted", code=130)
 

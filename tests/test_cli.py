@@ -55,6 +55,12 @@ def test_train_then_sample(tmp_path: Path) -> None:
     again = run("-m", "dist_llm.cli", "sample", "--checkpoint", str(out / "checkpoints" / "step_000030"),
                 "--prompt", "def ", "--max-new-tokens", "40", "--seed", "1")
     assert again.stdout == sample.stdout  # same seed, same text
+    # an output that cannot be written (its parent is a file): one line naming the path, exit 1, no traceback
+    (tmp_path / "file").write_text("x")
+    bad = run("-m", "dist_llm.cli", "convert", "--to-full", str(out), "--out", str(tmp_path / "file" / "m.safetensors"))
+    assert bad.returncode == 1, bad.stderr[-2000:]
+    [line] = bad.stderr.strip().splitlines()
+    assert line.startswith("dist-llm: error: ") and str(tmp_path / "file") in line
 
 
 def test_sample_bad_checkpoint_exits_2(tmp_path: Path) -> None:
