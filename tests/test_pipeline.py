@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -230,3 +231,53 @@ def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: 
         assert {(op[2], op[3]) for op in ops} == {((2, 32, 32), {"bf16": torch.bfloat16, "fp32": torch.float32}[precision])}
     if schedule == "1f1b":  # the steady state's send-forward-receive-backward is one call: 3 of them a step
         assert sum(len(c) == 2 for c in first["calls"]) == 2 * 3
+
+
+class _Embed(torch.nn.Module):
+    """A first stage's stand-in: the 'embedding' turns (B, T) ids into (B, T, 4) floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float()[..., None] * self.w  # (B, T, 4)
+
+
+class _FakeP2P:
+    """The p2p layer's interface, recording what would be posted instead of posting it."""
+
+    prev, next = None, 1
+
+    def __init__(self) -> None:
+        self.posted: list[list[tuple[bool, torch.Tensor, int]]] = []
+
+    def exchange(self, ops: list[tuple[bool, torch.Tensor, int]]) -> None:
+        self.posted.append(ops)
+
+
+@pytest.mark.parametrize("act_shape", [(2, 3, 4), (2, 6, 4)])
+def test_a_send_is_posted_in_the_compute_dtype_and_checked_against_the_receivers_shape(act_shape: tuple) -> None:
+    """A first stage's forward and send, with a fake p2p layer: the output goes out as bf16; one of another shape
+    than the receiver posts (which on NCCL would hang or corrupt) is refused with one line before anything is posted."""
+    import contextlib
+
+    from dist_llm.parallel.pipeline.executor import StageModel, run_schedule
+    from dist_llm.parallel.pipeline.schedule import Action, Exchange
+
+    p2p, ids = _FakeP2P(), torch.arange(6).reshape(2, 3)
+    run = functools.partial(
+        run_schedule, [Action("F", 0), Exchange((Action("SEND_F", 0),))], StageModel(_Embed(), range(0), True, False),
+        p2p, batches=[(ids, ids)], act_shape=act_shape, act_dtype=torch.bfloat16, loss_fn=lambda loss: loss,
+        backward=lambda t: None, micro_step=lambda last: contextlib.nullcontext(),
+        autocast=contextlib.nullcontext, device=torch.device("cpu"), train=False)
+    if act_shape != (2, 3, 4):
+        with pytest.raises(RuntimeError, match=r"^pipeline SEND_F 0: the tensor to send is \(2, 3, 4\), the neighbour "
+                                               r"stage expects \(2, 6, 4\) \(train.micro_batch_size x "):
+            run()
+        assert p2p.posted == []
+        return
+    run()
+    [[(is_send, t, peer)]] = p2p.posted
+    assert is_send and peer == 1 and t.dtype == torch.bfloat16
+    assert torch.equal(t, ids.to(torch.bfloat16)[..., None].expand(2, 3, 4))  # small integers: exact in bf16
