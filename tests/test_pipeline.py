@@ -226,9 +226,11 @@ def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: 
     for r in (first, last):
         assert r["unwaited"] == [0] * len(r["calls"])
         ops = [op for c in r["calls"] for op in c]
-        # per step 4 activations and 4 gradients each way; the evaluation's 2 batches of 4 forward only
+        # each rank, each step: 4 activations and 4 gradients (sent by one rank, received by the other); the
+        # evaluation's 2 batches of 4 micro-batches: activations only
         assert len(ops) == 2 * 8 + 2 * 4
-        assert {(op[2], op[3]) for op in ops} == {((2, 32, 32), {"bf16": torch.bfloat16, "fp32": torch.float32}[precision])}
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+        assert {(op[2], op[3]) for op in ops} == {((2, 32, 32), dtype)}
     if schedule == "1f1b":  # the steady state's send-forward-receive-backward is one call: 3 of them a step
         assert sum(len(c) == 2 for c in first["calls"]) == 2 * 3
 
