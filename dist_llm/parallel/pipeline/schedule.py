@@ -2,8 +2,9 @@
 
 A schedule is a pure function of (stages, micro-batches) and knows nothing of processes, so it can be
 checked (every micro-batch forward then backward once per stage, no deadlock, the bubble) without any.
-One executor runs any schedule: it performs the actions in order, the receives and sends blocking on the
-neighbour stage.
+`exchanges` groups a stage's point-to-point actions into the batches the executor posts together
+(`build_plans` gives every stage's, for a schedule or evaluation's forward half); `simulate` runs them with
+NCCL's semantics, where a send waits for its receive. One executor runs any plan, in order.
 
   RECV_F m   receive micro-batch m's activation from the previous stage (not on the first stage)
   F m        forward micro-batch m (the last stage also computes its loss)
