@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -159,3 +160,126 @@ def test_zero_pipeline_checkpoint_resumes_on_one_process(tmp_path: Path, tmp_pat
     ref = reference(tmp_path_factory, corpus, **LAYERS)
     for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+class _Recorded:
+    """A work handle that notes whether it was waited on."""
+
+    def __init__(self, work: Any) -> None:
+        self.work, self.waited = work, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+
+def train_recording_p2p(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                        extra: dict[str, Any]) -> dict[str, Any]:
+    """train() with every `batch_isend_irecv` recorded, in order: [(is_send, peer, shape, dtype), ...] per call,
+    and how many works of earlier calls were not yet waited on when each call was made."""
+    import torch.distributed as dist
+
+    real = dist.batch_isend_irecv
+    calls: list[list[tuple[bool, int, tuple[int, ...], torch.dtype]]] = []
+    works: list[_Recorded] = []
+    unwaited: list[int] = []
+
+    def recording(ops: list[dist.P2POp]) -> list[_Recorded]:
+        unwaited.append(sum(not w.waited for w in works))
+        calls.append([(op.op is dist.isend, op.peer, tuple(op.tensor.shape), op.tensor.dtype) for op in ops])
+        new = [_Recorded(w) for w in real(ops)]
+        works.extend(new)
+        return new
+
+    dist.batch_isend_irecv = recording
+    try:
+        out = train(rank, world_size, out_dir, corpus, extra)
+    finally:
+        dist.batch_isend_irecv = real
+    return {**out, "calls": calls, "unwaited": unwaited, "rank": rank}
+
+
+def crossed_waits(a: list[list[tuple]], b: list[list[tuple]], rank_a: int, rank_b: int) -> list[tuple[int, int]]:
+    """Message pairs that deadlock two ranks whose p2p behaves as NCCL's (a send completes only once its receive is
+    posted; a rank's batches run one after another; messages between two ranks pair in the order posted): a message
+    X from a to b and Y from b to a where a posts X's send before Y's receive and b posts Y's send before X's
+    receive. Returns (batch of X's send on a, batch of Y's send on b) for each."""
+    def batches(calls: list[list[tuple]], send: bool, peer: int) -> list[int]:
+        return [i for i, c in enumerate(calls) for op in c if op[0] == send and op[1] == peer]
+
+    a_sends, b_recvs = batches(a, True, rank_b), batches(b, False, rank_a)  # message k: a's k-th send, b's k-th receive
+    b_sends, a_recvs = batches(b, True, rank_a), batches(a, False, rank_b)
+    assert len(a_sends) == len(b_recvs) and len(b_sends) == len(a_recvs), "unmatched sends and receives"
+    return [(ia, jb) for ia, ib in zip(a_sends, b_recvs) for jb, ja in zip(b_sends, a_recvs) if ia < ja and jb < ib]
+
+
+@pytest.mark.parametrize(("schedule", "precision"), [("1f1b", "bf16"), ("gpipe", "fp32")])
+def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: Path,  # noqa: F811
+                                                        schedule: str, precision: str) -> None:
+    """The executor's calls, two steps and an evaluation on 2 stages with 4 micro-batches: the two ranks' batches
+    never wait on each other in a circle, every batch is waited on before the next, and what travels is the
+    compute dtype in the shape the receiver posted (micro batch 2 x block 32 x width 32)."""
+    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "train__precision": precision,
+             "train__max_steps": 2, "train__eval_interval": 2}
+    first, last = run_distributed(train_recording_p2p, 2, tmp_path, corpus, extra, init_group=False)
+    assert crossed_waits(first["calls"], last["calls"], 0, 1) == []
+    for r in (first, last):
+        assert r["unwaited"] == [0] * len(r["calls"])
+        ops = [op for c in r["calls"] for op in c]
+        # each rank, each step: 4 activations and 4 gradients (sent by one rank, received by the other); the
+        # evaluation's 2 batches of 4 micro-batches: activations only
+        assert len(ops) == 2 * 8 + 2 * 4
+        dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[precision]
+        assert {(op[2], op[3]) for op in ops} == {((2, 32, 32), dtype)}
+    if schedule == "1f1b":  # the steady state's send-forward-receive-backward is one call: 3 of them a step
+        assert sum(len(c) == 2 for c in first["calls"]) == 2 * 3
+
+
+class _Embed(torch.nn.Module):
+    """A first stage's stand-in: the 'embedding' turns (B, T) ids into (B, T, 4) floats."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(4))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return ids.float()[..., None] * self.w  # (B, T, 4)
+
+
+class _FakeP2P:
+    """The p2p layer's interface, recording what would be posted instead of posting it."""
+
+    prev, next = None, 1
+
+    def __init__(self) -> None:
+        self.posted: list[list[tuple[bool, torch.Tensor, int]]] = []
+
+    def exchange(self, ops: list[tuple[bool, torch.Tensor, int]]) -> None:
+        self.posted.append(ops)
+
+
+@pytest.mark.parametrize("act_shape", [(2, 3, 4), (2, 6, 4)])
+def test_a_send_is_posted_in_the_compute_dtype_and_checked_against_the_receivers_shape(act_shape: tuple) -> None:
+    """A first stage's forward and send, with a fake p2p layer: the output goes out as bf16; one of another shape
+    than the receiver posts (which on NCCL would hang or corrupt) is refused with one line before anything is posted."""
+    import contextlib
+
+    from dist_llm.parallel.pipeline.executor import StageModel, run_schedule
+    from dist_llm.parallel.pipeline.schedule import Action, Exchange
+
+    p2p, ids = _FakeP2P(), torch.arange(6).reshape(2, 3)
+    run = functools.partial(
+        run_schedule, [Action("F", 0), Exchange((Action("SEND_F", 0),))], StageModel(_Embed(), range(0), True, False),
+        p2p, batches=[(ids, ids)], act_shape=act_shape, act_dtype=torch.bfloat16, loss_fn=lambda loss: loss,
+        backward=lambda t: None, micro_step=lambda last: contextlib.nullcontext(),
+        autocast=contextlib.nullcontext, device=torch.device("cpu"), train=False)
+    if act_shape != (2, 3, 4):
+        with pytest.raises(RuntimeError, match=r"^pipeline SEND_F 0: the tensor to send is \(2, 3, 4\), the neighbour "
+                                               r"stage expects \(2, 6, 4\) \(train.micro_batch_size x "):
+            run()
+        assert p2p.posted == []
+        return
+    run()
+    [[(is_send, t, peer)]] = p2p.posted
+    assert is_send and peer == 1 and t.dtype == torch.bfloat16
+    assert torch.equal(t, ids.to(torch.bfloat16)[..., None].expand(2, 3, 4))  # small integers: exact in bf16

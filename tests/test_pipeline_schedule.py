@@ -8,7 +8,10 @@ from dist_llm.config import ConfigError
 from dist_llm.parallel.pipeline.schedule import (
     SCHEDULES,
     Action,
+    Exchange,
+    build_plans,
     bubble_fraction,
+    forward_only,
     gpipe,
     one_f_one_b,
     peak_in_flight,
@@ -34,14 +37,60 @@ def test_every_micro_batch_once_forward_before_backward(name: str, stages: int, 
         assert (s == stages - 1) == (not any(a.kind == "SEND_F" for a in plan))
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
+@pytest.mark.parametrize("name", [*SCHEDULES, "forward"])
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
 def test_no_deadlock_and_the_bubble_formula(name: str, stages: int, micro: int) -> None:
-    """With equal stages (backward twice a forward) the idle share of each stage is (p-1)/(m+p-1)."""
-    makespan, busy = simulate(SCHEDULES[name](stages, micro))
-    assert makespan == pytest.approx(3 * (micro + stages - 1))
+    """The executor's plans (exchanges) under rendezvous semantics: no deadlock, and with equal stages (backward
+    twice a forward) the idle share of each stage is (p-1)/(m+p-1), as if sends were free of waiting."""
+    makespan, busy = simulate(build_plans(name, stages, micro))
+    assert makespan == pytest.approx((1 if name == "forward" else 3) * (micro + stages - 1))
     for b in busy:
         assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro))
+
+
+@pytest.mark.parametrize("name", [*SCHEDULES, "forward"])
+@pytest.mark.parametrize(("stages", "micro"), SHAPES)
+def test_each_exchange_is_one_send_and_receive_with_one_neighbour(name: str, stages: int, micro: int) -> None:
+    plans = build_plans(name, stages, micro)
+    make = forward_only if name == "forward" else SCHEDULES[name]
+    for s, (steps, actions) in enumerate(zip(plans, make(stages, micro), strict=True)):
+        flat = [a for x in steps for a in (x.ops if isinstance(x, Exchange) else (x,))]
+        assert flat == actions  # grouping keeps the order of the schedule
+        for x in steps:
+            if isinstance(x, Exchange):
+                kinds = sorted(a.kind for a in x.ops)
+                # with the next stage: send an activation, receive a gradient; with the previous: the reverse
+                assert kinds in (["SEND_F"], ["RECV_B"], ["RECV_B", "SEND_F"],
+                                 ["RECV_F"], ["SEND_B"], ["RECV_F", "SEND_B"]), (s, x)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(p, m) for p, m in SHAPES if p > 1 and m > 1])
+def test_one_action_per_batch_deadlocks_1f1b_under_rendezvous(stages: int, micro: int) -> None:
+    """Each send and receive posted on its own, as the executor did before exchanges: in 1F1B's steady state
+    stage s sends F then receives B while stage s+1 sends B then receives F, a circular wait on NCCL."""
+    with pytest.raises(ValueError, match=r"deadlocks: stages wait on \{.*\{SEND_F \d+\}.*\{SEND_B \d+\}"):
+        simulate(one_f_one_b(stages, micro))
+
+
+def test_rendezvous_by_hand() -> None:
+    send_f, recv_f, send_b, recv_b = (Action("SEND_F", 0), Action("RECV_F", 0), Action("SEND_B", 0),
+                                      Action("RECV_B", 0))
+    # each stage sends before it receives, the sends one by one: neither receive is ever posted
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate([[Exchange((send_f,)), Exchange((recv_b,))], [Exchange((send_b,)), Exchange((recv_f,))]])
+    # the same actions posted together on each side: both messages go through
+    assert simulate([[Exchange((send_f, recv_b))], [Exchange((send_b, recv_f))]]) == (0.0, [0.0, 0.0])
+    # a send waits for its receive: stage 0 sends at t=1, stage 1 receives at t=2 (after its backward), so
+    # stage 0's second forward runs from 2 to 3; with buffered sends it would end at 2
+    assert simulate([[Action("F", 0), Exchange((send_f,)), Action("F", 1)],
+                     [Action("B", 5), Exchange((recv_f,))]]) == (3.0, [2.0, 2.0])
+
+
+def test_messages_pair_in_the_order_posted() -> None:
+    """NCCL has no tags: the first receive from a stage gets that stage's first send, whatever micro-batch."""
+    with pytest.raises(ValueError, match="stage 1's RECV_F 1 would receive stage 0's SEND_F 0"):
+        simulate([[Exchange((Action("SEND_F", 0),)), Exchange((Action("SEND_F", 1),))],
+                  [Exchange((Action("RECV_F", 1),)), Exchange((Action("RECV_F", 0),))]])
 
 
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
@@ -61,11 +110,23 @@ def test_one_f_one_b_order_on_two_stages() -> None:
                                                         Action("B", 1), Action("F", 2), Action("B", 2)]
 
 
+def test_one_f_one_b_exchanges_on_two_stages() -> None:
+    """Megatron's pairing: send-forward-receive-backward on the first stage, send-backward-receive-forward on
+    the second, posted together."""
+    def ex(*ops: str) -> Exchange:
+        return Exchange(tuple(Action(o.split()[0], int(o.split()[1])) for o in ops))  # type: ignore[arg-type]
+    f, b = (lambda m: Action("F", m)), (lambda m: Action("B", m))
+    first, last = build_plans("1f1b", 2, 3)
+    assert first == [f(0), ex("SEND_F 0"), f(1), ex("SEND_F 1", "RECV_B 0"), b(0), f(2), ex("SEND_F 2", "RECV_B 1"),
+                     b(1), ex("RECV_B 2"), b(2)]
+    assert last == [ex("RECV_F 0"), f(0), b(0), ex("SEND_B 0", "RECV_F 1"), f(1), b(1), ex("SEND_B 1", "RECV_F 2"),
+                    f(2), b(2), ex("SEND_B 2")]
+
+
 def test_a_broken_schedule_is_caught() -> None:
     plans = gpipe(2, 2)
-    plans[1] = [Action("RECV_F", 1), *[a for a in plans[1] if a != Action("RECV_F", 1)]]  # waits for m=1 first
-    plans[0] = [a for a in plans[0] if a != Action("SEND_F", 1)]  # ...which never comes
-    with pytest.raises(ValueError, match="deadlocks"):
+    plans[0] = [a for a in plans[0] if a != Action("SEND_F", 1)]  # stage 1's RECV_F 1 waits for it forever
+    with pytest.raises(ValueError, match=r"deadlocks: stages wait on \{0: \{RECV_B 0\}, 1: \{RECV_F 1\}\}"):
         simulate(plans)
 
 

@@ -29,8 +29,8 @@ from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import build_data_parallel
-from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, forward_only, run_schedule
-from dist_llm.parallel.pipeline.schedule import SCHEDULES
+from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, run_schedule
+from dist_llm.parallel.pipeline.schedule import build_plans
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
@@ -340,10 +340,9 @@ class Trainer:
     def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool) -> torch.Tensor:
         """One step's (or one eval batch's) micro-batches through the pipeline; the loss sum on the last stage."""
         ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
-        if train:
-            plan = SCHEDULES[self.cfg.parallel.pp_schedule](ctx.pp, len(micro_batches))[ctx.pp_rank]
-        else:
-            plan = forward_only(ctx.pp, ctx.pp_rank, len(micro_batches))
+        # evaluation runs the forward half, batched into exchanges alike
+        name = self.cfg.parallel.pp_schedule if train else "forward"
+        plan = build_plans(name, ctx.pp, len(micro_batches))[ctx.pp_rank]
         seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
         loss_sum, clock = run_schedule(
                             plan, self.stage, self.p2p, batches=micro_batches,

@@ -1,10 +1,12 @@
 """Runs any schedule of schedule.py on this stage: one executor, every schedule.
 
-Activations and their gradients travel between neighbour stages point to point (`batch_isend_irecv`), in
-the compute dtype. Shapes are known ahead from the config (micro batch, sequence or its 1/tp slice under
-sequence parallelism, width), so there is no shape handshake. Sends are asynchronous and completed at the
-end of the step; receives block, which the schedules are checked to allow (schedule.simulate). With tp > 1
-every tp rank exchanges with the same tp rank of the neighbour stage.
+Activations and their gradients travel between neighbour stages point to point in the compute dtype. Each
+`Exchange` of the plan (schedule.build_plans: a stage's sends and receives between two computations with one
+neighbour, such as 1F1B's send-forward-receive-backward) is one `batch_isend_irecv`, all of whose works complete
+before the stage goes on: under NCCL, where a send waits for its receive, the plans are checked free of
+circular waits (schedule.simulate). Shapes are known ahead from the config (micro batch, sequence or its 1/tp
+slice under sequence parallelism, width), so there is no shape handshake; the sender checks its tensor against
+the shape the receiver posts. With tp > 1 every tp rank exchanges with the same tp rank of the neighbour stage.
 
 Each step also records when this stage computed (forward and backward actions) against the step's wall
 time: the rest is the pipeline bubble plus waiting on communication.
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -22,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_llm.parallel import comm
-from dist_llm.parallel.pipeline.schedule import Action
+from dist_llm.parallel.pipeline.schedule import Action, Exchange, Step
 from dist_llm.profiling import span
 
 
@@ -46,31 +48,23 @@ class StageModel:
 
 @dataclass
 class PointToPoint:
-    """Sends and receives with the previous and next stage, bytes counted as 'p2p'."""
+    """Exchanges with the previous and next stage, bytes sent counted as 'p2p'."""
 
     prev: int | None
     next: int | None
     stats: comm.CommStats
-    pending: list[tuple[dist.Work, torch.Tensor]] = field(default_factory=list)
 
-    def send(self, t: torch.Tensor, to: int) -> None:
-        t = t.contiguous()
-        self.stats.add("p2p", t.numel() * t.element_size())
-        with span("comm.p2p_send"):
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, t, to)]):
-                self.pending.append((work, t))  # the tensor lives until the send completes
-
-    def recv(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, src: int) -> torch.Tensor:
-        t = torch.empty(shape, dtype=dtype, device=device)
-        with span("comm.p2p_recv"):
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, t, src)]):
+    def exchange(self, ops: list[tuple[bool, torch.Tensor, int]]) -> None:
+        """Post (is_send, tensor, peer) operations as ONE `batch_isend_irecv` and wait for all of them before
+        returning: on NCCL the next exchange must not start before this one's peers have posted their side."""
+        for is_send, t, _ in ops:
+            if is_send:
+                self.stats.add("p2p", t.numel() * t.element_size())
+        with span("comm.p2p"):
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer)
+                                            for is_send, t, peer in ops])
+            for work in works:
                 work.wait()
-        return t
-
-    def finish(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
 
 
 class StageClock:
@@ -109,7 +103,7 @@ def _computing(clock: StageClock):  # type: ignore[no-untyped-def]
     clock.spans.append((start, clock.mark()))
 
 
-def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
+def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
                  batches: list[tuple[torch.Tensor, torch.Tensor]], act_shape: tuple[int, ...], act_dtype: torch.dtype,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
                  backward: Callable[[torch.Tensor], None],
@@ -124,12 +118,16 @@ def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
     outputs: dict[int, torch.Tensor] = {}
     out_grads: dict[int, torch.Tensor] = {}
     loss_sum = torch.zeros((), device=device)
-    last_backward = max((a.micro for a in plan if a.kind == "B"), default=-1)
+    last_backward = max((a.micro for a in plan if isinstance(a, Action) and a.kind == "B"), default=-1)
     clock = StageClock(device)
     for a in plan:
+        if isinstance(a, Exchange):
+            _exchange(a, p2p, inputs, outputs, out_grads, shape=act_shape, dtype=act_dtype, device=device,
+                      train=train)
+            continue
         m = a.micro
-        if a.kind == "RECV_F":
-            inputs[m] = p2p.recv(act_shape, act_dtype, device, p2p.prev).requires_grad_(train)
+        if a.kind not in ("F", "B"):
+            raise ValueError(f"{a} outside an Exchange: run the plans of schedule.build_plans")
         elif a.kind == "F":
             x, y = batches[m]
             with _computing(clock), span(f"forward {m}"), autocast(), \
@@ -143,10 +141,6 @@ def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
                 outputs[m] = out
             if not train:
                 inputs.pop(m, None)
-        elif a.kind == "SEND_F":
-            p2p.send((outputs.pop(m) if not train else outputs[m]).detach().to(act_dtype), p2p.next)
-        elif a.kind == "RECV_B":
-            out_grads[m] = p2p.recv(act_shape, act_dtype, device, p2p.next)
         elif a.kind == "B":
             with _computing(clock), span(f"backward {m}"), micro_step(m == last_backward):
                 if stage.last:
@@ -154,9 +148,6 @@ def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
                 else:
                     out = outputs.pop(m)
                     torch.autograd.backward(out, out_grads.pop(m).to(out.dtype))
-        elif a.kind == "SEND_B":
-            p2p.send(inputs.pop(m).grad.to(act_dtype), p2p.prev)
-    p2p.finish()
     clock.end = clock.mark()
     if inputs or outputs or out_grads:
         raise RuntimeError(f"pipeline stashes not empty after the step: inputs {sorted(inputs)}, "
@@ -164,13 +155,34 @@ def run_schedule(plan: list[Action], stage: StageModel, p2p: PointToPoint, *,
     return loss_sum, clock
 
 
-def forward_only(stages: int, stage: int, micro_batches: int) -> list[Action]:
-    """The forward half of a schedule (evaluation): receive, forward, send each micro-batch in turn."""
-    acts = []
-    for m in range(micro_batches):
-        if stage > 0:
-            acts.append(Action("RECV_F", m))
-        acts.append(Action("F", m))
-        if stage < stages - 1:
-            acts.append(Action("SEND_F", m))
-    return acts
+def _exchange(x: Exchange, p2p: PointToPoint, inputs: dict[int, torch.Tensor], outputs: dict[int, torch.Tensor],
+              out_grads: dict[int, torch.Tensor], *, shape: tuple[int, ...], dtype: torch.dtype,
+              device: torch.device, train: bool) -> None:
+    """One exchange with the neighbours: its sends and receives posted together, all complete on return."""
+    ops: list[tuple[bool, torch.Tensor, int]] = []
+    received: list[tuple[Action, torch.Tensor]] = []
+    for op in x.ops:
+        if op.kind == "SEND_F":
+            out = outputs[op.micro] if train else outputs.pop(op.micro)  # training keeps it for the backward
+            ops.append((True, _outgoing(out.detach(), op, shape, dtype), p2p.next))
+        elif op.kind == "SEND_B":
+            ops.append((True, _outgoing(inputs.pop(op.micro).grad, op, shape, dtype), p2p.prev))
+        else:  # the buffer's shape and dtype are the arguments the sender checks against
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            ops.append((False, buf, p2p.prev if op.kind == "RECV_F" else p2p.next))
+            received.append((op, buf))
+    p2p.exchange(ops)
+    for op, buf in received:
+        if op.kind == "RECV_F":
+            inputs[op.micro] = buf.requires_grad_(train)
+        else:
+            out_grads[op.micro] = buf
+
+
+def _outgoing(t: torch.Tensor, op: Action, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor to send, in the compute dtype. The receiver posts a buffer of `shape`: on NCCL a size that
+    differs would hang or corrupt it, so say so here instead."""
+    if tuple(t.shape) != tuple(shape):
+        raise RuntimeError(f"pipeline {op}: the tensor to send is {tuple(t.shape)}, the neighbour stage expects "
+                           f"{tuple(shape)} (train.micro_batch_size x model.block_size[/tp] x model.n_embd)")
+    return t.to(dtype).contiguous()
