@@ -16,8 +16,8 @@ Two models live here.
                                    padded to dp; stage 1 a full gradient buffer, stage 2 a 1/dp shard;
                                    fp32 master and moments for the rank's shard (master only in mixed runs)
     ZeRO-3 (FSDP2)                 fp32 parameter, gradient and moment shards: dim 0 split in dp chunks
-    DeepSpeed ZeRO-1/2             as DeepSpeed's own estimator counts them (`_deepspeed_zero_states`): our
-                                   ZeRO-1/2's, plus the fp32 copy of the gradient partition its step makes
+    DeepSpeed ZeRO-1/2             as DeepSpeed's own estimator counts them (`_deepspeed_zero_states`): 16-bit
+                                   parameters, a gradient partition and its fp32 copy, fp32 master and moments
   plus PyTorch's 4-byte `step` tensor per optimizer tensor. Tests check these against the bytes a training
   rank really holds.
 
@@ -327,15 +327,16 @@ def _deepspeed_zero_states(trainable: list[tuple[str, tuple[int, ...]]], frozen_
                            precision: str) -> Estimate:
     """DeepSpeed's ZeRO-1/2 (`DeepSpeedZeroOptimizer`), counted as its estimator
     `estimate_zero2_model_states_mem_needs` (no offload) counts them: the module's parameters in the compute
-    dtype, whole; gradients in that dtype (whole at stage 1, which reduces the full `.grad`s; a 1/dp partition
-    at stage 2) plus the fp32 copy of the gradient partition its step makes; the fp32 master partition and
-    Adam's two moments, 1/dp each. bf16 at stage 2: 2 + 18/dp bytes per parameter. Its flat buffers pad each
-    parameter group by fewer than dp elements, left out; Adam's `step` is one 4-byte tensor per group."""
+    dtype, whole; the reduced gradient partition in that dtype plus the fp32 copy of it that its step makes;
+    the fp32 master partition and Adam's two moments; all but the parameters 1/dp. bf16: 2 + 18/dp bytes per
+    parameter. Stage 1 holds the same at the step (it too keeps only its partition's gradients between
+    micro-steps); both hold each parameter's whole gradient for a moment in backward, until its bucket is
+    reduced. Its flat buffers pad each parameter group by fewer than dp elements, left out; Adam's `step` is
+    one 4-byte tensor per group."""
     n = sum(math.prod(s) for _, s in trainable)
     size = 4 if precision == "fp32" else 2
     groups = len({len(s) >= 2 for _, s in trainable})  # decay (matrices) and no-decay (vectors), flattened
-    return Estimate(params_bytes=size * n + frozen_bytes,
-                    grads_bytes=round((size * n if stage == 1 else size * n / dp) + 4 * n / dp),
+    return Estimate(params_bytes=size * n + frozen_bytes, grads_bytes=round((size + 4) * n / dp),
                     master_bytes=round(4 * n / dp), optimizer_bytes=round(8 * n / dp) + 4 * groups)
 
 

@@ -223,17 +223,14 @@ class DeepSpeedDataParallel(DataParallel):
         return None
 
     def _held_grad_bytes(self) -> int:
-        """Gradient bytes DeepSpeed holds at the step: the reduced 16-bit gradients (whole at ZeRO-1, this rank's
-        partition at ZeRO-2), plus the fp32 copy of the partition that its step makes for the update (one fp32
-        value per element of the fp32 master partition). ZeRO-3 keeps its gradients elsewhere: not counted."""
+        """Gradient bytes DeepSpeed holds at the step (ZeRO-1/2): the reduced gradient partition, any per-parameter
+        gradient still held (ZeRO-1 accumulates whole ones in `grad_accum`), and the fp32 copy of the partition
+        that its step makes for the update (one fp32 value per element of the fp32 master partition)."""
         opt = self.optimizer
+        partitions = [g for grads in (getattr(opt, "averaged_gradients", None) or {}).values() for g in (grads or [])]
+        whole = [t for p in self.module.parameters() for t in (p.grad, getattr(p, "grad_accum", None))]
         fp32_copy = tensor_bytes(getattr(opt, "single_partition_of_fp32_groups", []))
-        if self.cfg.parallel.zero_stage == 2:
-            partitions = [g for grads in getattr(opt, "averaged_gradients", {}).values() for g in (grads or [])]
-            return tensor_bytes(partitions) + fp32_copy
-        if self.cfg.parallel.zero_stage == 1:
-            return tensor_bytes(p.grad for p in self.module.parameters()) + fp32_copy
-        return 0
+        return tensor_bytes(partitions) + tensor_bytes(whole) + fp32_copy
 
     def model_state_bytes(self) -> dict[str, int]:
         """What DeepSpeed holds: the module's parameters (16-bit in mixed precision), the gradients of
