@@ -16,6 +16,8 @@ Two models live here.
                                    padded to dp; stage 1 a full gradient buffer, stage 2 a 1/dp shard;
                                    fp32 master and moments for the rank's shard (master only in mixed runs)
     ZeRO-3 (FSDP2)                 fp32 parameter, gradient and moment shards: dim 0 split in dp chunks
+    DeepSpeed ZeRO-1/2             as DeepSpeed's own estimator counts them (`_deepspeed_zero_states`): 16-bit
+                                   parameters, a gradient partition and its fp32 copy, fp32 master and moments
   plus PyTorch's 4-byte `step` tensor per optimizer tensor. Tests check these against the bytes a training
   rank really holds.
 
@@ -147,7 +149,8 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> f
     low, high = our_layer_values(cfg, tp, sequence_parallel=sequence_parallel)
     if cfg.train.precision == "fp32":
         return 4 * (low + high)
-    params16 = dp > 1 and cfg.parallel.zero_stage in (1, 2) and cfg.parallel.backend == "native"
+    # our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage
+    params16 = cfg.parallel.backend == "deepspeed" or (dp > 1 and cfg.parallel.zero_stage in (1, 2))
     fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
                                                 / (tp if sequence_parallel else 1))
     return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats
@@ -282,9 +285,12 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
             frozen_bytes += 4 * n
     mixed = t.precision != "fp32"
     est = Estimate()
-    if p.backend == "deepspeed":
-        est.notes.append("parallel.backend=deepspeed: the ZeRO paper's counts, not DeepSpeed's exact buffers")
     stage = p.zero_stage if dp > 1 or p.zero_stage == 3 else 0
+    if p.backend == "deepspeed":
+        if stage in (1, 2):
+            return _deepspeed_zero_states(trainable, frozen_bytes, dp=dp, stage=stage, precision=t.precision)
+        est.notes.append(f"parallel.backend=deepspeed at ZeRO-{stage}: our own form's counts, not DeepSpeed's "
+                         "exact buffers")
     if stage in (1, 2) and p.backend == "native":
         compute = DTYPES[t.precision]
         size = torch.tensor([], dtype=compute).element_size()
@@ -315,6 +321,23 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
     est.grads_bytes = 4 * n_train
     est.optimizer_bytes = 8 * n_train + 4 * len(trainable)
     return est
+
+
+def _deepspeed_zero_states(trainable: list[tuple[str, tuple[int, ...]]], frozen_bytes: int, *, dp: int, stage: int,
+                           precision: str) -> Estimate:
+    """DeepSpeed's ZeRO-1/2 (`DeepSpeedZeroOptimizer`), counted as its estimator
+    `estimate_zero2_model_states_mem_needs` (no offload) counts them: the module's parameters in the compute
+    dtype, whole; the reduced gradient partition in that dtype plus the fp32 copy of it that its step makes;
+    the fp32 master partition and Adam's two moments; all but the parameters 1/dp. bf16: 2 + 18/dp bytes per
+    parameter. Stage 1 holds the same at the step (it too keeps only its partition's gradients between
+    micro-steps); both hold each parameter's whole gradient for a moment in backward, until its bucket is
+    reduced. Its flat buffers pad each parameter group by fewer than dp elements, left out; Adam's `step` is
+    one 4-byte tensor per group."""
+    n = sum(math.prod(s) for _, s in trainable)
+    size = 4 if precision == "fp32" else 2
+    groups = len({len(s) >= 2 for _, s in trainable})  # decay (matrices) and no-decay (vectors), flattened
+    return Estimate(params_bytes=size * n + frozen_bytes, grads_bytes=round((size + 4) * n / dp),
+                    master_bytes=round(4 * n / dp), optimizer_bytes=round(8 * n / dp) + 4 * groups)
 
 
 def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:

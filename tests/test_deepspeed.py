@@ -1,21 +1,73 @@
-"""`parallel.backend=deepspeed` against our own ZeRO-2 on 2 gloo ranks (fp32: the same losses to 1e-5)."""
+"""`parallel.backend=deepspeed` on 2 gloo ranks: against our own ZeRO-2 (fp32: the same losses to 1e-5), resumed
+from its own engine state, and its skipped steps reported."""
 
 from __future__ import annotations
 
+import json
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 
 from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, corpus, train  # noqa: F401 - corpus is a fixture
 
+DS_ZERO2 = {"parallel__zero_stage": 2, "train__micro_batch_size": 2}  # 2 micro-steps per rank
+_UNINTERRUPTED: dict[str, dict[str, Any]] = {}
+
+
+def uninterrupted(out_dir: Path, corpus: Path) -> dict[str, Any]:  # noqa: F811
+    """DeepSpeed ZeRO-2 for STEPS steps in one go (run once per test worker: a DeepSpeed run takes ~15 s)."""
+    if "run" not in _UNINTERRUPTED:
+        _UNINTERRUPTED["run"] = run_distributed(train, 2, out_dir, corpus, {**DS_ZERO2, "parallel__backend": "deepspeed"},
+                                                init_group=False, timeout=600)[0]
+    return _UNINTERRUPTED["run"]
+
 
 def test_deepspeed_zero2_matches_ours(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    extra = {"parallel__zero_stage": 2, "train__micro_batch_size": 2}  # 2 micro-steps per rank
-    ours = run_distributed(train, 2, tmp_path / "ours", corpus, extra, init_group=False)[0]
-    theirs = run_distributed(train, 2, tmp_path / "ds", corpus, {**extra, "parallel__backend": "deepspeed"},
-                             init_group=False, timeout=600)[0]
+    ours = run_distributed(train, 2, tmp_path / "ours", corpus, DS_ZERO2, init_group=False)[0]
+    theirs = uninterrupted(tmp_path / "ds", corpus)
     assert theirs["dp"] == "deepspeed"
     assert len(theirs["losses"]) == STEPS
     for a, b in zip(theirs["losses"], ours["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Stopped after step 4 and resumed: steps 5-8 are the uninterrupted run's, because DeepSpeed's own state
+    (Adam moments, the fp32 master partitions, its step count) comes back from step_000004/deepspeed/, which
+    the manifest covers. Restarting the moments instead changes step 5's update by about lr (Adam's first
+    step is lr * sign(g)) and the losses from step 6 on by far more than the tolerance."""
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed"}
+    out = tmp_path / "resumed"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4},
+                    init_group=False, timeout=600)
+    got = run_distributed(train, 2, out, corpus, extra, init_group=False, timeout=600)[0]
+    whole = uninterrupted(tmp_path / "whole", corpus)
+    assert len(got["losses"]) == STEPS  # the metrics file holds steps 1-4, then 5-8 after the resume
+    # Same ranks, same reduction order, the same fp32 state restored bit for bit: only the order in which a
+    # checkpoint's load touches memory could differ, so 1e-6 (a few fp32 ulps of a loss near 5) is ample.
+    for a, b in zip(got["losses"], whole["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    for name, p in whole["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+    files = json.loads((out / "checkpoints" / "step_000004" / "manifest.json").read_text())["files"]
+    engine_files = [f for f in files if f.startswith("deepspeed/") and f.endswith("optim_states.pt")]
+    assert len(engine_files) == 2, files  # one optimizer partition per dp rank, checksummed by our manifest
+
+
+def test_deepspeed_skipped_steps_come_from_the_engine(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """An absurd learning rate makes the first update blow the weights up, so every later forward is
+    non-finite and DeepSpeed skips those steps inside its own step (fp32: it checks the gradient norm).
+    `skipped_steps` in metrics.jsonl must count them: the steps whose logged loss is not finite."""
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "optim__lr": 1e30, "optim__warmup_steps": 0,
+             "train__max_steps": 4, "train__max_bad_steps": 100}
+    got = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False, timeout=600)[0]
+    records = got["records"]
+    bad = [r["step"] for r in records if not math.isfinite(r["loss"])]
+    assert bad, [r["loss"] for r in records]  # the premise: some steps did overflow
+    for r in records:  # the running count, step by step
+        want = sum(1 for s in bad if s <= r["step"])
+        assert r.get("skipped_steps", 0) == want, (r["step"], r.get("skipped_steps"), bad)

@@ -7,6 +7,9 @@ Layout of `checkpoints/step_NNNNNN/`:
   train_state.json           step, tokens seen, sampler, loss scaler (identical on every rank)
   rng/rank_KKKKK.json        each rank's RNG states
   config.yaml                the resolved config, so `dist-llm sample` needs nothing else
+  deepspeed/                 parallel.backend=deepspeed only: the engine's own save_checkpoint (optimizer
+                             partitions, fp32 master, loss scaler, step counts), read back only by that
+                             backend's resume, with torch.load(weights_only=False): trusted input
   manifest.json              written last, atomically: the checkpoint is complete only once it exists
 
 Loading runs no code from the checkpoint: only tensors go through DCP (whose shards torch reads with
@@ -28,7 +31,7 @@ import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -85,8 +88,9 @@ def set_rng_state(state: dict[str, str], device: torch.device) -> None:
 
 
 def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
-           extra_files: dict[str, Path] | None) -> None:
-    """Everything of a checkpoint but its DCP tensors and the manifest: the small files, written at once."""
+           extra_files: dict[str, Path] | None, engine_files: Callable[[Path], None] | None) -> None:
+    """Everything of a checkpoint but its DCP tensors and the manifest: the small files, and an engine's own
+    files (`engine_files(path)`, on every rank), written at once."""
     if ctx.is_main and path.exists():
         shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
     ctx.barrier()
@@ -97,6 +101,8 @@ def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Paralle
         _atomic_write(path / "config.yaml", cfg.to_yaml())
         for name, source in (extra_files or {}).items():
             shutil.copyfile(source, path / name)
+    if engine_files is not None:  # before the manifest, which lists (and checksums) what it wrote
+        engine_files(path)
 
 
 def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
@@ -119,11 +125,13 @@ def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Para
 
 def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
                     ctx: ParallelContext, extra_files: dict[str, Path] | None = None,
-                    manifest_extra: dict[str, Any] | None = None, keep: int = 0) -> None:
+                    manifest_extra: dict[str, Any] | None = None, keep: int = 0,
+                    engine_files: Callable[[Path], None] | None = None) -> None:
     """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
-    are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own; `keep` > 0
-    then deletes all but the newest `keep` complete checkpoints."""
-    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files)
+    are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own; `engine_files`
+    writes an engine's own state into `path` on every rank (DeepSpeed's); `keep` > 0 then deletes all but
+    the newest `keep` complete checkpoints."""
+    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files, engine_files=engine_files)
     dcp.save(state, checkpoint_id=str(path))
     ctx.barrier()
     if ctx.is_main:
@@ -169,11 +177,12 @@ _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist_llm-che
 def save_checkpoint_async(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
                           ctx: ParallelContext, stager: DefaultStager, group: Any = None,
                           extra_files: dict[str, Path] | None = None, manifest_extra: dict[str, Any] | None = None,
-                          keep: int = 0) -> PendingSave:
+                          keep: int = 0, engine_files: Callable[[Path], None] | None = None) -> PendingSave:
     """`save_checkpoint` in the background: the small files now; the tensors staged by `stager` and written by
     DCP from a thread, which coordinates the ranks over `group` (a gloo group of its own, so its collectives
-    never interleave with training's); then the main rank's manifest. One save at a time: wait for the last."""
-    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files)
+    never interleave with training's); then the main rank's manifest. One save at a time: wait for the last.
+    `engine_files` writes now, in this thread: an engine's save is its own collective."""
+    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files, engine_files=engine_files)
     response = dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager)
     staged, upload = ((response.staging_completion, response.upload_completion)
                       if isinstance(response, AsyncSaveResponse) else (None, response))

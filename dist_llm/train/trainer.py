@@ -227,6 +227,7 @@ class Trainer:
         everything["model"].update(buffers["model"])
         everything["optim"]["state"].update(buffers["optim"]["state"])
         self.dp.load_checkpoint_state(everything)
+        self.dp.load_engine_state(path)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
@@ -311,7 +312,6 @@ class Trainer:
         # optimizer reads it there, so the host never waits for this step's gradients and queues the next step's
         # work at once. The norm is global, so every rank takes the same decision.
         found_inf = (~torch.isfinite(grad_norm)).float()
-        self.scaler.update(found_inf)
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
         if self.pending_save is not None:  # a background save may still be copying what the step changes
             self.pending_save.wait_staged()
@@ -319,6 +319,10 @@ class Trainer:
             engine_norm = self.dp.step(lr, found_inf)
         if engine_norm is not None:
             grad_norm = engine_norm
+        engine_skipped = self.dp.last_step_skipped()
+        if engine_skipped is not None:  # the engine decided the skip inside its step (DeepSpeed)
+            found_inf = engine_skipped
+        self.scaler.update(found_inf)  # (counts skipped steps for metrics and train.max_bad_steps)
         if self.state_bytes is None:  # measured once, while gradients and optimizer states all exist
             self.state_bytes = self.dp.model_state_bytes()
         self.dp.zero_grad()
@@ -424,6 +428,7 @@ class Trainer:
             state = self.tp_state.to_full(state)
         args = dict(state=state, train_state=self.train_state(), cfg=self.cfg, ctx=self.ctx,
                     extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
+                    engine_files=self.dp.save_engine_state,
                     manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
         with self._saving(path):
             if self.cfg.train.async_checkpoint:

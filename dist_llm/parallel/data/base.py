@@ -8,6 +8,7 @@ shards and all-gathers parameters, FSDP2 shards everything.
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -163,6 +164,18 @@ class DataParallel:
         _, current = get_state_dict(self.model, self.optimizer)
         optim_sd = {"state": state["optim"]["state"], "param_groups": current["param_groups"]}
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=optim_sd)
+
+    def save_engine_state(self, path: Path) -> None:
+        """Every rank, inside the checkpoint folder being written (before its manifest): an engine's own files
+        (DeepSpeed's), so the manifest covers them. Our forms keep everything in the DCP tensors."""
+
+    def load_engine_state(self, path: Path) -> None:
+        """After `load_checkpoint_state`: put back what `save_engine_state` wrote into the checkpoint `path`."""
+
+    def last_step_skipped(self) -> torch.Tensor | None:
+        """After `step`: 1.0 where an engine skipped the step by its own decision (DeepSpeed checks overflow
+        inside its step), else 0.0; None when the trainer's `found_inf` decided it."""
+        return None
 
     # -- accounting ------------------------------------------------------------------------------------------
     def model_state_bytes(self) -> dict[str, int]:

@@ -7,17 +7,23 @@ JIT-compiles a shared-memory comm op on its first `init_distributed` (tens of se
 TORCH_EXTENSIONS_DIR).
 
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
-scaler stands aside and the gradient norm comes back from the engine.
+scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-Checkpoints hold the model weights in our format (so they load into any native layout), not DeepSpeed's
-partitioned optimizer state: resuming with this backend restarts the optimizer moments, and says so.
+Checkpoints hold the model weights in our format (so they load into any native layout) and, in the step
+folder's `deepspeed/`, DeepSpeed's own `save_checkpoint` (optimizer partitions, fp32 master, loss scaler, step
+counts), which our manifest covers. Resuming with this backend at the same dp size, ZeRO stage and precision
+loads it back through `load_checkpoint`, so training goes on as if never stopped; otherwise (or from a
+checkpoint of another backend) it loads the weights and restarts the optimizer moments, and says so.
+DeepSpeed reads its files with `torch.load(weights_only=False)`: they are trusted input.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
+from pathlib import Path
 from typing import Any, Iterator
 
 import torch
@@ -31,6 +37,9 @@ from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, t
 from dist_llm.train.optim import build_optimizer, set_lr
 
 log = logging.getLogger("dist_llm")
+
+#: DeepSpeed's checkpoint tag: its files go to step_NNNNNN/deepspeed/ (save_checkpoint writes save_dir/tag/)
+ENGINE_DIR = "deepspeed"
 
 
 def deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
@@ -120,6 +129,8 @@ class DeepSpeedDataParallel(DataParallel):
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
+        self._skipped = 0  # whether the engine skipped the last step
+        self._grad_bytes: int | None = None  # gradients held at the first step (see _held_grad_bytes)
 
     @contextlib.contextmanager
     def _micro(self, last: bool) -> Iterator[None]:
@@ -141,11 +152,19 @@ class DeepSpeedDataParallel(DataParallel):
         return torch.zeros((), device=self.ctx.device)  # DeepSpeed clips inside step (gradient_clipping)
 
     def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
-        # found_inf is always 0 here (clip_grad_norm_ above returns 0): DeepSpeed skips overflowing steps itself
+        # found_inf is always 0 here (clip_grad_norm_ above returns 0): DeepSpeed decides the skip itself, from
+        # its loss scaler's overflow check (fp16) or a non-finite gradient norm (fp32), see last_step_skipped
         set_lr(self.optimizer, lr)
+        if self._grad_bytes is None:
+            self._grad_bytes = self._held_grad_bytes()
+        before = self.engine.skipped_steps
         self.engine.step()
+        self._skipped = self.engine.skipped_steps - before
         norm = self.engine.get_global_grad_norm()
         return torch.tensor(float("nan") if norm is None else float(norm))
+
+    def last_step_skipped(self) -> torch.Tensor:
+        return torch.tensor(float(self._skipped), device=self.ctx.device)
 
     def zero_grad(self) -> None:
         self.engine.zero_grad()
@@ -171,11 +190,52 @@ class DeepSpeedDataParallel(DataParallel):
         refresh = getattr(self.optimizer, "refresh_fp32_params", None)
         if refresh is not None:  # DeepSpeed's fp32 master partitions follow the loaded weights
             refresh()
-        log.warning("parallel.backend=deepspeed: resumed the model weights; optimizer moments start afresh")
+
+    def save_engine_state(self, path: Path) -> None:
+        """DeepSpeed's own checkpoint into path/deepspeed/ (a collective: every rank writes its partitions)."""
+        self.engine.save_checkpoint(str(path), tag=ENGINE_DIR, save_latest=False)
+
+    def load_engine_state(self, path: Path) -> None:
+        """DeepSpeed's optimizer, fp32 master and counters from path/deepspeed/, when they fit this engine."""
+        reason = self._engine_state_mismatch(path)
+        if reason is not None:
+            log.warning("parallel.backend=deepspeed: resumed the model weights only; optimizer moments start "
+                        "afresh (%s)", reason)
+            return
+        loaded, _ = self.engine.load_checkpoint(str(path), tag=ENGINE_DIR)
+        if loaded is None:
+            raise ConfigError(f"train.resume: {path / ENGINE_DIR}: DeepSpeed could not load its state")
+        log.info("parallel.backend=deepspeed: resumed DeepSpeed's optimizer state from %s", path / ENGINE_DIR)
+
+    def _engine_state_mismatch(self, path: Path) -> str | None:
+        """Why DeepSpeed's files in checkpoint `path` cannot go into this engine (None when they can): its
+        ZeRO partitions are cut for one dp size, and named and typed for one stage and precision."""
+        import yaml
+
+        if not (path / ENGINE_DIR).is_dir():
+            return f"{path} holds no {ENGINE_DIR}/ engine state: saved by another backend or an older dist_llm"
+        saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
+        saved_dp = json.loads((path / "manifest.json").read_text())["layout"]["dp"]
+        then = (saved_dp, saved_cfg["parallel"]["zero_stage"], saved_cfg["train"]["precision"])
+        now = (self.ctx.dp, self.cfg.parallel.zero_stage, self.cfg.train.precision)
+        if then != now:
+            return f"{path} was saved at dp, zero_stage, precision = {then}, this run has {now}"
+        return None
+
+    def _held_grad_bytes(self) -> int:
+        """Gradient bytes DeepSpeed holds at the step (ZeRO-1/2): the reduced gradient partition, any per-parameter
+        gradient still held (ZeRO-1 accumulates whole ones in `grad_accum`), and the fp32 copy of the partition
+        that its step makes for the update (one fp32 value per element of the fp32 master partition)."""
+        opt = self.optimizer
+        partitions = [g for grads in (getattr(opt, "averaged_gradients", None) or {}).values() for g in (grads or [])]
+        whole = [t for p in self.module.parameters() for t in (p.grad, getattr(p, "grad_accum", None))]
+        fp32_copy = tensor_bytes(getattr(opt, "single_partition_of_fp32_groups", []))
+        return tensor_bytes(partitions) + tensor_bytes(whole) + fp32_copy
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Parameters and the moments of the optimizer DeepSpeed wraps; its gradient partitions and fp32 master
-        copies live in DeepSpeed's internals and are not counted here."""
+        """What DeepSpeed holds: the module's parameters (16-bit in mixed precision), the gradients of
+        `_held_grad_bytes`, its fp32 master partitions (ZeRO-1/2) and the moments of the optimizer it wraps."""
         inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        return {"params": tensor_bytes(self.module.parameters()),
+        return {"params": tensor_bytes(self.module.parameters()), "grads": self._grad_bytes or 0,
+                "master": tensor_bytes(getattr(self.optimizer, "single_partition_of_fp32_groups", [])),
                 "optimizer": tensor_bytes(optimizer_state_tensors(inner))}
