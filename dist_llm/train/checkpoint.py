@@ -33,6 +33,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -40,7 +41,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.train.safe_metadata import load_index
+from dist_llm.train.safe_metadata import load_failure, load_index
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -256,7 +257,10 @@ def _load(state: dict[str, Any], path: Path) -> None:
     (inside dcp.load, DCP would log it at length and fall back to looking for per-rank indexes)."""
     reader = SafeReader(str(path))
     reader.read_metadata()
-    dcp.load(state, storage_reader=reader)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as e:  # one line, not every rank's traceback
+        raise load_failure(path, e) from None
 
 
 def read_json(path: Path) -> dict[str, Any]:

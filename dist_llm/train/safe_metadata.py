@@ -30,6 +30,7 @@ from typing import IO, Any, Callable
 import torch
 from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint import metadata as dcp_md
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.serialization import _get_layout
 
 from dist_llm.config import ConfigError
@@ -196,3 +197,17 @@ def load_index(file: IO[bytes], path: Path) -> dcp_md.Metadata:
         if type(name) is not str or Path(name).name != name or name in ("", ".", ".."):
             raise ConfigError(f"{path}: names a shard file {name!r} outside the checkpoint's directory")
     return metadata
+
+
+def load_failure(path: Path, error: CheckpointException) -> BaseException:
+    """What to raise for a failed `dcp.load` of the checkpoint at `path`: one line naming it and the first
+    rank's reason (e.g. torch.load, weights_only=True, refusing a shard whose bytes are no plain tensor),
+    instead of DCP's exception, which holds every rank's traceback. An interrupt stays itself."""
+    if not error.failures or not all(isinstance(exc, Exception) for exc, _ in error.failures.values()):
+        return error
+    rank = min(error.failures)
+    exc = error.failures[rank][0]
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [type(exc).__name__]
+    # torch.load's weights_only refusal opens with a paragraph on its defaults; the line naming the global says why
+    reason = next((line for line in lines if "unsupported" in line.lower()), lines[0])
+    return ConfigError(f"{path}: its tensors cannot be read (rank {rank}: {reason})")
