@@ -244,8 +244,11 @@ class SafeReader(FileSystemReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = load_index(f, path)
+        cached = getattr(self, "_index", None)
+        if cached is None or cached[0] != path:  # `_load` reads it, then dcp.load: unpickle it once (in Python)
+            with self.fs.create_stream(path, "rb") as f:
+                self._index = (path, load_index(f, path))
+        metadata = self._index[1]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id

@@ -61,6 +61,9 @@ def _allowed_globals() -> dict[tuple[str, str], Any]:
 
 
 _GLOBALS = _allowed_globals()
+# by identity: an index's object may define __eq__, and these checks run once per object of a large index
+_CLASS_IDS = frozenset(map(id, _CLASSES))
+_CALLABLE_IDS = frozenset(map(id, _CALLABLES))
 
 _OPCODES = frozenset({
     "PROTO", "FRAME", "STOP", "MARK",
@@ -101,19 +104,19 @@ class _IndexUnpickler(pickle._Unpickler):  # the reference implementation: its d
 
     def load_reduce(self) -> None:
         func = self.stack[-2]
-        if not any(func is allowed for allowed in _CALLABLES):
+        if id(func) not in _CALLABLE_IDS:
             raise self.refuse(f"calls {_describe(func)}")
         pickle._Unpickler.load_reduce(self)
 
     def load_newobj(self) -> None:
         cls = self.stack[-2]
-        if not any(cls is allowed for allowed in _CLASSES):
+        if id(cls) not in _CLASS_IDS:
             raise self.refuse(f"creates {_describe(cls)}")
         pickle._Unpickler.load_newobj(self)
 
     def load_build(self) -> None:
         state, inst = self.stack[-1], self.stack[-2]
-        if type(inst) not in _CLASSES:
+        if id(type(inst)) not in _CLASS_IDS:
             raise self.refuse(f"sets the state of {_describe(inst)}")
         # a class's own __setstate__ (TensorProperties') takes its own form; otherwise a plain dict of fields,
         # never the (dict, slots) form, which would setattr
