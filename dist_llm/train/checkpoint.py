@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.train.safe_metadata import load_failure, load_index
 

@@ -15,8 +15,10 @@ read here by pickle's reference unpickler with a dispatch table of our own, whic
   enum, pathlib's path); NEWOBJ and BUILD make and fill only DCP's own dataclasses, and APPEND/SETITEM only
   plain lists and dicts.
 
-The allowed pairs are what pickling real DCP metadata (torch 2.13; every layout and dtype dist_llm saves)
-yields, plus BytesStorageMetadata, so that a non-tensor entry is refused by name after the read.
+The allowed pairs are those real DCP indexes are pickled with (listed from torch 2.13's; the tests load
+checkpoints of every layout dist_llm saves through this reader), plus BytesStorageMetadata, so that a
+non-tensor entry is refused by name after the read. collections.OrderedDict, which older readers allowed,
+appears in no index.
 """
 
 from __future__ import annotations
