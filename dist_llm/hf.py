@@ -212,8 +212,10 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
             return load_file(str(file), device="cpu")
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ConfigError(f"{file}: cannot read weights ({first})") from None
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+        # torch.load's weights_only refusal opens with a paragraph on its defaults; the line naming the global says why
+        reason = next((line for line in lines if "unsupported" in line.lower()), lines[0])
+        raise ConfigError(f"{file}: cannot read weights ({reason})") from None
 
 
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:

@@ -13,9 +13,9 @@ Layout of `checkpoints/step_NNNNNN/`:
   manifest.json              written last, atomically: the checkpoint is complete only once it exists
 
 Loading runs no code from the checkpoint: only tensors go through DCP (whose shards torch reads with
-weights_only=True), everything else is JSON, and DCP's own `.metadata` index, a pickle, is read by an
-unpickler that accepts only the classes an index is made of, and only tensor entries (DCP would unpickle
-any other kind with weights_only=False).
+weights_only=True), everything else is JSON, and DCP's own `.metadata` index, a pickle, is read by
+`safe_metadata.load_index` (exact globals, allowed opcodes and calls only; tensor entries only: DCP would
+unpickle any other kind with weights_only=False).
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-import os
-import pickle
 import re
 import shutil
 import time
@@ -37,14 +35,16 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config
 from dist_llm.fileio import atomic_write_text
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.train.safe_metadata import load_failure, load_index
 
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -238,38 +238,16 @@ def prune_checkpoints(root: Path, keep: int) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-# what DCP's .metadata pickle is made of: its own dataclasses, torch sizes, dtypes and layouts, paths
-_INDEX_MODULES = {"torch.distributed.checkpoint.metadata"}
-_INDEX_GLOBALS = {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-                  ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
-                  ("pathlib", "WindowsPath"), ("pathlib", "PureWindowsPath"), ("collections", "OrderedDict")}
-
-
-class _IndexUnpickler(pickle.Unpickler):
-    def __init__(self, file: Any, path: Path) -> None:
-        super().__init__(file)
-        self.path = path
-
-    def find_class(self, module: str, name: str) -> Any:
-        if module in _INDEX_MODULES or (module, name) in _INDEX_GLOBALS or (
-                module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise ConfigError(f"{self.path}: refers to {module}.{name}, which no checkpoint index holds; not loaded "
-                          "(unpickling it could run code)")
-
-
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with the index read by `_IndexUnpickler` and checked to hold tensors only."""
+    """DCP's file reader, with the index read by `safe_metadata.load_index` (no code runs; tensors only)."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))
-        with self.fs.create_stream(path, "rb") as f:
-            metadata = _IndexUnpickler(f, path).load()
-        if not isinstance(metadata, Metadata):
-            raise ConfigError(f"{path}: not a DCP checkpoint index")
-        for key, entry in metadata.state_dict_metadata.items():
-            if not isinstance(entry, TensorStorageMetadata):
-                raise ConfigError(f"{path}: entry {key!r} is not a tensor; dist_llm checkpoints hold tensors only")
+        cached = getattr(self, "_index", None)
+        if cached is None or cached[0] != path:  # `_load` reads it, then dcp.load: unpickle it once (in Python)
+            with self.fs.create_stream(path, "rb") as f:
+                self._index = (path, load_index(f, path))
+        metadata = self._index[1]
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -281,7 +259,10 @@ def _load(state: dict[str, Any], path: Path) -> None:
     (inside dcp.load, DCP would log it at length and fall back to looking for per-rank indexes)."""
     reader = SafeReader(str(path))
     reader.read_metadata()
-    dcp.load(state, storage_reader=reader)
+    try:
+        dcp.load(state, storage_reader=reader)
+    except CheckpointException as e:  # one line, not every rank's traceback
+        raise load_failure(path, e) from None
 
 
 def read_json(path: Path) -> dict[str, Any]:
