@@ -44,6 +44,10 @@ class LayerFactory:
         """The part of a (B, T, C) activation this rank works on between parallel layers (all of it here)."""
         return x
 
+    def dropout(self, p: float) -> nn.Module:
+        """Dropout on the residual stream (embedding, attention and MLP outputs), between the parallel layers."""
+        return nn.Dropout(p)
+
     def attention_rng(self) -> contextlib.AbstractContextManager:
         """The random stream attention dropout draws from."""
         return contextlib.nullcontext()

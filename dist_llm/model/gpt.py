@@ -41,7 +41,7 @@ class Attention(nn.Module):
         self.qkv = layers.linear(cfg.n_embd, qkv_out, bias=cfg.bias, role="qkv")
         self.proj = layers.linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias, role="attn_out")
         self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = layers.dropout(cfg.dropout)
         self.rope = rope
         if cfg.pos_emb == "alibi":
             first = layers.first_head(cfg.n_head)  # a tensor-parallel rank holds a contiguous range of heads
@@ -88,7 +88,7 @@ class MLP(nn.Module):
         self.up = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_up")
         self.gate = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_gate") if self.swiglu else None
         self.down = layers.linear(hidden, cfg.n_embd, bias=cfg.bias, role="mlp_down")
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = layers.dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
@@ -128,7 +128,7 @@ class GPT(nn.Module):
         # (under sequence parallelism the slice of its output is taken by an op whose backward gathers the
         # gradient, so unlike the norms it needs no all-reduce)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = layers.dropout(cfg.dropout)
         rope = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.rope = rope
         self.blocks = nn.ModuleList(Block(cfg, layers, rope) for _ in range(cfg.n_layer))

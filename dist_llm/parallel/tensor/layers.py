@@ -9,7 +9,8 @@ all-reduce their gradients over tp.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,47 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
 
 Init = Callable[[torch.Tensor], torch.Tensor]
+
+RANK_SEED_RANGE = 2**62  # seeds drawn from the shared stream lie in [0, 2^62): adding a tp rank stays in 64 bits
+
+
+@contextlib.contextmanager
+def rank_local_rng(rank: int, device: torch.device) -> Iterator[None]:
+    """Random draws inside come from a stream of this tp rank's own (Megatron's model-parallel RNG): the
+    generator of `device` is seeded with s + rank, where s is one draw from the shared (default CPU) stream.
+
+    Every tp rank draws that one s, so the shared stream stays in step across ranks; and activation
+    checkpointing, which restores the shared stream before it recomputes a region, draws the same s again, so
+    the recomputed masks are the forward's. The generator's own state is restored on exit."""
+    seed = int(torch.randint(0, RANK_SEED_RANGE, (1,)).item())  # a CPU tensor: no device sync
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        if cuda:
+            torch.cuda.manual_seed(seed + rank)  # the current device only (torch.manual_seed would seed every GPU)
+        else:
+            torch.default_generator.manual_seed(seed + rank)
+        yield
+
+
+class RankLocalDropout(nn.Dropout):
+    """Dropout whose mask comes from this tp rank's own stream (`rank_local_rng`).
+
+    For activations of which each tp rank holds a different part: a slice of the sequence under sequence
+    parallelism. From the shared stream every rank would draw the same mask, repeating one pattern on every
+    slice instead of drawing each position's independently as one process does."""
+
+    def __init__(self, p: float, *, rank: int) -> None:
+        super().__init__(p)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x  # (nothing drawn: the shared stream advances as it would with a plain dropout)
+        with rank_local_rng(self.rank, x.device):
+            return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp_rank={self.rank}"
 
 
 def _mark(param: nn.Parameter, *, dim: int | None = None, sequence_parallel: bool = False) -> nn.Parameter:
