@@ -119,3 +119,34 @@ def test_recomputation_replays_sequence_parallel_masks(tmp_path: Path) -> None:
         for mode in ("full", "selective"):
             for name, g in rank["grads"]["none"].items():
                 assert g.equal(rank["grads"][mode][name]), f"{mode}: gradient of {name} differs"
+
+
+def _lora_masks(rank: int, world_size: int, out_dir: Path) -> dict[bool, dict[str, torch.Tensor]]:
+    masks = {}
+    for sp in (True, False):
+        extra = {**SP, "parallel__sequence_parallel": sp, "model__dropout": 0.0, "peft__method": "lora",
+                 "peft__targets": "[qkv,attn_out]", "peft__rank": 4, "peft__dropout": P}
+        cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size, **extra))
+        ctx = ParallelContext.from_config(cfg)
+        try:
+            model = build_model(cfg, ctx).train()
+            seen = _record_masks(model)
+            idx, tgt = _batch(cfg)
+            torch.manual_seed(5)
+            model(idx, tgt)
+            masks[sp] = {k: v[0] for k, v in seen.items()}
+        finally:
+            ctx.destroy()
+    return masks
+
+
+def test_lora_dropout_masks_follow_what_each_rank_holds(tmp_path: Path) -> None:
+    """LoRA's input dropout at tp=2: a row-parallel layer's input (each rank its columns), and a
+    column-parallel one's under sequence parallelism (each rank its slice), get a mask per rank; the
+    column-parallel input without sequence parallelism is the same on both ranks, and so is its mask."""
+    ranks = run_distributed(_lora_masks, 2, tmp_path, init_group=False)
+    column, row = "blocks.0.attn.qkv.lora.dropout", "blocks.0.attn.proj.lora.dropout"
+    for sp in (True, False):
+        assert not ranks[0][sp][row].equal(ranks[1][sp][row]), f"sequence_parallel={sp}: {row}"
+    assert not ranks[0][True][column].equal(ranks[1][True][column])
+    assert ranks[0][False][column].equal(ranks[1][False][column])
