@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_llm.config import ModelConfig
-from dist_llm.model.factory import LayerFactory
+from dist_llm.model.factory import LayerFactory, Reduction
 from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
 
 Checkpointing = Literal["none", "full", "selective"]
@@ -177,18 +177,20 @@ class GPT(nn.Module):
         """Residual stream (B, T, C) -> logits (B, T, V)."""
         return self.lm_head(self.ln_f(x))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.layers.cross_entropy(logits, targets)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: Reduction = "mean") -> torch.Tensor:
+        return self.layers.cross_entropy(logits, targets, reduction=reduction)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab_size) for token ids (B, T); with targets, the mean cross-entropy instead."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                reduction: Reduction = "mean") -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids (B, T); with targets, the cross-entropy instead: its mean over
+        the targets that are not -100, or ("sum") its sum over them (the trainer divides by a count of its own)."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.block_size={self.cfg.block_size}")
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return self.layers.output_logits(logits) if targets is None else self.loss(logits, targets)
+        return self.layers.output_logits(logits) if targets is None else self.loss(logits, targets, reduction=reduction)
 
     # -- accounting ---------------------------------------------------------------------------------------
     def num_params(self, *, non_embedding: bool = False) -> int:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
 
@@ -223,12 +224,13 @@ IGNORE_INDEX = -100  # a target that takes no part in the loss (as in torch's cr
 
 
 class _VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy over logits split along the vocabulary, without gathering them: the max, the
-    softmax denominator and the target's logit are each all-reduced as (B*T,) vectors."""
+    """Cross-entropy over logits split along the vocabulary, without gathering them: the max, the softmax
+    denominator and the target's logit are each all-reduced as (B*T,) vectors. The mean over the unmasked
+    targets, or with `mean=False` their sum."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid: int,  # type: ignore[no-untyped-def]
-                group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> torch.Tensor:
+                group: dist.ProcessGroup | None, stats: comm.CommStats | None, mean: bool) -> torch.Tensor:
         ctx.dtype = logits.dtype
         logits = logits.float()  # (N, V/tp)
         vocab_local = logits.shape[-1]
@@ -248,7 +250,7 @@ class _VocabParallelCrossEntropy(Function):
         sum_exp, target_logit = both
         loss = sum_exp.log() - target_logit  # (N,)
         keep = targets != IGNORE_INDEX  # masked targets (prompt tokens in fine-tuning) count for nothing
-        count = keep.sum().clamp(min=1)
+        count = keep.sum().clamp(min=1) if mean else torch.ones((), dtype=torch.int64, device=keep.device)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine, keep, count)
         return (loss * keep).sum() / count
 
@@ -258,10 +260,13 @@ class _VocabParallelCrossEntropy(Function):
         # d(loss)/d(logit) = softmax - onehot(target), the onehot only on the rank whose slice holds the target
         # (local_t is 0 on the others, which then subtract 0). No boolean indexing: it makes the host wait.
         g = softmax.clone().scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
-        return (g * (keep / count * grad).unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None
+        return (g * (keep / count * grad).unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, valid: int,
-                                 group: dist.ProcessGroup | None, stats: comm.CommStats | None = None) -> torch.Tensor:
-    """Mean token cross-entropy of logits (B, T, V/tp), this rank's vocabulary slice, against targets (B, T)."""
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_start, valid, group, stats)
+                                 group: dist.ProcessGroup | None, stats: comm.CommStats | None = None,
+                                 reduction: Reduction = "mean") -> torch.Tensor:
+    """Token cross-entropy of logits (B, T, V/tp), this rank's vocabulary slice, against targets (B, T): the
+    mean over the unmasked targets, or ("sum") their sum."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_start, valid, group, stats,
+                                            reduction == "mean")

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from dist_llm.config import Config, ModelConfig
-from dist_llm.model.factory import LayerFactory, LinearRole
+from dist_llm.model.factory import LayerFactory, LinearRole, Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.tensor import mappings as tpc
@@ -108,9 +108,10 @@ class TensorParallelFactory(LayerFactory):
         Without it every rank holds the same whole activation, which must get the same mask: the shared stream."""
         return RankLocalDropout(p, rank=self.rank) if self.sequence_parallel else nn.Dropout(p)
 
-    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: Reduction = "mean") -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.rank * logits.shape[-1],
-                                            valid=self.vocab_size, group=self.group, stats=self.stats)
+                                            valid=self.vocab_size, group=self.group, stats=self.stats,
+                                            reduction=reduction)
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full logits for the real vocabulary (gathered from the vocab-parallel slices)."""
