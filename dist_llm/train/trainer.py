@@ -24,6 +24,7 @@ from dist_llm import memory
 from dist_llm.config import Config, ConfigError, parse_steps, validate
 from dist_llm import perf
 from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepare_data, to_device, val_sampler
+from dist_llm.data.sampler import IGNORE_INDEX
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
@@ -33,7 +34,6 @@ from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageM
 from dist_llm.parallel.pipeline.schedule import SCHEDULES
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
-from dist_llm.parallel.tensor.layers import IGNORE_INDEX
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.metrics import MetricsLog, plot_losses
