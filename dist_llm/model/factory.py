@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Literal
 
+Reduction = Literal["mean", "sum"]
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -44,6 +46,10 @@ class LayerFactory:
         """The part of a (B, T, C) activation this rank works on between parallel layers (all of it here)."""
         return x
 
+    def dropout(self, p: float) -> nn.Module:
+        """Dropout on the residual stream (embedding, attention and MLP outputs), between the parallel layers."""
+        return nn.Dropout(p)
+
     def attention_rng(self) -> contextlib.AbstractContextManager:
         """The random stream attention dropout draws from."""
         return contextlib.nullcontext()
@@ -60,13 +66,16 @@ class LayerFactory:
         """Index of the first query head this rank holds (ALiBi slopes are per head)."""
         return 0
 
-    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token cross-entropy of logits (B, T, V) against targets (B, T); computed in fp32, with the
-        vocabulary padding (ids >= vocab_size) masked out and targets of -100 (masked prompt tokens) ignored."""
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: Reduction = "mean") -> torch.Tensor:
+        """Token cross-entropy of logits (B, T, V) against targets (B, T), its mean over the unmasked targets or
+        ("sum") their sum; computed in fp32, with the vocabulary padding (ids >= vocab_size) masked out and
+        targets of -100 (masked prompt tokens) ignored."""
         logits = logits.float()
         if self.vocab_size and logits.shape[-1] > self.vocab_size:
             logits = logits.masked_fill(torch.arange(logits.shape[-1], device=logits.device) >= self.vocab_size,
                                         float("-inf"))
         targets = targets.flatten()
         total = F.cross_entropy(logits.flatten(0, 1), targets, reduction="sum")  # -100 targets add nothing
+        if reduction == "sum":
+            return total
         return total / (targets != -100).sum().clamp(min=1)  # (a mean over no target would be nan)

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_llm.config import ModelConfig
-from dist_llm.model.factory import LayerFactory
+from dist_llm.model.factory import LayerFactory, Reduction
 from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
 
 Checkpointing = Literal["none", "full", "selective"]
@@ -41,7 +41,7 @@ class Attention(nn.Module):
         self.qkv = layers.linear(cfg.n_embd, qkv_out, bias=cfg.bias, role="qkv")
         self.proj = layers.linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias, role="attn_out")
         self.dropout = cfg.dropout
-        self.resid_dropout = nn.Dropout(cfg.dropout)
+        self.resid_dropout = layers.dropout(cfg.dropout)
         self.rope = rope
         if cfg.pos_emb == "alibi":
             first = layers.first_head(cfg.n_head)  # a tensor-parallel rank holds a contiguous range of heads
@@ -88,7 +88,7 @@ class MLP(nn.Module):
         self.up = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_up")
         self.gate = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_gate") if self.swiglu else None
         self.down = layers.linear(hidden, cfg.n_embd, bias=cfg.bias, role="mlp_down")
-        self.dropout = nn.Dropout(cfg.dropout)
+        self.dropout = layers.dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
@@ -128,7 +128,7 @@ class GPT(nn.Module):
         # (under sequence parallelism the slice of its output is taken by an op whose backward gathers the
         # gradient, so unlike the norms it needs no all-reduce)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.pos_emb == "learned" else None
-        self.drop = nn.Dropout(cfg.dropout)
+        self.drop = layers.dropout(cfg.dropout)
         rope = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.rope = rope
         self.blocks = nn.ModuleList(Block(cfg, layers, rope) for _ in range(cfg.n_layer))
@@ -177,18 +177,20 @@ class GPT(nn.Module):
         """Residual stream (B, T, C) -> logits (B, T, V)."""
         return self.lm_head(self.ln_f(x))
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.layers.cross_entropy(logits, targets)
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: Reduction = "mean") -> torch.Tensor:
+        return self.layers.cross_entropy(logits, targets, reduction=reduction)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits (B, T, vocab_size) for token ids (B, T); with targets, the mean cross-entropy instead."""
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
+                reduction: Reduction = "mean") -> torch.Tensor:
+        """Logits (B, T, vocab_size) for token ids (B, T); with targets, the cross-entropy instead: its mean over
+        the targets that are not -100, or ("sum") its sum over them (the trainer divides by a count of its own)."""
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.block_size={self.cfg.block_size}")
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return self.layers.output_logits(logits) if targets is None else self.loss(logits, targets)
+        return self.layers.output_logits(logits) if targets is None else self.loss(logits, targets, reduction=reduction)
 
     # -- accounting ---------------------------------------------------------------------------------------
     def num_params(self, *, non_embedding: bool = False) -> int:

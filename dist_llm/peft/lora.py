@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_llm.parallel.tensor import mappings as tpc
-from dist_llm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+from dist_llm.parallel.tensor.layers import ColumnParallelLinear, RankLocalDropout, RowParallelLinear
 
 
 def _linear_kind(layer: nn.Module) -> str:
@@ -44,10 +44,14 @@ class LoRA(nn.Module):
         self.kind = _linear_kind(layer)
         self.rank, self.scale = rank, alpha / rank
         self.in_features, self.out_features = layer.in_features, layer.out_features
-        self.dropout = nn.Dropout(dropout)
         self.group = getattr(layer, "group", None)
         self.stats = getattr(layer, "stats", None)
         self.sequence_parallel = getattr(layer, "sequence_parallel", False)
+        # Each tp rank holds a different part of the input of a row-parallel layer (its columns), and of a
+        # column-parallel one under sequence parallelism (its slice of the sequence): masks from a stream of
+        # the rank's own. Otherwise the input is the same on every rank, and so must its mask be.
+        own_part = self.kind == "row" or (self.kind == "column" and self.sequence_parallel)
+        self.dropout = RankLocalDropout(dropout, rank=tpc._rank(self.group)) if own_part else nn.Dropout(dropout)
         device = next(iter([*layer.parameters(), *layer.buffers()])).device
         weight_shape = _weight_shape(layer)
         a_cols = weight_shape[1]  # the rank's input columns (all of them unless row-parallel)

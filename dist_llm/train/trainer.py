@@ -24,6 +24,7 @@ from dist_llm import memory
 from dist_llm.config import Config, ConfigError, parse_steps, validate
 from dist_llm import perf
 from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepare_data, to_device, val_sampler
+from dist_llm.data.sampler import IGNORE_INDEX
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
@@ -276,22 +277,37 @@ class Trainer:
         mask, pin = self.masks[id(tokens)], self.device.type == "cuda"
         return [host_batch(tokens, s, self.cfg.model.block_size, mask, pin=pin) for s in starts]
 
+    def _rank_share_of_targets(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
+                               mask: Any) -> torch.Tensor | float:
+        """The global batch's unmasked targets over dp: what each micro-batch's token-loss sum is divided by.
+
+        The loss is the mean over the global batch's unmasked targets, whatever the layout. Each rank's
+        gradients are averaged over dp, so a rank divides its token sums by 1/dp of the global count. Without
+        a loss mask every target counts and the count is known; with one, this rank's micro-batches are
+        counted and one all-reduce over dp sums the counts (tp ranks and pp stages hold the same targets)."""
+        if mask is None:
+            return float(self.cfg.train.global_batch_size * self.cfg.model.block_size // self.ctx.dp)
+        count = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches]).sum()
+        comm.all_reduce(count, self.ctx.dp_group, self.ctx.comm)
+        return count.clamp(min=1) / self.ctx.dp  # (no target at all: zero loss and gradients, not nan)
+
     def train_step(self) -> StepOutput:
         t = self.cfg.train
         self.model.train()
         self.ctx.comm.reset()
-        loss_sum = torch.zeros((), device=self.device)
+        loss_sum = torch.zeros((), device=self.device)  # this rank's sum of token losses
         micro_batches = [to_device(x, y, self.device) for x, y in self.loader.get(self.step)]
+        share = self._rank_share_of_targets(micro_batches, self.masks[id(self.train_tokens)])
         if self.stage is not None:
-            loss_sum = self._pipeline(micro_batches, train=True)
+            loss_sum = self._pipeline(micro_batches, train=True, share=share)
         else:
             for i, (x, y) in enumerate(micro_batches):
                 with self.dp.micro_step(last=i == len(micro_batches) - 1):
                     with span("forward"), autocast(t.precision, self.device):
-                        loss = self.model(x, y)
+                        loss = self.model(x, y, reduction="sum")
                     loss_sum += loss.detach()
                     with span("backward"):
-                        self.dp.backward(self.scaler.scale_loss(loss / self.accum_steps))
+                        self.dp.backward(self.scaler.scale_loss(loss / share))
         with span("grad_sync"):
             self.dp.finish_grads()
         if (self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings
@@ -330,7 +346,8 @@ class Trainer:
         self.step += 1
         self.sampler.step = self.step
         self.tokens_seen += self.tokens_per_step
-        return StepOutput(loss=loss_sum / self.accum_steps, grad_norm=grad_norm, lr=lr, skipped=found_inf != 0)
+        # (its mean over dp is the global batch's mean token loss)
+        return StepOutput(loss=loss_sum / share, grad_norm=grad_norm, lr=lr, skipped=found_inf != 0)
 
     def check_bad_steps(self) -> None:
         """Stop when `train.max_bad_steps` steps in a row had non-finite gradients since the last check (one host
@@ -341,8 +358,10 @@ class Trainer:
             raise TrainingError(f"{worst} steps in a row had non-finite gradients (train.max_bad_steps={limit}); "
                                 f"stopping at step {self.step}, the last complete checkpoint is kept")
 
-    def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool) -> torch.Tensor:
-        """One step's (or one eval batch's) micro-batches through the pipeline; the loss sum on the last stage."""
+    def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool,
+                  share: torch.Tensor | float = 1.0) -> torch.Tensor:
+        """One step's (or one eval batch's) micro-batches through the pipeline; the sum of token losses on the
+        last stage. In training each micro-batch's sum is divided by `share` (see _rank_share_of_targets)."""
         ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
         # evaluation runs the forward half, batched into exchanges alike
         name = self.cfg.parallel.pp_schedule if train else "forward"
@@ -351,7 +370,7 @@ class Trainer:
         loss_sum, clock = run_schedule(
                             plan, self.stage, self.p2p, batches=micro_batches,
                             act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],
-                            loss_fn=lambda loss: self.scaler.scale_loss(loss / self.accum_steps),
+                            loss_fn=lambda loss: self.scaler.scale_loss(loss / share),
                             backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
                             autocast=lambda: autocast(t.precision, self.device), device=self.device, train=train)
         if train:
@@ -377,20 +396,24 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> float:
-        """Mean loss over `train.eval_steps` fixed global batches of the validation split."""
+        """Mean token loss over the unmasked targets of `train.eval_steps` fixed global batches of the
+        validation split (the same at every layout)."""
         self.model.eval()
-        total = torch.zeros((), device=self.device)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # sum of token losses, this rank
+        count = torch.zeros((), dtype=torch.float64, device=self.device)  # unmasked targets, this rank
         for i in range(self.cfg.train.eval_steps):
             batches = self._micro_batches(self.val_sampler, i, self.val_tokens)
+            count += sum((y != IGNORE_INDEX).sum() for _, y in batches)
             if self.stage is not None:
                 total += self._pipeline(batches, train=False)
                 continue
             for x, y in batches:
                 with autocast(self.cfg.train.precision, self.device):
-                    total += self.model(x, y).float()
+                    total += self.model(x, y, reduction="sum").float()
         self.model.train()
-        mean = self._dp_mean(total / (self.cfg.train.eval_steps * self.accum_steps))
-        return self._from_last_stage(mean).item()
+        sums = torch.stack([total, count])
+        comm.all_reduce(sums, self.ctx.dp_group, None)  # (metrics, not training traffic)
+        return self._from_last_stage(sums[0] / sums[1].clamp(min=1)).item()
 
     def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the dp group (for metrics: not counted as training traffic)."""

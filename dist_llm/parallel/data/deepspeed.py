@@ -143,7 +143,7 @@ class DeepSpeedDataParallel(DataParallel):
         return self._micro(last)
 
     def backward(self, loss: torch.Tensor) -> None:
-        self.engine.backward(loss, scale_wrt_gas=False)  # the trainer already divided by the micro-steps
+        self.engine.backward(loss, scale_wrt_gas=False)  # the trainer already divided by the global target count
 
     def local_grads(self) -> list[torch.Tensor]:
         return []  # DeepSpeed unscales its own gradients

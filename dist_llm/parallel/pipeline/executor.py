@@ -110,10 +110,10 @@ def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
                  micro_step: Callable[[bool], contextlib.AbstractContextManager],
                  autocast: Callable[[], contextlib.AbstractContextManager],
                  device: torch.device, train: bool = True) -> tuple[torch.Tensor, StageClock]:
-    """Perform this stage's actions for one step; return the sum of the micro-batches' losses on the last
-    stage (zero elsewhere) and when the stage computed. `loss_fn(loss)` makes the tensor to backward from
-    (scaled, divided by the micro-batch count); `micro_step(last)` is the data-parallel context around each
-    backward."""
+    """Perform this stage's actions for one step; return the sum of the micro-batches' token losses on the
+    last stage (zero elsewhere) and when the stage computed. `loss_fn(loss)` makes the tensor to backward from
+    a micro-batch's token-loss sum (divided by the global count, scaled); `micro_step(last)` is the
+    data-parallel context around each backward."""
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     out_grads: dict[int, torch.Tensor] = {}
@@ -134,7 +134,7 @@ def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
                     (contextlib.nullcontext() if train else torch.no_grad()):
                 out = stage.forward(x if stage.first else inputs[m])
                 if stage.last:
-                    loss = stage.model.loss(out, y)
+                    loss = stage.model.loss(out, y, reduction="sum")  # the trainer divides (by the global count)
                     loss_sum += loss.detach().float()
                     out = loss_fn(loss)
             if train or not stage.last:

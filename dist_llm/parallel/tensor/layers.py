@@ -9,7 +9,8 @@ all-reduce their gradients over tp.
 
 from __future__ import annotations
 
-from typing import Callable
+import contextlib
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,52 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
 
 Init = Callable[[torch.Tensor], torch.Tensor]
+
+RANK_SEED_RANGE = 2**62  # seeds drawn from the shared stream lie in [0, 2^62): adding a tp rank stays in 64 bits
+
+
+@contextlib.contextmanager
+def rank_local_rng(rank: int, device: torch.device) -> Iterator[None]:
+    """Random draws inside come from a stream of this tp rank's own (Megatron's model-parallel RNG): the
+    generator of `device` is seeded with s + rank, where s is one draw from the shared (default CPU) stream.
+
+    Every tp rank draws that one s, so the shared stream stays in step across ranks; and activation
+    checkpointing, which restores the shared stream before it recomputes a region, draws the same s again, so
+    the recomputed masks are the forward's. The generator's own state is restored on exit."""
+    seed = int(torch.randint(0, RANK_SEED_RANGE, (1,)).item())  # a CPU tensor: no device sync
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[torch.cuda.current_device()] if cuda else []):
+        if cuda:
+            torch.cuda.manual_seed(seed + rank)  # the current device only (torch.manual_seed would seed every GPU)
+        else:
+            torch.default_generator.manual_seed(seed + rank)
+        yield
+
+
+class RankLocalDropout(nn.Dropout):
+    """Dropout whose mask comes from this tp rank's own stream (`rank_local_rng`).
+
+    For activations of which each tp rank holds a different part: a slice of the sequence under sequence
+    parallelism. From the shared stream every rank would draw the same mask, repeating one pattern on every
+    slice instead of drawing each position's independently as one process does."""
+
+    def __init__(self, p: float, *, rank: int) -> None:
+        super().__init__(p)
+        self.rank = rank
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training or self.p == 0:
+            return x  # (nothing drawn: the shared stream advances as it would with a plain dropout)
+        with rank_local_rng(self.rank, x.device):
+            return super().forward(x)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp_rank={self.rank}"
 
 
 def _mark(param: nn.Parameter, *, dim: int | None = None, sequence_parallel: bool = False) -> nn.Parameter:
@@ -181,12 +224,13 @@ IGNORE_INDEX = -100  # a target that takes no part in the loss (as in torch's cr
 
 
 class _VocabParallelCrossEntropy(Function):
-    """Mean cross-entropy over logits split along the vocabulary, without gathering them: the max, the
-    softmax denominator and the target's logit are each all-reduced as (B*T,) vectors."""
+    """Cross-entropy over logits split along the vocabulary, without gathering them: the max, the softmax
+    denominator and the target's logit are each all-reduced as (B*T,) vectors. The mean over the unmasked
+    targets, or with `mean=False` their sum."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, valid: int,  # type: ignore[no-untyped-def]
-                group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> torch.Tensor:
+                group: dist.ProcessGroup | None, stats: comm.CommStats | None, mean: bool) -> torch.Tensor:
         ctx.dtype = logits.dtype
         logits = logits.float()  # (N, V/tp)
         vocab_local = logits.shape[-1]
@@ -206,7 +250,7 @@ class _VocabParallelCrossEntropy(Function):
         sum_exp, target_logit = both
         loss = sum_exp.log() - target_logit  # (N,)
         keep = targets != IGNORE_INDEX  # masked targets (prompt tokens in fine-tuning) count for nothing
-        count = keep.sum().clamp(min=1)
+        count = keep.sum().clamp(min=1) if mean else torch.ones((), dtype=torch.int64, device=keep.device)
         ctx.save_for_backward(exp.div_(sum_exp.unsqueeze(-1)), local_t, mine, keep, count)
         return (loss * keep).sum() / count
 
@@ -216,10 +260,13 @@ class _VocabParallelCrossEntropy(Function):
         # d(loss)/d(logit) = softmax - onehot(target), the onehot only on the rank whose slice holds the target
         # (local_t is 0 on the others, which then subtract 0). No boolean indexing: it makes the host wait.
         g = softmax.clone().scatter_add_(-1, local_t.unsqueeze(-1), -mine.to(softmax.dtype).unsqueeze(-1))
-        return (g * (keep / count * grad).unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None
+        return (g * (keep / count * grad).unsqueeze(-1)).to(ctx.dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, valid: int,
-                                 group: dist.ProcessGroup | None, stats: comm.CommStats | None = None) -> torch.Tensor:
-    """Mean token cross-entropy of logits (B, T, V/tp), this rank's vocabulary slice, against targets (B, T)."""
-    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_start, valid, group, stats)
+                                 group: dist.ProcessGroup | None, stats: comm.CommStats | None = None,
+                                 reduction: Reduction = "mean") -> torch.Tensor:
+    """Token cross-entropy of logits (B, T, V/tp), this rank's vocabulary slice, against targets (B, T): the
+    mean over the unmasked targets, or ("sum") their sum."""
+    return _VocabParallelCrossEntropy.apply(logits.flatten(0, 1), targets.flatten(), vocab_start, valid, group, stats,
+                                            reduction == "mean")

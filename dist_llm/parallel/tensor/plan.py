@@ -9,26 +9,28 @@
 
 With sequence parallelism the regions between those layers (norms, dropout, residual adds) hold 1/tp of
 the sequence; the norms (and row-parallel biases) then carry `sequence_parallel`, so their gradients,
-computed from a slice of the sequence, are all-reduced over tp.
+computed from a slice of the sequence, are all-reduced over tp; and dropout there draws its masks from a
+stream of each rank's own (as attention dropout, which acts on each rank's heads, always does).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
 
 import torch
 from torch import nn
 
 from dist_llm.config import Config, ModelConfig
-from dist_llm.model.factory import LayerFactory, LinearRole
+from dist_llm.model.factory import LayerFactory, LinearRole, Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.tensor import mappings as tpc
 from dist_llm.parallel.tensor.layers import (
     ColumnParallelLinear,
+    RankLocalDropout,
     RowParallelLinear,
     VocabParallelEmbedding,
+    rank_local_rng,
     vocab_parallel_cross_entropy,
 )
 
@@ -97,19 +99,19 @@ class TensorParallelFactory(LayerFactory):
     def first_head(self, n_head: int) -> int:
         return self.rank * (n_head // self.shards)
 
-    @contextlib.contextmanager
-    def attention_rng(self) -> Iterator[None]:
-        """Attention dropout acts on this rank's heads: draw its mask from a tp-local stream, seeded from the
-        shared stream (so activation recomputation, which replays the shared stream, replays it too)."""
-        seed = int(torch.randint(0, 2**62, (1,)).item())
-        devices = [torch.cuda.current_device()] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed + self.rank)
-            yield
+    def attention_rng(self) -> contextlib.AbstractContextManager:
+        """Attention dropout acts on this rank's heads: its mask comes from the tp-local stream."""
+        return rank_local_rng(self.rank, self.device)
 
-    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    def dropout(self, p: float) -> nn.Module:
+        """Under sequence parallelism each rank holds its own slice of the sequence there: a tp-local mask.
+        Without it every rank holds the same whole activation, which must get the same mask: the shared stream."""
+        return RankLocalDropout(p, rank=self.rank) if self.sequence_parallel else nn.Dropout(p)
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor, *, reduction: Reduction = "mean") -> torch.Tensor:
         return vocab_parallel_cross_entropy(logits, targets, vocab_start=self.rank * logits.shape[-1],
-                                            valid=self.vocab_size, group=self.group, stats=self.stats)
+                                            valid=self.vocab_size, group=self.group, stats=self.stats,
+                                            reduction=reduction)
 
     def output_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """Full logits for the real vocabulary (gathered from the vocab-parallel slices)."""
