@@ -226,12 +226,17 @@ def is_complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+def step_dirs(root: Path) -> list[Path]:
+    """Every step_NNNNNN directory under `root`, complete or not, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    return [p for p in step_dirs(root) if is_complete(p)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -260,13 +260,8 @@ class Trainer:
     def _step_dirs(self, *, complete: bool) -> list[Path]:
         """The checkpoint directories in checkpoints/ (complete ones only, or all), oldest first, as the main
         rank lists them: every rank then walks the same list through the same collectives."""
-        def listing() -> list[str]:
-            if complete:
-                return [str(p) for p in ckpt.list_checkpoints(self.ckpt_root)]
-            found = self.ckpt_root.glob("step_*") if self.ckpt_root.is_dir() else []
-            return [str(p) for p in sorted(found, key=ckpt.step_of) if p.is_dir()]
-
-        return [Path(p) for p in self._on_main(listing)]
+        listing = ckpt.list_checkpoints if complete else ckpt.step_dirs
+        return [Path(p) for p in self._on_main(lambda: [str(p) for p in listing(self.ckpt_root)])]
 
     def _pick_checkpoint(self) -> Path | None:
         """The newest complete checkpoint whose files match its manifest. Damaged ones newer than it are moved
