@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -98,7 +99,8 @@ def verify_now(path: Path) -> None:
     assert checksums.verify(path) is None
 
 
-def rank_main(rank: int, world: int, port: int, total_bytes: int, rounds: int, workdir: str, queue) -> None:  # type: ignore[no-untyped-def]
+def rank_main(rank: int, world: int, port: int, total_bytes: int, rounds: int, workdir: str,
+              queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     checksums.sha256_file = counting_sha256
@@ -146,7 +148,8 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0, help="checkpoint size in GB (10^9 bytes)")
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", type=Path, default=None, help="where the checkpoints are written (default: a temp dir)")
+    parser.add_argument("--dir", type=Path, default=None,
+                        help="where the checkpoints are written (default: a temp dir)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     total = int(args.gb * 1e9) // CHUNK * CHUNK

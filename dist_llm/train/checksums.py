@@ -158,8 +158,8 @@ def verify(root: Path, *, group: Any = None) -> str | None:
     group_rank, size = _group_rank_size(group)
     try:
         files = read_manifest(root)
-        verdict: tuple[str, str | None] = (
-            ("damaged", files) if isinstance(files, str) else ("ok", check_files(root, partition(files, size)[group_rank])))
+        verdict: tuple[str, str | None] = (("damaged", files) if isinstance(files, str)
+                                           else ("ok", check_files(root, partition(files, size)[group_rank])))
     except UnreadableCheckpoint as e:
         verdict = ("unreadable", f"rank {dist.get_rank() if dist.is_initialized() else 0}: {e}")
     verdicts = [verdict]
