@@ -134,15 +134,24 @@ def test_disk_full_keeps_the_last_complete_checkpoint(tmp_path: Path, corpus: Pa
     assert not ckpt.step_dir(tmp_path / "checkpoints", 8).exists()
 
 
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under `root` with its bytes: what "untouched" is compared on."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
 def test_damaged_checkpoint_falls_back_or_names_the_file(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     _trainer(tmp_path, corpus, train__max_steps=8, train__ckpt_interval=4).fit()
     newest = ckpt.step_dir(tmp_path / "checkpoints", 8)
     shard = next(newest.glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])  # truncated
+    damaged = _files(newest)
     resumed = _trainer(tmp_path, corpus, train__max_steps=12, train__ckpt_interval=4)
     assert resumed.resumed_from == ckpt.step_dir(tmp_path / "checkpoints", 4) and resumed.step == 4
-    with pytest.raises(ConfigError, match=rf"^train.resume: {shard}: \d+ bytes, the manifest says \d+$"):
-        _trainer(tmp_path, corpus, train__max_steps=12, train__resume=str(newest))
+    # the damaged one was moved aside, byte for byte, so that the re-save of step 8 cannot replace it
+    [moved] = (tmp_path / "checkpoints").glob("damaged-*/step_000008")
+    assert _files(moved) == damaged and not newest.exists()
+    with pytest.raises(ConfigError, match=rf"^train.resume: {moved / shard.name}: \d+ bytes, the manifest says \d+$"):
+        _trainer(tmp_path, corpus, train__max_steps=12, train__resume=str(moved))
     other = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__n_embd=64))
     with pytest.raises(ConfigError, match="holds a different model than the model.* settings describe"):
         Trainer(other, ParallelContext.from_config(other))

@@ -10,7 +10,12 @@ Layout of `checkpoints/step_NNNNNN/`:
   deepspeed/                 parallel.backend=deepspeed only: the engine's own save_checkpoint (optimizer
                              partitions, fp32 master, loss scaler, step counts), read back only by that
                              backend's resume, with torch.load(weights_only=False): trusted input
-  manifest.json              written last, atomically: the checkpoint is complete only once it exists
+  manifest.json              written last, atomically: the checkpoint is complete only once it exists; each
+                             rank hashes the files it wrote (see checksums.py)
+
+Nothing here deletes a complete checkpoint but pruning, and pruning only deletes checkpoints older than the
+one just completed; a checkpoint in the way of a new one is moved aside into `damaged-<time>/` or
+`previous-<time>/` next to the step directories.
 
 Loading runs no code from the checkpoint: only tensors go through DCP (whose shards torch reads with
 weights_only=True), everything else is JSON, and DCP's own `.metadata` index, a pickle, is read by
@@ -21,13 +26,15 @@ unpickle any other kind with weights_only=False).
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
+import logging
+import os
 import re
 import shutil
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,13 +52,29 @@ from dist_llm.config import Config
 from dist_llm.fileio import atomic_write_text
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.train.safe_metadata import load_failure, load_index
+from dist_llm.train import checksums
+# re-exported: callers know checkpoints, not how they are hashed
+from dist_llm.train.checksums import MANIFEST, UnreadableCheckpoint  # noqa: F401
 
-MANIFEST = "manifest.json"
+log = logging.getLogger("dist_llm")
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step_{step:06d}"
+
+
+# The slowest rate at which a rank is assumed to write or hash its share of a checkpoint: a tenth of what the
+# README's 2-core machine does (0.25 GB/s), for a shared network filesystem under load.
+SLOWEST_BYTES_PER_S = 25e6
+
+
+def coordination_timeout_s(n_params: int, timeout_s: float) -> float:
+    """How long a rank may wait for the others while a checkpoint of an `n_params` model is saved, loaded or
+    checked: the training timeout plus the time to write or hash the whole checkpoint at the slowest assumed
+    rate. 16 bytes a parameter bound what a checkpoint holds (fp32 weights and AdamW's two fp32 moments are
+    12), and the whole checkpoint bounds any one rank's share."""
+    return timeout_s + 16 * n_params / SLOWEST_BYTES_PER_S
 
 
 # DCP warns that it "assumes a single process" when no process group exists, which is what we mean; the
@@ -61,14 +84,6 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled")
 
 def _atomic_write(path: Path, text: str) -> None:
     atomic_write_text(path, text)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def rng_state(device: torch.device) -> dict[str, str]:
@@ -92,7 +107,11 @@ def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Paralle
     """Everything of a checkpoint but its DCP tensors and the manifest: the small files, and an engine's own
     files (`engine_files(path)`, on every rank), written at once."""
     if ctx.is_main and path.exists():
-        shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
+        if is_complete(path):  # (resume moves a newer damaged one aside first: only an explicit resume gets here)
+            log.warning("moved %s, an earlier run's checkpoint at this step, to %s", path,
+                        move_aside(path.parent, [path], "previous"))
+        else:
+            shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
     ctx.barrier()
     (path / "rng").mkdir(parents=True, exist_ok=True)
     _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
@@ -105,38 +124,39 @@ def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Paralle
         engine_files(path)
 
 
-def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
+def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext, group: Any,
               manifest_extra: dict[str, Any] | None, keep: int) -> None:
-    """On the main rank, once every rank's files are written: the manifest, atomically and last; then the
-    checkpoints beyond the newest `keep` go."""
-    files = sorted(p for p in path.rglob("*") if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
-    files.append(path / ".metadata")
-    manifest = {
-        "step": train_state["step"],
-        "tokens_seen": train_state.get("tokens_seen", 0),
-        "layout": ctx.layout(),
-        "model_fingerprint": cfg.fingerprint(),
-        "files": {str(p.relative_to(path)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
-        **(manifest_extra or {}),
-    }
-    _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
-    prune_checkpoints(path.parent, keep)
+    """Collective, once every rank's files are written: each rank hashes its own files, in parallel; the main
+    rank writes the manifest, atomically and last, then prunes to the newest `keep`."""
+
+    def write(files: checksums.FileEntries) -> None:
+        manifest = {
+            "step": train_state["step"],
+            "tokens_seen": train_state.get("tokens_seen", 0),
+            "layout": ctx.layout(),
+            "model_fingerprint": cfg.fingerprint(),
+            "files": dict(sorted(files.items())),
+            **(manifest_extra or {}),
+        }
+        _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
+        prune_checkpoints(path.parent, keep, newest=path)
+
+    checksums.hash_and_write_manifest(path, rank=ctx.rank, group=group, write=write)
 
 
 def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
-                    ctx: ParallelContext, extra_files: dict[str, Path] | None = None,
+                    ctx: ParallelContext, group: Any = None, extra_files: dict[str, Path] | None = None,
                     manifest_extra: dict[str, Any] | None = None, keep: int = 0,
                     engine_files: Callable[[Path], None] | None = None) -> None:
-    """Write a complete checkpoint to `path` (collective: every rank calls it). `extra_files` (name -> source)
-    are copied in by the main rank, e.g. the tokenizer, so the checkpoint stands on its own; `engine_files`
-    writes an engine's own state into `path` on every rank (DeepSpeed's); `keep` > 0 then deletes all but
-    the newest `keep` complete checkpoints."""
+    """Write a complete checkpoint to `path` (collective: every rank calls it). DCP and the checksums coordinate
+    over `group` (None: the default group): waits there scale with the checkpoint's size, so a trainer passes a
+    group whose timeout does too. `extra_files` (name -> source) are copied in by the main rank, e.g. the
+    tokenizer, so the checkpoint stands on its own; `engine_files` writes an engine's own state into `path` on
+    every rank (DeepSpeed's); `keep` > 0 then deletes all but the newest `keep` complete checkpoints up to this
+    one (never a newer one)."""
     _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files, engine_files=engine_files)
-    dcp.save(state, checkpoint_id=str(path))
-    ctx.barrier()
-    if ctx.is_main:
-        _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, manifest_extra=manifest_extra, keep=keep)
-    ctx.barrier()
+    dcp.save(state, checkpoint_id=str(path), process_group=group)  # returns once every rank's shards are down
+    _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, manifest_extra=manifest_extra, keep=keep)
 
 
 class PendingSave:
@@ -188,41 +208,36 @@ def save_checkpoint_async(path: Path, *, state: dict[str, Any], train_state: dic
                       if isinstance(response, AsyncSaveResponse) else (None, response))
 
     def finish() -> None:
-        upload.result()  # on the main rank: every rank's shards and DCP's .metadata are written
-        if ctx.is_main:
-            _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, manifest_extra=manifest_extra, keep=keep)
+        upload.result()  # every rank's shards and DCP's .metadata are written
+        # (over `group` too, from this one thread after DCP's own collectives: the same order on every rank)
+        _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, manifest_extra=manifest_extra,
+                  keep=keep)
 
     return PendingSave(path, staged, _BACKGROUND.submit(finish))
 
 
-def verify(path: Path) -> str | None:
+def verify(path: Path, *, group: Any = None) -> str | None:
     """None when every file the manifest lists has its recorded size and sha256; else what is wrong, naming
-    the file (a truncated shard, a changed byte, a missing file)."""
-    try:
-        files = read_json(path / MANIFEST)["files"]
-    except (OSError, ValueError, KeyError) as e:
-        return f"{path / MANIFEST}: unreadable ({e})"
-    for name, want in files.items():
-        f = path / name
-        if not f.is_file():
-            return f"{f}: missing"
-        if f.stat().st_size != want["bytes"]:
-            return f"{f}: {f.stat().st_size} bytes, the manifest says {want['bytes']}"
-        if _sha256(f) != want["sha256"]:
-            return f"{f}: checksum differs from the manifest's"
-    return None
+    the file (a truncated shard, a changed byte, a missing file). Collective over `group` when a process group
+    exists (each rank checks a share); an I/O error raises UnreadableCheckpoint instead of calling it damaged."""
+    return checksums.verify(path, group=group)
 
 
 def is_complete(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
-def list_checkpoints(root: Path) -> list[Path]:
-    """Complete checkpoints under `root`, oldest first."""
+def step_dirs(root: Path) -> list[Path]:
+    """Every step_NNNNNN directory under `root`, complete or not, oldest first."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and is_complete(p)]
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first."""
+    return [p for p in step_dirs(root) if is_complete(p)]
 
 
 def latest_checkpoint(root: Path) -> Path | None:
@@ -230,12 +245,36 @@ def latest_checkpoint(root: Path) -> Path | None:
     return found[-1] if found else None
 
 
-def prune_checkpoints(root: Path, keep: int) -> None:
-    """Delete all but the newest `keep` complete checkpoints (called only after a newer one is complete)."""
+def step_of(path: Path) -> int:
+    match = _STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{path}: not a checkpoint directory (step_NNNNNN)")
+    return int(match.group(1))
+
+
+def prune_checkpoints(root: Path, keep: int, *, newest: Path) -> None:
+    """Keep `newest` (just completed, so intact) and the `keep` - 1 complete checkpoints before it; delete the
+    older ones. A checkpoint newer than `newest` is not this run's to judge (another run's, or a damaged one
+    resume passed over) and is never deleted here."""
     if keep <= 0:
         return
-    for old in list_checkpoints(root)[:-keep]:
+    older = [p for p in list_checkpoints(root) if step_of(p) < step_of(newest)]
+    for old in older[:max(len(older) - (keep - 1), 0)]:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def move_aside(root: Path, paths: list[Path], label: str) -> Path:
+    """Move checkpoint directories into `root/<label>-<UTC time>/` (a rename: instant, nothing copied or
+    deleted), out of reach of resume and pruning, which look at `root/step_*` only. Returns the folder."""
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    folder = root / f"{label}-{stamp}"
+    folder.mkdir(parents=True, exist_ok=True)
+    for path in paths:
+        target, n = folder / path.name, 1
+        while target.exists():  # two moves within a second: never over an earlier one
+            target, n = folder / f"{path.name}.{n}", n + 1
+        os.replace(path, target)
+    return folder
 
 
 class SafeReader(FileSystemReader):
@@ -254,13 +293,14 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def _load(state: dict[str, Any], path: Path) -> None:
-    """dcp.load through `SafeReader`. The index is read once before, so that a refusal is raised as itself
-    (inside dcp.load, DCP would log it at length and fall back to looking for per-rank indexes)."""
+def _load(state: dict[str, Any], path: Path, group: Any = None) -> None:
+    """dcp.load through `SafeReader`, coordinating over `group`. The index is read once before, so that a
+    refusal is raised as itself (inside dcp.load, DCP would log it at length and fall back to looking for
+    per-rank indexes)."""
     reader = SafeReader(str(path))
     reader.read_metadata()
     try:
-        dcp.load(state, storage_reader=reader)
+        dcp.load(state, storage_reader=reader, process_group=group)
     except CheckpointException as e:  # one line, not every rank's traceback
         raise load_failure(path, e) from None
 
@@ -281,10 +321,11 @@ def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = F
     set_model_state_dict(model, state["model"])
 
 
-def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext) -> dict[str, Any]:
+def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, group: Any = None) -> dict[str, Any]:
     """Fill `state` (tensors of this layout's shapes and shards) from the checkpoint, resharding as needed,
-    restore this rank's RNG, and return the train state saved with them."""
-    _load(state, path)
+    restore this rank's RNG, and return the train state saved with them. Collective over `group` (None: the
+    default group), as `save_checkpoint`."""
+    _load(state, path, group)
     rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
     if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine
         set_rng_state(read_json(rng_file), ctx.device)

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -186,14 +187,19 @@ class Trainer:
         self.tokens_seen = 0
         self.elapsed_s = 0.0
         self.pending_save: ckpt.PendingSave | None = None
-        # background saves coordinate the ranks over a gloo group of their own, never interleaving with training's
-        self.save_group = (torch.distributed.new_group(backend="gloo")
-                           if t.async_checkpoint and ctx.world_size > 1 else None)
+        # Saving, loading and checking a checkpoint coordinate the ranks over a gloo group of their own. Its waits
+        # scale with the checkpoint (a rank waits for the slowest one's writing or hashing): under the training
+        # group's parallel.timeout_s a large enough checkpoint would time out, so this group's timeout scales
+        # with the state's bytes instead (a rank that dies still fails it at once: its connections close).
+        # Background saves use it from their thread, never interleaving with training's collectives.
+        self.ckpt_group = (torch.distributed.new_group(backend="gloo", timeout=timedelta(
+            seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s)))
+            if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
         self.resumed_from = self._resume()
         fresh = self.resumed_from is None
-        if fresh and ctx.is_main:
-            self._clear_previous_run()
+        if fresh:
+            self._set_aside_previous_run()
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
                                   tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
                                   wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
@@ -209,7 +215,7 @@ class Trainer:
         if not ckpt.is_complete(path):
             raise ConfigError(f"train.resume: {path} is not a complete checkpoint (no {ckpt.MANIFEST})")
         if choice != "auto":
-            problem = self._on_main(lambda: ckpt.verify(path))
+            problem = self._verify(path)
             if problem:
                 raise ConfigError(f"train.resume: {problem}")
         manifest = ckpt.read_json(path / ckpt.MANIFEST)
@@ -221,7 +227,7 @@ class Trainer:
         everything = self.dp.checkpoint_state()
         template = self._saved_part(everything)
         buffers = self.tp_state.empty_full(template) if self.tp_state else template
-        state = ckpt.load_checkpoint(path, state=buffers, ctx=self.ctx)
+        state = ckpt.load_checkpoint(path, state=buffers, ctx=self.ctx, group=self.ckpt_group)
         if self.tp_state:
             buffers = self.tp_state.to_local(buffers, template, self.ctx.tp_rank)
         # a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
@@ -244,26 +250,55 @@ class Trainer:
             torch.distributed.broadcast_object_list(box, src=0)
         return box[0]
 
+    def _verify(self, path: Path) -> str | None:
+        """`ckpt.verify` with every rank checking a share of the files; a file that cannot be read (an I/O error)
+        stops the run with one line instead of counting the checkpoint as damaged."""
+        try:
+            return ckpt.verify(path, group=self.ckpt_group)
+        except ckpt.UnreadableCheckpoint as e:
+            raise CheckpointError(f"train.resume: cannot check {path}: {e}; nothing was moved or deleted: run again "
+                                  "once the storage answers") from None
+
+    def _step_dirs(self, *, complete: bool) -> list[Path]:
+        """The checkpoint directories in checkpoints/ (complete ones only, or all), oldest first, as the main
+        rank lists them: every rank then walks the same list through the same collectives."""
+        listing = ckpt.list_checkpoints if complete else ckpt.step_dirs
+        return [Path(p) for p in self._on_main(lambda: [str(p) for p in listing(self.ckpt_root)])]
+
     def _pick_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint whose files match its manifest; a damaged one is skipped, with a warning."""
+        """The newest complete checkpoint whose files match its manifest. Damaged ones newer than it are moved
+        aside into checkpoints/damaged-<time>/ (a re-save of their step would replace them); when none matches
+        but some are damaged, the run stops with one line and touches nothing: never a silent fresh start."""
+        damaged: dict[Path, str] = {}
+        for path in reversed(self._step_dirs(complete=True)):
+            problem = self._verify(path)
+            if problem is None:
+                if damaged:
+                    self._move_aside(list(damaged), "damaged")
+                return path
+            log.warning("skipping damaged checkpoint %s: %s", path, problem)
+            damaged[path] = problem
+        if damaged:
+            found = "; ".join(f"{p.name} ({problem})" for p, problem in reversed(damaged.items()))
+            raise ConfigError(f"train.resume=auto: no checkpoint in {self.ckpt_root} matches its manifest: {found}. "
+                              "Nothing was changed: repair them, resume from another copy with train.resume=PATH, "
+                              f"or start over with train.resume=never (which moves them into {self.ckpt_root}/"
+                              "damaged-<time>/)")
+        return None
 
-        def pick() -> str | None:
-            for path in reversed(ckpt.list_checkpoints(self.ckpt_root)):
-                problem = ckpt.verify(path)
-                if problem is None:
-                    return str(path)
-                log.warning("skipping damaged checkpoint %s: %s", path, problem)
-            return None
+    def _set_aside_previous_run(self) -> None:
+        """A fresh start owns checkpoints/: an earlier run's checkpoints would otherwise be resumed or pruned as
+        ours. They are moved, never deleted: those that verify into previous-<time>/, the rest (damaged, or a
+        save that never completed) into damaged-<time>/."""
+        found, complete = self._step_dirs(complete=False), set(self._step_dirs(complete=True))
+        intact = [p for p in found if p in complete and self._verify(p) is None]
+        self._move_aside(intact, "previous")
+        self._move_aside([p for p in found if p not in intact], "damaged")
 
-        found = self._on_main(pick)
-        return Path(found) if found else None
-
-    def _clear_previous_run(self) -> None:
-        """A fresh start owns out_dir: checkpoints of an earlier run would otherwise be resumed or pruned as ours."""
-        old = ckpt.list_checkpoints(self.ckpt_root)
-        if old:
-            log.warning("starting afresh: removing %d checkpoint(s) of an earlier run in %s", len(old), self.ckpt_root)
-            shutil.rmtree(self.ckpt_root)
+    def _move_aside(self, paths: list[Path], label: str) -> None:
+        if paths:
+            folder = self._on_main(lambda: str(ckpt.move_aside(self.ckpt_root, paths, label)))
+            log.warning("moved %s into %s", ", ".join(p.name for p in paths), folder)
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def _micro_batches(self, sampler: GlobalBatchSampler, step: int, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -449,7 +484,7 @@ class Trainer:
         state = self._saved_part(self.dp.checkpoint_state())
         if self.tp_state:
             state = self.tp_state.to_full(state)
-        args = dict(state=state, train_state=self.train_state(), cfg=self.cfg, ctx=self.ctx,
+        args = dict(state=state, train_state=self.train_state(), cfg=self.cfg, ctx=self.ctx, group=self.ckpt_group,
                     extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
                     engine_files=self.dp.save_engine_state,
                     manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
@@ -457,8 +492,7 @@ class Trainer:
             if self.cfg.train.async_checkpoint:
                 if self.stager is None:
                     self.stager = ckpt.host_stager(self.device)
-                self.pending_save = ckpt.save_checkpoint_async(path, group=self.save_group, stager=self.stager,
-                                                               **args)
+                self.pending_save = ckpt.save_checkpoint_async(path, stager=self.stager, **args)
             else:
                 ckpt.save_checkpoint(path, **args)
         return path
