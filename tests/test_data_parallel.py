@@ -196,3 +196,99 @@ def test_checkpoint_reshards_across_layouts(tmp_path: Path, tmp_path_factory: py
         assert len(got["losses"]) == STEPS  # the metrics file holds steps 1-4, then 5-8 after the resume
         for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
             assert a == pytest.approx(b, rel=1e-5)
+
+
+# -- ZeRO-1/2 gradient accumulation dtype (parallel.grad_accum_dtype) -------------------------------------------
+MICRO_STEPS = 16
+
+
+def _accum_config(out_dir: Path, stage: int, accum: str):  # type: ignore[no-untyped-def]
+    return load_config(None, tiny_overrides(out_dir, **{"train__precision": "bf16", "parallel__zero_stage": stage,
+                                                        "parallel__grad_accum_dtype": accum, "model__bias": False,
+                                                        "parallel__bucket_mb": 0.01}))
+
+
+def _micro_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 256, (MICRO_STEPS, 1, 33), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def zero_accumulated_grads(rank: int, world_size: int, out_dir: Path, stage: int) -> dict[str, dict[str, Any]]:
+    """Every rank sees the same 16 micro-batches, so the mean over dp of its 16-bit micro-gradient g is g itself
+    (g/2 + g/2 is exact): what ZeRO ends with is the accumulation of exactly the micro-gradients one bf16
+    process computes. Returns, per accumulation dtype, each parameter's (offset, gradient piece) on this rank."""
+    from dist_llm.model import GPT
+    from dist_llm.parallel.data.zero import ZeroDataParallel
+    from dist_llm.train.precision import autocast
+
+    out = {}
+    for accum in ("fp32", "bf16"):
+        cfg = _accum_config(out_dir, stage, accum)
+        ctx = ParallelContext.from_config(cfg)
+        try:
+            torch.manual_seed(0)
+            model = GPT(cfg.model)
+            dp = ZeroDataParallel(model, cfg, ctx, stage=stage)
+            for i, (x, y) in enumerate(_micro_batches()):
+                with dp.micro_step(last=i == MICRO_STEPS - 1), autocast("bf16", ctx.device):
+                    dp.backward(model(x, y))
+            dp.finish_grads()
+            names = {id(p): n for n, p in model.named_parameters()}
+            out[accum] = {names[id(p)]: (offset, g.detach().clone()) for p, g, offset in dp.grad_shards()}
+        finally:
+            ctx.destroy()
+    return out
+
+
+def _gather_pieces(ranks: list[dict[str, tuple[int, torch.Tensor]]], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    full = {n: torch.full((s.numel(),), float("nan")) for n, s in shapes.items()}
+    for pieces in ranks:
+        for name, (offset, g) in pieces.items():
+            full[name][offset : offset + g.numel()] = g.float().reshape(-1)
+    return {n: t.view(shapes[n]) for n, t in full.items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_zero_accumulates_bf16_micro_gradients_in_fp32(tmp_path: Path, stage: int) -> None:
+    """bf16, 16 micro-steps: ZeRO's gradient is the fp32 sum of the bf16 micro-gradients up to fp32 rounding, which
+    bf16 accumulation (the former behaviour, now parallel.grad_accum_dtype=bf16) is not."""
+    from dist_llm.model import GPT
+
+    results = run_distributed(zero_accumulated_grads, 2, tmp_path, stage, init_group=False)
+    # the same micro-gradients, computed here by plain autograd on a bf16 copy of the model (one thread, as the
+    # ranks run, so that the CPU kernels sum in the same order)
+    cfg = _accum_config(tmp_path, stage, "fp32")
+    torch.manual_seed(0)
+    model = GPT(cfg.model).to(torch.bfloat16)
+    params = dict(model.named_parameters())
+    fp32_sum = {n: torch.zeros(p.shape) for n, p in params.items()}
+    abs_sum = {n: torch.zeros(p.shape) for n, p in params.items()}
+    bf16_sum = {n: torch.zeros(p.shape, dtype=torch.bfloat16) for n, p in params.items()}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for x, y in _micro_batches():
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                grads = torch.autograd.grad(model(x, y), list(params.values()))
+            for n, g in zip(params, grads, strict=True):
+                fp32_sum[n] += g.float()
+                abs_sum[n] += g.float().abs()
+                bf16_sum[n] += g
+    finally:
+        torch.set_num_threads(threads)
+    shapes = {n: p.shape for n, p in params.items()}
+    for accum in ("fp32", "bf16"):
+        got = _gather_pieces([r[accum] for r in results], shapes)
+        for n in params:
+            # recursive summation of k terms errs by at most (k-1) u sum|g_i|, u = 2^-24 in fp32 (Higham, Thm 4.1)
+            bound = (MICRO_STEPS - 1) * 2.0**-24 * abs_sum[n]
+            err = (got[n] - fp32_sum[n]).abs()
+            if accum == "fp32":
+                assert (err <= bound).all(), f"{n}: fp32 accumulation off by {(err - bound).max():.3g} beyond rounding"
+            else:  # bf16 accumulation is the bf16 running sum, far outside fp32 rounding
+                torch.testing.assert_close(got[n], bf16_sum[n].float(), rtol=0, atol=0)
+        if accum == "bf16":
+            worst = max(((got[n] - fp32_sum[n]).abs() / ((MICRO_STEPS - 1) * 2.0**-24 * abs_sum[n] + 1e-30)).max()
+                        for n in params)
+            assert worst > 1000, worst
