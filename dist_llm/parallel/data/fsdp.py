@@ -80,9 +80,12 @@ class FSDPDataParallel(DataParallel):
         super().__init__(model, cfg, ctx)
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
-        # accumulate unsharded grads locally on the non-last micro-steps; reduce-scatter on the last
+        # Reduce-scatter on every micro-step, not only the last: FSDP2 then adds each result into the sharded
+        # fp32 gradient, so between micro-steps a rank holds 4/dp bytes of gradient per parameter, as ZeRO-3
+        # promises (and memory.py predicts). Skipping the sync would save accumulation-1 reduce-scatters a step
+        # but keep a whole unsharded fp32 gradient (4 bytes per parameter) alive across micro-steps.
         for unit in self.fsdp_units:
-            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_requires_gradient_sync(True, recurse=False)
         return contextlib.nullcontext()
 
     dp_sharded_grads = True
