@@ -300,11 +300,10 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
         segments = rank_segments(buckets, 0)
         accum = torch.tensor([], dtype=accum_dtype(cfg)).element_size()
         est.params_bytes = total * size + frozen_bytes
-        # stage 2: the accumulated shard and the two bucket buffers its reduce-scatters reuse
-        est.grads_bytes = total * accum if stage == 1 else shard * accum + 2 * max(b.numel for b in buckets) * size
+        est.grads_bytes = (total if stage == 1 else shard) * accum
         est.master_bytes = 4 * shard if mixed else 0
         est.optimizer_bytes = 8 * sum(s.hi - s.lo for s in segments) + 4 * len(segments)
-        est.temporary_bytes = _zero_in_flight_bytes(cfg, stage, max(b.numel for b in buckets), size, accum)
+        est.temporary_bytes = _zero_in_flight_bytes(cfg, stage, buckets, size, accum)
         return est
     if stage == 3:  # FSDP2: dim 0 of every parameter split into dp chunks, rank 0 holding the first
         local = [math.prod((-(-s[0] // dp), *s[1:])) if s else 1 for _, s in trainable]
@@ -329,17 +328,21 @@ def _runs_on_gloo(cfg: Config) -> bool:
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
 
 
-def _zero_in_flight_bytes(cfg: Config, stage: int, bucket: int, size: int, accum: int) -> int:
-    """ZeRO-1/2's transient gradient bytes, beyond the buffers counted in model states. Stage 2: the 16-bit
-    gradients autograd holds for the bucket that is filling (at most the largest bucket, `bucket` elements)
-    before they move into a bucket buffer. Stage 1 with a wider accumulator: one parameter's gradient at a
-    time, within a bucket too. On gloo (CPU) each reduce-scatter in flight also has an all-to-all scratch
-    of its bucket (comm.py; NCCL reduces in place): two buckets for stage 2, one (in the accumulator's dtype)
-    for stage 1."""
+def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int, accum: int) -> int:
+    """ZeRO-1/2's transient gradient bytes during backward, beyond the model states. Stage 2: its two bucket
+    buffers (compute dtype; bucket i in buffer i % 2, so at most two buckets in flight) and the gradients
+    autograd holds for the bucket that is filling (at most the largest) before they move into a buffer.
+    Stage 1 with a wider accumulator: one parameter's 16-bit gradient at a time (within a bucket). On gloo
+    (CPU) each reduce-scatter in flight also has an all-to-all scratch of its bucket (comm.py; NCCL reduces
+    in place): both buffers' worth for stage 2, one bucket (in the accumulator's dtype) for stage 1."""
+    from dist_llm.parallel.data.zero import buffer_numels
+
+    largest = max(b.numel for b in buckets)
     gloo = _runs_on_gloo(cfg)
     if stage == 2:
-        return bucket * size * (3 if gloo else 1)
-    return bucket * (size if accum != size else 0) + (bucket * accum if gloo else 0)
+        buffers = sum(buffer_numels(buckets)) * size
+        return buffers * (2 if gloo else 1) + largest * size
+    return largest * (size if accum != size else 0) + (largest * accum if gloo else 0)
 
 
 def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:

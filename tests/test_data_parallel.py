@@ -111,24 +111,26 @@ def test_gradient_accumulation(tmp_path: Path, tmp_path_factory: pytest.TempPath
 def expected_state_bytes(n: int, dp: int, stage: int, precision: str) -> dict[str, float]:
     """Per-rank model-state bytes (ZeRO paper, Rajbhandari et al. 2020, with K=12 for mixed precision).
 
-    Mixed precision keeps 16-bit parameters and gradients and 12 bytes of fp32 master + Adam per parameter
-    (the paper's 2+2+12). Stage 0 (DDP) and stage 3 (FSDP2) autocast over fp32 parameters, which are their
-    own master copy: 4+4+8, the same 16 bytes. fp32 runs have no separate master."""
+    Mixed precision keeps 16-bit parameters and 12 bytes of fp32 master + Adam per parameter (the paper's
+    2+2+12), but gradients accumulate in fp32 (parallel.grad_accum_dtype's default): 4 bytes. Stage 0 (DDP)
+    and stage 3 (FSDP2) autocast over fp32 parameters, which are their own master copy: 4+4+8. fp32 runs
+    have no separate master. (ZeRO-2's two bucket buffers, a few KiB here, fall within the test's padding.)"""
     p16 = 2 if precision != "fp32" and stage in (1, 2) else 4
     master = 4 if p16 == 2 else 0
     shard = {0: (1, 1, 1), 1: (1, 1, dp), 2: (1, dp, dp), 3: (dp, dp, dp)}[stage]  # params, grads, optimizer
-    return {"params": p16 * n / shard[0], "grads": p16 * n / shard[1], "master": master * n / shard[2],
+    return {"params": p16 * n / shard[0], "grads": 4 * n / shard[1], "master": master * n / shard[2],
             "optimizer": 8 * n / shard[2]}
 
 
 def expected_comm_bytes(n: int, dp: int, stage: int, precision: str) -> float:
     """Per-rank bytes sent per step: a ring all-reduce of the gradients moves 2(dp-1)/dp of them; ZeRO-1/2 the
     same as reduce-scatter + all-gather; ZeRO-3 gathers parameters twice (forward and backward) and
-    reduce-scatters gradients, 3(dp-1)/dp: 1.5x. In bf16, ZeRO-1/2 move 16-bit gradients and parameters,
+    reduce-scatters gradients, 3(dp-1)/dp: 1.5x. In bf16, ZeRO-1 reduces its fp32 accumulator and gathers
+    16-bit parameters, ZeRO-2 reduces each micro-step's 16-bit gradients and gathers 16-bit parameters,
     ZeRO-3 gathers 16-bit parameters and reduces fp32 gradients, DDP reduces fp32 gradients."""
     mixed = precision != "fp32"
-    per_param = {0: 2 * 4, 1: 2 * (2 if mixed else 4), 2: 2 * (2 if mixed else 4),
-                 3: 2 * (2 if mixed else 4) + 4}[stage]
+    p16 = 2 if mixed else 4
+    per_param = {0: 2 * 4, 1: 4 + p16, 2: 2 * p16, 3: 2 * p16 + 4}[stage]
     return (dp - 1) / dp * per_param * n
 
 

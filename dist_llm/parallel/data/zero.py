@@ -126,6 +126,11 @@ def bucket_numel(bucket_mb: float, dtype: torch.dtype) -> int:
     return max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=dtype).element_size()))
 
 
+def buffer_numels(buckets: list[Bucket]) -> tuple[int, int]:
+    """ZeRO-2's two bucket buffers: bucket i passes through buffer i % 2, so each is as long as its largest."""
+    return (max((b.numel for b in buckets[0::2]), default=0), max((b.numel for b in buckets[1::2]), default=0))
+
+
 def accum_dtype(cfg: Config) -> torch.dtype:
     """The dtype ZeRO-1/2 accumulate gradients in (config.py allows 16 bits only in a run of that precision)."""
     return DTYPES[cfg.parallel.grad_accum_dtype]
@@ -180,9 +185,10 @@ class ZeroDataParallel(DataParallel):
                     e.param.register_post_accumulate_grad_hook(lambda p, e=e: self._accumulate(e))
         else:
             self.grad_shard = torch.zeros(self.shard_numel, dtype=self.accum_dtype, device=device)
-            # two buffers of the largest bucket, reused: one bucket fills while the other's reduce-scatter runs
-            most = max(b.numel for b in self.buckets)
-            self._buffers = [torch.zeros(most, dtype=self.param_dtype, device=device) for _ in range(2)]
+            # two buffers, reused: bucket i goes through buffer i % 2, so one fills while the other's reduce-scatter
+            # runs; each sized for its largest bucket, made at a micro-step's first bucket and freed at its end
+            self._buffer_numel = buffer_numels(self.buckets)
+            self._buffers: list[torch.Tensor | None] = [None, None]
             self._ready = [0] * len(self.buckets)
             self._launched = [False] * len(self.buckets)
             self._pending: deque[tuple[Bucket, Any, int]] = deque()  # (bucket, handle, buffer index), oldest first
@@ -247,9 +253,11 @@ class ZeroDataParallel(DataParallel):
 
     def _launch(self, b: Bucket) -> None:
         """Stage 2: gather the bucket's gradients into a free buffer, free them, start its reduce-scatter."""
-        if len(self._pending) == len(self._buffers):  # both buffers in flight: the oldest must land first
+        index = b.index % 2
+        while any(i == index for _, _, i in self._pending):  # its buffer in flight: land it (and any older one)
             self._complete_oldest()
-        index = ({0, 1} - {i for _, _, i in self._pending}).pop()
+        if self._buffers[index] is None:
+            self._buffers[index] = torch.empty(self._buffer_numel[index], dtype=self.param_dtype, device=self.ctx.device)
         buffer = self._buffers[index][: b.numel]
         for e in b.entries:
             piece = buffer[e.offset - b.start : e.offset - b.start + e.numel]
@@ -284,8 +292,10 @@ class ZeroDataParallel(DataParallel):
         for b in self.buckets:  # buckets with parameters that got no gradient this time
             if not self._launched[b.index]:
                 self._launch(b)
-        # the last reduce-scatters overlapped this backward; the next micro-step's first bucket reuses their buffers
+        # the last reduce-scatters overlapped this backward; then the buffers go until the next backward, so
+        # that between micro-steps (forward, the optimizer step) a rank holds only the 1/dp gradient shard
         self._drain()
+        self._buffers = [None, None]
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         return self._stage2_micro_step() if self.stage == 2 else contextlib.nullcontext()
@@ -400,9 +410,9 @@ class ZeroDataParallel(DataParallel):
                                        **{k: v[a:z].clone() for k, v in mine.items()}}
 
     def model_state_bytes(self) -> dict[str, int]:
-        grads = [self.flat_grads] if self.flat_grads is not None else [self.grad_shard, *self._buffers]
+        grads = self.flat_grads if self.flat_grads is not None else self.grad_shard
         frozen = [p for p in self.module.parameters() if not p.requires_grad]  # PEFT's base, outside the buffers
         return {"params": tensor_bytes([self.flat_params]) + tensor_bytes(frozen) + quantised_bytes(self.module),
-                "grads": tensor_bytes(grads),
+                "grads": tensor_bytes([grads]),
                 "master": tensor_bytes([self.master]) if self.master is not None else 0,
                 "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}
