@@ -294,3 +294,62 @@ def test_zero_accumulates_bf16_micro_gradients_in_fp32(tmp_path: Path, stage: in
             worst = max(((got[n] - fp32_sum[n]).abs() / ((MICRO_STEPS - 1) * 2.0**-24 * abs_sum[n] + 1e-30)).max()
                         for n in params)
             assert worst > 1000, worst
+
+
+# -- parallel.offload=cpu: every tensor on its own device ----------------------------------------------------------
+def test_offload_device_logic_with_a_stand_in_accelerator() -> None:
+    """Offloaded gradients and optimizer shards live on the CPU while the loss scale, the norm's collectives and
+    the skip flag live on the accelerator: unscale, clip (with tp-replicated rows and a tp-sharded parameter) and
+    the guarded step, run with the meta device standing in for the accelerator (tests/standin_device.py), mix no
+    devices and give the values computed here by hand."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from dist_llm.parallel.data.base import DataParallel
+    from dist_llm.train.optim import guarded_step
+    from dist_llm.train.precision import LossScaler
+    from tests.standin_device import STANDIN, standin, value
+
+    class Offloaded(DataParallel):
+        dp_sharded_grads = True
+
+        def __init__(self, ctx: Any, shards: list[tuple[nn.Parameter, torch.Tensor, int]]) -> None:
+            self.ctx, self.shards = ctx, shards
+
+        def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+            return self.shards
+
+    torch.manual_seed(0)
+    w, v = nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5))
+    w.tp_replicated_rows = (2, 4, 2)  # type: ignore[attr-defined]  # rows 2-3 held alike by 2 tp ranks
+    v.tp_partition_dim = 0  # type: ignore[attr-defined]
+    gw, gv = torch.randn(6, 4), torch.randn(5)
+    # by hand: replicated rows count half on each of the 2 tp ranks (here the one rank of a 1-rank group)
+    norm = (gw.pow(2).sum() - 0.5 * gw[2:4].pow(2).sum() + gv.pow(2).sum()).sqrt()
+    coef = 0.5 / (norm + 1e-6)
+    ref_w, ref_v = nn.Parameter(w.detach().clone()), nn.Parameter(v.detach().clone())
+    ref_w.grad, ref_v.grad = gw * coef, gv * coef
+    ref = torch.optim.AdamW([ref_w, ref_v], lr=0.1, fused=True)
+    ref.step()
+
+    ctx = SimpleNamespace(device=STANDIN, dp_group=None, pp_group=None, tp_group=None, comm=None)
+    with standin():
+        scaler = LossScaler(enabled=True, scale=1024.0, device=STANDIN)
+        w.grad, v.grad = gw * 1024, gv * 1024  # scaled gradients, offloaded
+        dp = Offloaded(ctx, [(w, w.grad, 0), (v, v.grad, 0)])
+        scaler.unscale_([w.grad, v.grad])
+        got_norm = dp.clip_grad_norm_(0.5)
+        assert got_norm.device == STANDIN and w.grad.device.type == "cpu"
+        found_inf = (~torch.isfinite(got_norm)).float()
+        scaler.update(found_inf)
+        opt = torch.optim.AdamW([w, v], lr=0.1, fused=True)
+        guarded_step(opt, found_inf)
+        before = w.detach().clone()
+        guarded_step(opt, torch.ones((), device=STANDIN))  # a skipped step leaves the shards as they were
+    # powers of two (the scale) are exact; the norm's sums differ from the hand order by fp32 rounding only
+    torch.testing.assert_close(value(got_norm), norm, rtol=1e-6, atol=0)
+    torch.testing.assert_close(w.grad, gw * coef, rtol=1e-6, atol=0)
+    torch.testing.assert_close(w.detach(), ref_w.detach(), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(v.detach(), ref_v.detach(), rtol=1e-6, atol=1e-7)
+    assert torch.equal(w.detach(), before)
