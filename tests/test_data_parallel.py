@@ -353,3 +353,21 @@ def test_offload_device_logic_with_a_stand_in_accelerator() -> None:
     torch.testing.assert_close(w.detach(), ref_w.detach(), rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(v.detach(), ref_v.detach(), rtol=1e-6, atol=1e-7)
     assert torch.equal(w.detach(), before)
+
+
+@pytest.mark.parametrize("extra", [
+    {"train__precision": "fp32", "parallel__zero_stage": 2},  # no 16-bit gradients to keep in 16 bits
+    {"train__precision": "fp16", "parallel__zero_stage": 2},  # another 16-bit dtype than the run's
+    {"train__precision": "bf16", "parallel__zero_stage": 3},  # FSDP2 accumulates in its own fp32 shards
+    {"train__precision": "bf16", "parallel__zero_stage": 1, "parallel__backend": "deepspeed"},
+], ids=["fp32-run", "other-dtype", "fsdp2", "deepspeed"])
+def test_grad_accum_dtype_16_bit_only_where_it_exists(tmp_path: Path, extra: dict[str, Any]) -> None:
+    from dist_llm.config import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, tiny_overrides(tmp_path, parallel__grad_accum_dtype="bf16", **extra))
+    assert str(e.value).startswith("parallel.grad_accum_dtype=bf16 needs train.precision=bf16 with "
+                                   "parallel.zero_stage 1 or 2 and parallel.backend=native")
+    assert "\n" not in str(e.value)
+    load_config(None, tiny_overrides(tmp_path, parallel__grad_accum_dtype="bf16", train__precision="bf16",
+                                     parallel__zero_stage=1))  # the one combination it is for
