@@ -144,6 +144,9 @@ class ParallelConfig:
     """Training engine: dist_llm's own, or DeepSpeed."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB (DDP buckets, ZeRO-1/2 reduce-scatter buckets)."""
+    grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
+    """ZeRO-1/2 (native): dtype gradients accumulate in across micro-steps; bf16/fp16 (= train.precision) halve
+    the gradient buffer but round every micro-step's sum. DDP, FSDP2 and one process always accumulate in fp32."""
     reshard_after_forward: bool = True
     """ZeRO-3 (FSDP2): free gathered parameters after forward and gather again in backward."""
     offload: Literal["none", "cpu"] = "none"
@@ -503,12 +506,25 @@ def validate(cfg: Config) -> None:
     if p.offload != "none" and (p.zero_stage != 3 or p.backend != "native"):
         raise ConfigError(f"parallel.offload={p.offload} needs parallel.zero_stage=3 with parallel.backend=native")
     _positive(cfg, "parallel.bucket_mb")
+    _check_grad_accum_dtype(cfg)
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
     _check_finetuning(cfg)
     if p.deepspeed_config and (p.backend != "deepspeed" or not Path(p.deepspeed_config).expanduser().is_file()):
         raise ConfigError(f"parallel.deepspeed_config: needs parallel.backend=deepspeed and an existing JSON file, "
                           f"got backend={p.backend}, {p.deepspeed_config}")
+
+
+def _check_grad_accum_dtype(cfg: Config) -> None:
+    """A 16-bit accumulator only where one exists: ZeRO-1/2's own buffers, in the run's compute dtype (every other
+    form keeps fp32 parameters, so autograd accumulates their gradients in fp32)."""
+    p, precision = cfg.parallel, cfg.train.precision
+    if p.grad_accum_dtype == "fp32":
+        return
+    if p.grad_accum_dtype != precision or p.zero_stage not in (1, 2) or p.backend != "native":
+        raise ConfigError(f"parallel.grad_accum_dtype={p.grad_accum_dtype} needs train.precision={p.grad_accum_dtype} "
+                          f"with parallel.zero_stage 1 or 2 and parallel.backend=native (got train.precision="
+                          f"{precision}, zero_stage={p.zero_stage}, backend={p.backend}); use fp32")
 
 
 # Parallel forms land issue by issue; until one has, its keys accept only the value that turns it off.

@@ -13,9 +13,13 @@ Two models live here.
   pipeline stage, PEFT's frozen base (QLoRA's in 4-bit NF4), then what each data-parallel form holds:
     none / DDP / flat all-reduce   fp32 parameters and gradients, Adam moments (8 B) for trainable ones
     ZeRO-1/2 (ours)                a flat buffer of all trainable parameters in the compute dtype, bucket-
-                                   padded to dp; stage 1 a full gradient buffer, stage 2 a 1/dp shard;
-                                   fp32 master and moments for the rank's shard (master only in mixed runs)
-    ZeRO-3 (FSDP2)                 fp32 parameter, gradient and moment shards: dim 0 split in dp chunks
+                                   padded to dp; gradients in parallel.grad_accum_dtype (fp32 by default):
+                                   stage 1 a full buffer, stage 2 a 1/dp shard plus two reused bucket buffers
+                                   in the compute dtype (at most two buckets in flight); fp32 master and
+                                   moments for the rank's shard (master only in mixed runs)
+    ZeRO-3 (FSDP2)                 fp32 parameter, gradient and moment shards: dim 0 split in dp chunks;
+                                   gradients are reduce-scattered every micro-step, so no unsharded gradient
+                                   outlives a micro-step's backward under accumulation
     DeepSpeed ZeRO-1/2             as DeepSpeed's own estimator counts them (`_deepspeed_zero_states`): 16-bit
                                    parameters, a gradient partition and its fp32 copy, fp32 master and moments
   plus PyTorch's 4-byte `step` tensor per optimizer tensor. Tests check these against the bytes a training
@@ -266,7 +270,7 @@ def _stage_model(cfg: Config, pp: int, pp_rank: int) -> torch.nn.Module:
 
 def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Estimate:
     """Bytes of model states on rank 0 of the given pipeline stage (dp rank 0, tp rank 0)."""
-    from dist_llm.parallel.data.zero import bucket_numel, plan_buckets, rank_segments, tied_alone
+    from dist_llm.parallel.data.zero import accum_dtype, bucket_numel, plan_buckets, rank_segments, tied_alone
     from dist_llm.train.precision import DTYPES
 
     p, t = cfg.parallel, cfg.train
@@ -300,10 +304,12 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
         total = sum(b.numel for b in buckets)
         shard = total // dp
         segments = rank_segments(buckets, 0)
+        accum = torch.tensor([], dtype=accum_dtype(cfg)).element_size()
         est.params_bytes = total * size + frozen_bytes
-        est.grads_bytes = (total if stage == 1 else shard) * size
+        est.grads_bytes = (total if stage == 1 else shard) * accum
         est.master_bytes = 4 * shard if mixed else 0
         est.optimizer_bytes = 8 * sum(s.hi - s.lo for s in segments) + 4 * len(segments)
+        est.temporary_bytes = _zero_in_flight_bytes(cfg, stage, buckets, size, accum)
         return est
     if stage == 3:  # FSDP2: dim 0 of every parameter split into dp chunks, rank 0 holding the first
         local = [math.prod((-(-s[0] // dp), *s[1:])) if s else 1 for _, s in trainable]
@@ -340,14 +346,35 @@ def _deepspeed_zero_states(trainable: list[tuple[str, tuple[int, ...]]], frozen_
                     master_bytes=round(4 * n / dp), optimizer_bytes=round(8 * n / dp) + 4 * groups)
 
 
+def _runs_on_gloo(cfg: Config) -> bool:
+    device = cfg.train.device
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int, accum: int) -> int:
+    """ZeRO-1/2's transient gradient bytes during backward, beyond the model states. Stage 2: its two bucket
+    buffers (compute dtype; bucket i in buffer i % 2, so at most two buckets in flight) and the gradients
+    autograd holds for the bucket that is filling (at most the largest) before they move into a buffer.
+    Stage 1 with a wider accumulator: one parameter's 16-bit gradient at a time (within a bucket). On gloo
+    (CPU) each reduce-scatter in flight also has an all-to-all scratch of its bucket (comm.py; NCCL reduces
+    in place): both buffers' worth for stage 2, one bucket (in the accumulator's dtype) for stage 1."""
+    from dist_llm.parallel.data.zero import buffer_numels
+
+    largest = max(b.numel for b in buckets)
+    gloo = _runs_on_gloo(cfg)
+    if stage == 2:
+        buffers = sum(buffer_numels(buckets)) * size
+        return buffers * (2 if gloo else 1) + largest * size
+    return largest * (size if accum != size else 0) + (largest * accum if gloo else 0)
+
+
 def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
-    """The largest transient buffer: the fp32 logits and their softmax for the loss, a ZeRO bucket, or an
-    FSDP2 unit (a block's parameters, gathered, twice with prefetch)."""
+    """The largest transient buffer: the fp32 logits and their softmax for the loss, or an FSDP2 unit (a
+    block's parameters, gathered, twice with prefetch). (ZeRO-1/2's in-flight gradients come with the model
+    states' plan of buckets: `_zero_in_flight_bytes`.)"""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     logits = 2 * t.micro_batch_size * m.block_size * m.padded_vocab // tp * 4
     candidates = [logits]
-    if dp > 1 and p.zero_stage in (1, 2):
-        candidates.append(int(p.bucket_mb * 2**20))
     if dp > 1 and p.zero_stage == 3:
         candidates.append(2 * _block_params(cfg) // tp * (4 if t.precision == "fp32" else 2))
     if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
@@ -370,7 +397,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     for s in stages:
         est = model_state_bytes(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
         est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
-        est.temporary_bytes = temporary_bytes(cfg, dp=dp, tp=tp)
+        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp))
         if p.offload == "cpu":
             est.offloaded = True
             est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "

@@ -48,7 +48,8 @@ class LossScaler:
 
     def unscale_(self, grads: list[torch.Tensor]) -> None:
         if self.enabled and grads:
-            torch._foreach_mul_(grads, self._inv_scale)
+            # (offloaded gradients live on the CPU while the scale stays on the training device)
+            torch._foreach_mul_(grads, self._inv_scale.to(grads[0].device))
 
     def update(self, found_inf: torch.Tensor) -> None:
         """After a step whose gradients were non-finite where `found_inf` (a 0-dim tensor) is nonzero."""

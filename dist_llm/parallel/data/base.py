@@ -8,6 +8,7 @@ shards and all-gathers parameters, FSDP2 shards everything.
 from __future__ import annotations
 
 import contextlib
+import math
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +54,7 @@ def replicated_rows_square_sum(p: nn.Parameter, g: torch.Tensor, offset: int) ->
     """Sum of squares of a gradient piece, rows that `factor` tp ranks hold alike weighted 1/factor, so the
     sum over the tp group counts them once. `p.tp_replicated_rows` = (first row, end row, factor)."""
     first, end, factor = p.tp_replicated_rows  # type: ignore[attr-defined]
-    row_len = p[0].numel() if p.dim() > 1 else 1
+    row_len = math.prod(p.shape[1:])  # (from the shape: p[0] of a sharded DTensor would all-gather)
     rows = (offset + torch.arange(g.numel(), device=g.device)) // row_len
     weight = torch.where((rows >= first) & (rows < end), 1.0 / factor, 1.0)
     return (g.reshape(-1).float().pow(2) * weight).sum()
@@ -109,9 +110,10 @@ class DataParallel:
         Squares are summed per rank, then over the dp group where ranks hold disjoint gradient pieces, and
         over the tp group for tensor-parallel shards (replicated parameters are counted once)."""
         shards = self.grad_shards()
-        device = self.ctx.device
+        device = self.ctx.device  # where collectives run; gradients may live elsewhere (parallel.offload=cpu)
         sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated across tp]
         if shards:
+            grad_device = shards[0][1].device
             norms = torch._foreach_norm([g for _, g, _ in shards], dtype=torch.float32)  # fp16 squares overflow
             squares = torch.stack(norms).float().pow(2)
             for i, (p, g, offset) in enumerate(shards):
@@ -119,9 +121,10 @@ class DataParallel:
                     squares[i] = replicated_rows_square_sum(p, g, offset)
                 if getattr(p, "pp_duplicate", False):  # the tied embedding, also held by the first stage
                     squares[i] = 0.0
-            sharded = self._tp_sharded_mask(shards)
+            sharded = self._tp_sharded_mask(shards, grad_device)
             # (where, not a boolean index: indexing by a mask makes the host wait for the device)
             sums = torch.stack([torch.where(sharded, squares, 0.0).sum(), torch.where(sharded, 0.0, squares).sum()])
+            sums = sums.to(device)  # two floats to the collectives' device (NCCL reduces device tensors only)
         if self.dp_sharded_grads:
             comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
         comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
@@ -130,16 +133,17 @@ class DataParallel:
         norm = (tp_part[0] + sums[1]).sqrt()
         if shards and max_norm != float("inf"):
             coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-            torch._foreach_mul_([g for _, g, _ in shards], coef)
+            torch._foreach_mul_([g for _, g, _ in shards], coef.to(shards[0][1].device))
         return norm
 
-    def _tp_sharded_mask(self, shards: list[tuple[nn.Parameter, torch.Tensor, int]]) -> torch.Tensor:
-        """Which of `shards` are tensor-parallel shards, as a bool tensor on the device, made once (the
-        parameters with gradients are the same every step)."""
+    def _tp_sharded_mask(self, shards: list[tuple[nn.Parameter, torch.Tensor, int]],
+                         device: torch.device) -> torch.Tensor:
+        """Which of `shards` are tensor-parallel shards, as a bool tensor on the gradients' `device`, made once
+        (the parameters with gradients are the same every step)."""
         key = tuple(id(p) for p, _, _ in shards)
         cached = getattr(self, "_sharded_mask", None)
         if cached is None or cached[0] != key:
-            mask = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=self.ctx.device)
+            mask = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=device)
             self._sharded_mask = cached = (key, mask)
         return cached[1]
 

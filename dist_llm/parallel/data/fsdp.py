@@ -8,6 +8,7 @@ Its all-gathers and reduce-scatters are routed through comm.py (`set_custom_all_
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -20,6 +21,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
+from dist_llm.train.optim import build_optimizer
 from dist_llm.train.precision import DTYPES
 
 
@@ -79,10 +81,18 @@ class FSDPDataParallel(DataParallel):
         self._offsets = {id(p): self._shard_offset(p) for p in model.parameters()}
         super().__init__(model, cfg, ctx)
 
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        # under parallel.offload=cpu the shards the optimizer steps live on the CPU: pick the kernel for them
+        device = torch.device("cpu") if self.cfg.parallel.offload == "cpu" else self.ctx.device
+        return build_optimizer(self.model, self.cfg.optim, device)
+
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
-        # accumulate unsharded grads locally on the non-last micro-steps; reduce-scatter on the last
+        # Reduce-scatter on every micro-step, not only the last: FSDP2 then adds each result into the sharded
+        # fp32 gradient, so between micro-steps a rank holds 4/dp bytes of gradient per parameter, as ZeRO-3
+        # promises (and memory.py predicts). Skipping the sync would save accumulation-1 reduce-scatters a step
+        # but keep a whole unsharded fp32 gradient (4 bytes per parameter) alive across micro-steps.
         for unit in self.fsdp_units:
-            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_requires_gradient_sync(True, recurse=False)
         return contextlib.nullcontext()
 
     dp_sharded_grads = True
@@ -98,5 +108,5 @@ class FSDPDataParallel(DataParallel):
     @staticmethod
     def _shard_offset(p: nn.Parameter) -> int:
         _, global_offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
-        row_len = p[0].numel() if p.dim() > 1 else 1
+        row_len = math.prod(p.shape[1:])  # (from the shape: p[0] of a sharded DTensor would all-gather)
         return global_offset[0] * row_len if global_offset else 0

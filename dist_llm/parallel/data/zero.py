@@ -5,11 +5,20 @@ gradients), are packed into buckets of about `parallel.bucket_mb`; each bucket i
 dp, and dp rank r owns slice r of every bucket. Every parameter becomes a view into one flat buffer, so a
 bucket's all-gather writes straight into the model.
 
-  stage 1: gradients accumulate into a flat buffer (each .grad a view into it); after the last micro-step
-           each bucket is reduce-scattered in place, so rank r's slice holds the mean gradient of its shard.
+  stage 1: gradients accumulate into a flat buffer; after the last micro-step each bucket is reduce-scattered
+           in place (in the accumulation dtype), so rank r's slice holds the mean gradient of its shard.
   stage 2: no full gradient buffer. A hook on each parameter notices when a bucket's gradients are all
-           computed, copies them into a bucket buffer, frees them, and starts that bucket's reduce-scatter
-           while backward goes on; the results accumulate into a gradient shard of 1/dp of the parameters.
+           computed, copies them into one of two reused bucket buffers, frees them, and starts that bucket's
+           reduce-scatter (in the compute dtype) while backward goes on; a third bucket first waits for the
+           older of the two, so at most two buckets are in flight. The results accumulate into a gradient
+           shard of 1/dp of the parameters.
+
+Accumulation dtype (`parallel.grad_accum_dtype`, fp32 by default). In bf16/fp16 runs the parameters, so
+autograd's gradients, are 16-bit; adding 16 micro-steps' gradients in 16 bits rounds every partial sum (bf16
+keeps 8 significant bits), so the buffers that outlive a micro-step (stage 1's flat buffer, stage 2's shard)
+are fp32 unless asked otherwise, as DDP, FSDP2 and DeepSpeed's bf16 path do. Stage 1 then adds each 16-bit
+gradient into the fp32 buffer from a hook and frees it; stage 2 adds each reduced 16-bit bucket into its
+fp32 shard.
 
 Each rank's AdamW steps only its shard: fp32 master weights (in bf16/fp16 runs; in fp32 runs the shard of
 the parameters itself) and moments for 1/dp of the parameters. Then every bucket is all-gathered.
@@ -19,6 +28,7 @@ Reduce-scatter plus all-gather moves the same bytes as one all-reduce.
 from __future__ import annotations
 
 import contextlib
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
 
@@ -116,6 +126,16 @@ def bucket_numel(bucket_mb: float, dtype: torch.dtype) -> int:
     return max(1, int(bucket_mb * 2**20 / torch.tensor([], dtype=dtype).element_size()))
 
 
+def buffer_numels(buckets: list[Bucket]) -> tuple[int, int]:
+    """ZeRO-2's two bucket buffers: bucket i passes through buffer i % 2, so each is as long as its largest."""
+    return (max((b.numel for b in buckets[0::2]), default=0), max((b.numel for b in buckets[1::2]), default=0))
+
+
+def accum_dtype(cfg: Config) -> torch.dtype:
+    """The dtype ZeRO-1/2 accumulate gradients in (config.py allows 16 bits only in a run of that precision)."""
+    return DTYPES[cfg.parallel.grad_accum_dtype]
+
+
 def tied_alone(cfg: Config, pp: int, model: nn.Module) -> str | None:
     """Under a pipeline the tied embedding lives on the first and the last stage, whose buckets otherwise
     differ; alone in its bucket it is sharded alike on both, so its gradient shards can be summed."""
@@ -152,18 +172,26 @@ class ZeroDataParallel(DataParallel):
         self.master = self._my_pieces(master_full).clone() if self.mixed else None
         del master_full
 
-        grad_dtype = self.param_dtype
+        self.accum_dtype = accum_dtype(cfg)
+        self.flat_grads: torch.Tensor | None = None
+        self.grad_shard: torch.Tensor | None = None
         if stage == 1:
-            self.flat_grads = torch.zeros(total, dtype=grad_dtype, device=device)
-            for e in self.entries:
-                e.param.grad = self.flat_grads[e.offset : e.offset + e.numel].view_as(e.param)
-            self.grad_shard = None
+            self.flat_grads = torch.zeros(total, dtype=self.accum_dtype, device=device)
+            if self.accum_dtype == self.param_dtype:  # autograd accumulates straight into the flat buffer
+                for e in self.entries:
+                    e.param.grad = self.flat_grads[e.offset : e.offset + e.numel].view_as(e.param)
+            else:  # a .grad must have its parameter's dtype: add each micro-step's 16-bit gradient in fp32
+                for e in self.entries:
+                    e.param.register_post_accumulate_grad_hook(lambda p, e=e: self._accumulate(e))
         else:
-            self.flat_grads = None
-            self.grad_shard = torch.zeros(self.shard_numel, dtype=grad_dtype, device=device)
+            self.grad_shard = torch.zeros(self.shard_numel, dtype=self.accum_dtype, device=device)
+            # two buffers, reused: bucket i goes through buffer i % 2, so one fills while the other's reduce-scatter
+            # runs; each sized for its largest bucket, made at a micro-step's first bucket and freed at its end
+            self._buffer_numel = buffer_numels(self.buckets)
+            self._buffers: list[torch.Tensor | None] = [None, None]
             self._ready = [0] * len(self.buckets)
             self._launched = [False] * len(self.buckets)
-            self._pending: list[tuple[Bucket, Any, torch.Tensor]] = []
+            self._pending: deque[tuple[Bucket, Any, int]] = deque()  # (bucket, handle, buffer index), oldest first
             bucket_of = {id(e.param): b for b in self.buckets for e in b.entries}
             for e in self.entries:
                 e.param.register_post_accumulate_grad_hook(lambda p, b=bucket_of[id(e.param)]: self._grad_ready(b))
@@ -217,18 +245,44 @@ class ZeroDataParallel(DataParallel):
         if self._ready[b.index] == len(b.entries):
             self._launch(b)
 
+    def _accumulate(self, e: Entry) -> None:
+        """Stage 1 with an fp32 accumulator: add the gradient autograd just produced, then free it."""
+        assert self.flat_grads is not None
+        self.flat_grads[e.offset : e.offset + e.numel].add_(e.param.grad.reshape(-1))
+        e.param.grad = None
+
     def _launch(self, b: Bucket) -> None:
-        """Stage 2: gather the bucket's gradients into one buffer, free them, start its reduce-scatter."""
-        buffer = torch.zeros(b.numel, dtype=self.grad_shard.dtype, device=self.grad_shard.device)
+        """Stage 2: gather the bucket's gradients into a free buffer, free them, start its reduce-scatter."""
+        index = b.index % 2
+        while any(i == index for _, _, i in self._pending):  # its buffer in flight: land it (and any older one)
+            self._complete_oldest()
+        if self._buffers[index] is None:
+            self._buffers[index] = torch.empty(self._buffer_numel[index], dtype=self.param_dtype, device=self.ctx.device)
+        buffer = self._buffers[index][: b.numel]
         for e in b.entries:
+            piece = buffer[e.offset - b.start : e.offset - b.start + e.numel]
             if e.param.grad is not None:
-                buffer[e.offset - b.start : e.offset - b.start + e.numel].copy_(e.param.grad.reshape(-1))
+                piece.copy_(e.param.grad.reshape(-1))
                 e.param.grad = None
+            else:  # no gradient this micro-step (an unused parameter): the buffer holds an older bucket's values
+                piece.zero_()
+        buffer[sum(e.numel for e in b.entries) :].zero_()  # the padding to a multiple of dp
         buffer.div_(self.dp)  # divide before summing, as DDP does: an fp16 sum of dp gradients could overflow
-        out = torch.empty(b.shard_numel, dtype=buffer.dtype, device=buffer.device)
-        handle = comm.reduce_scatter(out, buffer, self.group, self.ctx.comm, async_op=True)
-        self._pending.append((b, handle, out))
+        # in place: this rank's chunk of the buffer receives its reduced slice (NCCL allows exactly this aliasing)
+        handle = comm.reduce_scatter(self._piece_of_bucket(buffer, b), buffer, self.group, self.ctx.comm, async_op=True)
+        self._pending.append((b, handle, index))
         self._launched[b.index] = True
+
+    def _piece_of_bucket(self, buffer: torch.Tensor, b: Bucket) -> torch.Tensor:
+        return buffer[self.rank * b.shard_numel : (self.rank + 1) * b.shard_numel]
+
+    def _complete_oldest(self) -> None:
+        """Wait for the oldest reduce-scatter in flight and add its slice into the gradient shard (upcast to the
+        accumulation dtype by add_); its buffer is free again."""
+        b, handle, index = self._pending.popleft()
+        if handle is not None:
+            handle.wait()
+        self._shard_of(b, self.grad_shard).add_(self._piece_of_bucket(self._buffers[index][: b.numel], b))
 
     @contextlib.contextmanager
     def _stage2_micro_step(self) -> Iterator[None]:
@@ -238,9 +292,10 @@ class ZeroDataParallel(DataParallel):
         for b in self.buckets:  # buckets with parameters that got no gradient this time
             if not self._launched[b.index]:
                 self._launch(b)
-        # the reduce-scatters overlapped this backward; completing them here frees their buffers, so memory
-        # never holds more than one micro-step's buckets in flight
+        # the last reduce-scatters overlapped this backward; then the buffers go until the next backward, so
+        # that between micro-steps (forward, the optimizer step) a rank holds only the 1/dp gradient shard
         self._drain()
+        self._buffers = [None, None]
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         return self._stage2_micro_step() if self.stage == 2 else contextlib.nullcontext()
@@ -255,12 +310,9 @@ class ZeroDataParallel(DataParallel):
         self._drain()
 
     def _drain(self) -> None:
-        """Stage 2: wait for the launched reduce-scatters and add them into the gradient shard."""
-        for b, handle, out in self._pending:
-            if handle is not None:
-                handle.wait()
-            self._shard_of(b, self.grad_shard).add_(out)
-        self._pending.clear()
+        """Stage 2: wait for the reduce-scatters still in flight and add them into the gradient shard."""
+        while self._pending:
+            self._complete_oldest()
 
     dp_sharded_grads = True
 
@@ -275,7 +327,7 @@ class ZeroDataParallel(DataParallel):
     def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
         set_lr(self.optimizer, lr)
         if self.master is not None:
-            # the optimizer works in fp32: give the master shard fp32 copies of the 16-bit gradient shard
+            # the optimizer works in fp32: the fp32 accumulator's views as they are, a 16-bit one's fp32 copies
             for seg, p in zip(self.segments, self._opt_params):
                 p.grad = self._grad_shard_view(seg).float()
         guarded_step(self.optimizer, found_inf)  # (a skipped step leaves the masters, so the copy below restores)
