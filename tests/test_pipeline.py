@@ -235,6 +235,20 @@ def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: 
         assert sum(len(c) == 2 for c in first["calls"]) == 2 * 3
 
 
+def test_a_middle_stage_exchanges_with_both_neighbours_without_a_circular_wait(tmp_path: Path,
+                                                                               corpus: Path) -> None:  # noqa: F811
+    """3 stages of 1F1B: the middle one exchanges with the stage before and the one after. In a chain of stages a
+    circular wait must include two neighbours waiting on each other, so the check is pairwise, per neighbour pair."""
+    extra = {**LAYERS, "model__n_layer": 3, "parallel__pp": 3, "parallel__pp_schedule": "1f1b", "train__max_steps": 1}
+    results = run_distributed(train_recording_p2p, 3, tmp_path, corpus, extra, init_group=False)
+    calls = {r["rank"]: r["calls"] for r in results}
+    assert crossed_waits(calls[0], calls[1], 0, 1) == [] and crossed_waits(calls[1], calls[2], 1, 2) == []
+    assert all(r["unwaited"] == [0] * len(r["calls"]) for r in results)
+    # the middle stage's 4 activations and 4 gradients each way: 16 ops, each batch with one neighbour only
+    middle = calls[1]
+    assert sum(len(c) for c in middle) == 16 and all(len({op[1] for op in c}) == 1 for c in middle)
+
+
 class _Embed(torch.nn.Module):
     """A first stage's stand-in: the 'embedding' turns (B, T) ids into (B, T, 4) floats."""
 
