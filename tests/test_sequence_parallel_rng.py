@@ -150,3 +150,25 @@ def test_lora_dropout_masks_follow_what_each_rank_holds(tmp_path: Path) -> None:
         assert not ranks[0][sp][row].equal(ranks[1][sp][row]), f"sequence_parallel={sp}: {row}"
     assert not ranks[0][True][column].equal(ranks[1][True][column])
     assert ranks[0][False][column].equal(ranks[1][False][column])
+
+
+def _stream_after_build(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]:
+    cfg = load_config(None, tiny_overrides(out_dir, parallel__pp=world_size, model__n_layer=2, model__dropout=0.1))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        build_model(cfg, ctx)
+        return {"draw": torch.rand(4096), "pp_rank": ctx.pp_rank}
+    finally:
+        ctx.destroy()
+
+
+def test_pipeline_stages_draw_dropout_from_their_own_streams(tmp_path: Path) -> None:
+    """After the model is built, stage k > 0 seeds its stream with train.seed + 100 k: stage 0 draws what one process
+    draws, and stage 1 draws something else (two sets of 4096 uniform draws cannot agree by chance)."""
+    first, second = run_distributed(_stream_after_build, 2, tmp_path, init_group=False)
+    one = _stream_after_build(0, 1, tmp_path / "one")
+    assert (first["pp_rank"], second["pp_rank"]) == (0, 1)
+    assert torch.equal(first["draw"], one["draw"])
+    assert not torch.equal(second["draw"], first["draw"])
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    assert torch.equal(second["draw"], torch.rand(4096, generator=torch.Generator().manual_seed(cfg.train.seed + 100)))

@@ -103,6 +103,9 @@ class StepOutput:
     skipped: torch.Tensor  # bool, 0-dim: the gradients were not finite, so the optimizer left everything as it was
 
 
+PP_SEED_STRIDE = 100  # the RNG seed of pipeline stage k is train.seed + 100 k
+
+
 def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
     """The GPT for `cfg` (its layers tensor-parallel when parallel.tp > 1), initialised from `train.seed`
     identically at every tp, with checkpointing and compilation as configured."""
@@ -126,6 +129,11 @@ def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
     if cfg.train.compile:
         for block in model.blocks:
             block.compile()  # in place, so parameter names (and checkpoints) do not change
+    if ctx.pp_rank > 0:
+        # Dropout draws from this stream. One process draws layer after layer from one stream; with the same
+        # stream, stage k's first block would replay stage 0's first block's masks (Megatron offsets likewise).
+        # Stage 0 keeps the one-process stream; the weights above were drawn before this.
+        torch.manual_seed(cfg.train.seed + PP_SEED_STRIDE * ctx.pp_rank)
     return model
 
 
