@@ -183,19 +183,20 @@ class _IndexUnpickler(pickle._Unpickler):  # the reference implementation: its d
             raise self.refuse(f"sets the state of {_describe(inst)}")
         # a class's own __setstate__ (TensorProperties') takes its own form; otherwise a plain dict of fields,
         # never the (dict, slots) form, which would setattr
-        if "__setstate__" not in vars(type(inst)) and type(state) is not dict:
+        own_form = "__setstate__" in vars(type(inst))
+        if not own_form and type(state) is not dict:
             raise self.refuse(f"sets the state of {_describe(inst)} from {_describe(state)}")
         # once: a first BUILD could put a field into the instance that a second one would then call
         if id(inst) in self.built:
             raise self.refuse(f"sets the state of {_describe(inst)} twice")
-        if type(state) is dict:
+        if own_form and not _properties_state_fits(state):
+            raise self.refuse(f"sets the state of {_describe(inst)} from {_describe(state)} of "
+                              f"{_describe_items(state)}")
+        if not own_form:
             for key in state:  # a field of the class, never a dunder (`__setstate__`, `__class__`, ...)
                 if type(key) is not str or key not in _FIELDS[type(inst)]:
                     shown = repr(key[:40]) if type(key) is str else _describe(key)
                     raise self.refuse(f"sets the field {shown} of {_describe(inst)}")
-        elif not _properties_state_fits(state):  # TensorProperties' own form, read by its __setstate__
-            raise self.refuse(f"sets the state of {_describe(inst)} from {_describe(state)} of "
-                              f"{_describe_items(state)}")
         self.built[id(inst)] = inst  # held, so that no later object can take its id
         pickle._Unpickler.load_build(self)
 
