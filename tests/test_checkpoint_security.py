@@ -40,6 +40,7 @@ from tests.test_launch import env
 
 MD = "torch.distributed.checkpoint.metadata"  # the module the reader used to trust wholesale (it imports os)
 STEP = "step_000002"
+REFUSED_TEXT = "which no checkpoint index holds; not loaded (unpickling it could run code)"
 REFUSED = r"which no checkpoint index holds; not loaded \(unpickling it could run code\)"
 
 
@@ -335,3 +336,152 @@ def test_a_pytorch_model_bin_that_would_run_code_is_refused(tmp_path: Path) -> N
         f"dist-llm: error: {hf_dir / 'pytorch_model.bin'}: cannot read weights (Trying to load unsupported GLOBAL "
         "posix.system whose module posix is blocked.)"), proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+# -- indexes that are no index: refused in one line, before anything hashes, iterates or prints them ------------
+NO_INDEX = "not a DCP checkpoint index"
+
+
+def _nested_tuple(depth: int) -> bytes:
+    """t_0 = None, t_(k+1) = (t_k, t_k), each level one memo reference: 4 bytes a level, while hashing or
+    printing t_depth takes 2**depth steps. The memo must be empty before it."""
+    out = b"N\x94"  # NONE MEMOIZE: memo 0
+    for k in range(depth):
+        out += (b"h" + bytes([k]) if k < 256 else b"j" + struct.pack("<I", k)) + b"\x86\x94"  # GET TUPLE2 MEMOIZE
+    return out
+
+
+# each would hang on hashing a 2**100-step key, forever: the CLI must refuse it at once
+HANGS: dict[str, tuple[bytes, str]] = {
+    "a dict keyed by nested tuples": (  # the reviewer's 408-byte file: EMPTY_DICT key NONE SETITEM
+        _program(b"}" + _nested_tuple(100) + b"Ns"), f"{NO_INDEX} (a dict keyed by a tuple, which no index holds)"),
+    "DCP's memory-format enum looked up by nested tuples": (  # Enum(value) hashes value
+        _program(_global(MD, "_MEM_FORMAT_ENCODING") + _nested_tuple(100) + b"\x85R"),
+        f"calls {MD}._MEM_FORMAT_ENCODING on a tuple of tuple, {REFUSED_TEXT}"),
+    "torch's layout table looked up by nested tuples": (
+        _program(_global("torch.serialization", "_get_layout") + _nested_tuple(100) + b"\x85R"),
+        f"calls torch.serialization._get_layout on a tuple of tuple, {REFUSED_TEXT}"),
+}
+
+
+@pytest.mark.parametrize("case", list(HANGS))
+def test_an_index_that_takes_forever_to_hash_is_refused_at_once(case: str, run: Path) -> None:
+    data, culprit = HANGS[case]
+    index = _plant(_checkpoint(run), ".metadata", data)
+    before = _files(run / "checkpoints")
+    # a subprocess with a timeout: a regression fails here instead of hanging the suite
+    proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "sample", "--checkpoint", str(run),
+                           "--max-new-tokens", "2"], capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"dist-llm: error: {index}: {culprit}", proc.stderr
+    assert _files(run / "checkpoints") == before
+
+
+def test_the_408_byte_hang_file_is_refused_in_well_under_a_second(tmp_path: Path) -> None:
+    data = HANGS["a dict keyed by nested tuples"][0]
+    assert len(data) == 408  # the size the review found it at: 100 levels of 4 bytes
+    path = tmp_path / ".metadata"
+    path.write_bytes(data)
+    timer = ("import time; from pathlib import Path; from dist_llm.config import ConfigError; "
+             "from dist_llm.train.safe_metadata import load_index\n"
+             f"path = Path({str(path)!r}); t = time.perf_counter()\n"
+             "try:\n    load_index(path.open('rb'), path)\nexcept ConfigError:\n    print(time.perf_counter() - t)")
+    proc = subprocess.run([sys.executable, "-c", timer], capture_output=True, text=True, env=env(), timeout=60)
+    assert proc.returncode == 0 and proc.stdout.strip(), proc.stderr
+    assert float(proc.stdout) < 0.1  # a read of 408 bytes; the hash it refuses would take 2**100 steps
+
+
+def _edited_index(saved_run: Path, edit: Callable[[Metadata], None]) -> bytes:
+    metadata = pickle.loads((_checkpoint(saved_run) / ".metadata").read_bytes())
+    edit(metadata)
+    return pickle.dumps(metadata, protocol=4)
+
+
+def _drop_field(name: str) -> Callable[[Metadata], None]:
+    return lambda metadata: vars(metadata).pop(name)
+
+
+def _set_field(name: str, value: object) -> Callable[[Metadata], None]:
+    return lambda metadata: setattr(metadata, name, value)
+
+
+# a real index edited (as pickle.dumps writes it) into something DCP or dist_llm would trip on with a traceback
+EDITED: dict[str, tuple[Callable[[Metadata], None], str]] = {
+    "storage_data a list": (_set_field("storage_data", [1]),
+                            f"{NO_INDEX} (Metadata.storage_data is a list, not a dict)"),
+    "no state_dict_metadata": (_drop_field("state_dict_metadata"),
+                               f"{NO_INDEX} (a Metadata without its field state_dict_metadata)"),
+    "storage_meta a str": (_set_field("storage_meta", "x"),
+                           f"{NO_INDEX} (Metadata.storage_meta is a str, not None or a StorageMeta)"),
+}
+# `__setstate__` put into an index object by one BUILD, so that the next BUILD calls what it names
+_SETSTATE_THEN_BUILD = _program(_global(MD, "Metadata") + b")\x81}" + _str("__setstate__") + _global(MD, "Metadata")
+                                + b"sb}" + _str("state_dict_metadata") + b"}sb")
+
+
+@pytest.mark.parametrize("case", [*EDITED, "__setstate__ then BUILD"])
+def test_sample_refuses_a_malformed_index_in_one_line_exit_2(case: str, run: Path, saved_run: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    if case in EDITED:
+        edit, culprit = EDITED[case]
+        data = _edited_index(saved_run, edit)
+    else:
+        data, culprit = _SETSTATE_THEN_BUILD, f"sets the field '__setstate__' of a Metadata, {REFUSED_TEXT}"
+    index = _plant(_checkpoint(run), ".metadata", data)
+    code, err = _cli(["sample", "--checkpoint", str(run), "--max-new-tokens", "2"], capsys)
+    assert code == 2 and err == [f"dist-llm: error: {index}: {culprit}"], err
+
+
+def _nested_lists(depth: int) -> bytes:
+    return b"]" * depth + b"a" * (depth - 1)  # EMPTY_LIST x depth, then APPEND each into the one below
+
+
+def _index_with(field: str, value: bytes) -> bytes:
+    """A Metadata of no tensors whose `field` is `value` (pickle bytes), written by hand."""
+    return _program(_global(MD, "Metadata") + b")\x81}(" + _str("state_dict_metadata") + b"}" + _str("storage_data")
+                    + b"}" + _str(field) + value + b"ub")
+
+
+SHAPES: dict[str, tuple[bytes, str]] = {
+    "a second BUILD of one object": (
+        _program(_global(MD, "Metadata") + b")\x81}" + _str("version") + _str("1") + b"sb}b"),
+        f"sets the state of a Metadata twice, {REFUSED_TEXT}"),
+    "NEWOBJ with arguments": (_program(_global(MD, "Metadata") + b"(K\x01t\x81"),
+                              f"creates {MD}.Metadata from arguments, {REFUSED_TEXT}"),
+    "a dict filled by SETITEMS with a tuple key": (
+        _program(b"}(NN\x86Nu"), f"{NO_INDEX} (a dict keyed by a tuple, which no index holds)"),
+    "a torch.Size of 65 dimensions": (
+        _program(_call(_global("torch", "Size"), _list(*[b"K\x01"] * 65))), f"calls torch.Size on a tuple of list, "
+                                                                             f"{REFUSED_TEXT}"),
+    "a path of 5000 characters": (
+        _program(_call(_global("pathlib", "PosixPath"), _str("x" * 5000))), f"calls pathlib.PosixPath on a tuple of "
+                                                                            f"str, {REFUSED_TEXT}"),
+    # built without recursion, checked without recursion: a RecursionError anywhere would be a traceback
+    "100000 nested lists as the version": (
+        _index_with("version", _nested_lists(100_000)), f"{NO_INDEX} (Metadata.version is a list, not None or a str)"),
+    "a shard offset below 0": (
+        _program(_global(MD, "Metadata") + b")\x81}(" + _str("state_dict_metadata") + b"}" + _str("storage_data")
+                 + b"}" + _global(MD, "MetadataIndex") + b")\x81}" + _str("fqn") + _str("w") + b"sb"
+                 + _global("torch.distributed.checkpoint.filesystem", "_StorageInfo") + b")\x81}("
+                 + _str("relative_path") + _str("__0_0.distcp") + _str("offset") + b"J\xff\xff\xff\xff"
+                 + _str("length") + b"K\x01ubsub"),
+        f"{NO_INDEX} (_StorageInfo.offset is a int, not an int >= 0)"),
+}
+
+
+@pytest.mark.parametrize("case", list(SHAPES))
+def test_refused_as_no_index(case: str, tmp_path: Path) -> None:
+    data, culprit = SHAPES[case]
+    path = tmp_path / ".metadata"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {re.escape(culprit)}$"):
+        load_index(io.BytesIO(data), path)
+
+
+def test_a_chunk_outside_its_tensor_is_refused(saved_run: Path, tmp_path: Path) -> None:
+    """DCP narrows the tensor it loads by a chunk's offsets and sizes: they must lie inside the tensor."""
+    def grow(metadata: Metadata) -> None:
+        metadata.state_dict_metadata["model.wte.weight"].chunks[0].sizes = torch.Size([257, 32])
+
+    path = tmp_path / ".metadata"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {NO_INDEX} \(a chunk at \(0, 0\) of "
+                                          r"\(257, 32\) outside its tensor of \(256, 32\)\)$"):
+        load_index(io.BytesIO(_edited_index(saved_run, grow)), path)
