@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -488,30 +488,34 @@ class Trainer:
                     extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
                     engine_files=self.dp.save_engine_state,
                     manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
-        with self._saving(path):
+        with self._saving(path) as cleared:
             if self.cfg.train.async_checkpoint:
                 if self.stager is None:
                     self.stager = ckpt.host_stager(self.device)
-                self.pending_save = ckpt.save_checkpoint_async(path, stager=self.stager, **args)
+                self.pending_save = ckpt.save_checkpoint_async(path, stager=self.stager, on_cleared=cleared, **args)
             else:
-                ckpt.save_checkpoint(path, **args)
+                ckpt.save_checkpoint(path, on_cleared=cleared, **args)
         return path
 
     def wait_for_save(self) -> None:
         """Until the checkpoint being written in the background (if any) is complete."""
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
-            with self._saving(pending.path):
+            with self._saving(pending.path, ours=True):  # (a pending save has cleared its path)
                 pending.wait()
 
     @contextlib.contextmanager
-    def _saving(self, path: Path) -> Iterator[None]:
-        """A failed write (disk full, an I/O error) stops training with one line; no partial checkpoint stays."""
+    def _saving(self, path: Path, *, ours: bool = False) -> Iterator[Callable[[], None]]:
+        """A failed write (disk full, an I/O error) stops training with one line; no partial checkpoint stays.
+        Only a directory this save made is removed: `path` becomes ours when the save calls the yielded function
+        (after moving an earlier complete checkpoint out of the way); before, a failure (e.g. that move) leaves
+        whatever is at `path` as it was. A complete one (its manifest written) is kept even if ours."""
+        mine = [ours]
         try:
-            yield
+            yield lambda: mine.__setitem__(0, True)
         except (OSError, CheckpointException) as e:
-            if self.ctx.is_main:  # (resume=auto would ignore it anyway: it has no manifest)
-                shutil.rmtree(path, ignore_errors=True)
+            if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)  # (resume=auto would ignore it anyway: no manifest)
             kept = ckpt.latest_checkpoint(self.ckpt_root)
             raise CheckpointError(f"saving checkpoint {path} failed ({_io_reason(e)}); training stopped at step "
                                   f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
