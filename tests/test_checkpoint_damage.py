@@ -196,3 +196,42 @@ def test_loading_refuses_a_symlinked_index(run: Path, tmp_path: Path) -> None:
     with pytest.raises(ConfigError) as info:
         ckpt.load_model_weights(path, GPT(cfg.model))
     assert str(info.value) == f"{index}: a symbolic link or not a regular file; a checkpoint's files are its own"
+
+
+# -- 10: pruning that stops halfway, and a fresh start that cannot read an old checkpoint ---------------------
+def test_a_prune_that_stops_halfway_leaves_no_complete_looking_checkpoint(run: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deletion of step 2 removes one shard, then fails (its errors ignored): no `step_000002` with a
+    manifest may stay behind, for resume to take as complete and then find damaged."""
+    root = run / "checkpoints"
+
+    def stops_halfway(path: Path, ignore_errors: bool = False) -> None:
+        for shard in list(Path(path).glob("__*.distcp"))[:1]:
+            shard.unlink()
+
+    monkeypatch.setattr(shutil, "rmtree", stops_halfway)
+    ckpt.prune_checkpoints(root, 1, newest=ckpt.step_dir(root, 4))
+    assert [p.name for p in ckpt.step_dirs(root)] == ["step_000004"]
+
+
+def test_a_fresh_start_moves_an_unreadable_checkpoint_aside(run: Path, corpus: Path,  # noqa: F811
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """resume=never with step 4's manifest unreadable (EIO): the fresh start goes on, step 4 is moved into
+    damaged-<time>/ byte for byte (not deleted), step 2 into previous-<time>/."""
+    root = run / "checkpoints"
+    earlier = {step: files(ckpt.step_dir(root, step)) for step in (2, 4)}
+    manifest = ckpt.step_dir(root, 4) / ckpt.MANIFEST
+    read_text = Path.read_text
+
+    def manifest_fails(self: Path, *args: Any, **kwargs: Any) -> str:
+        if self == manifest:
+            raise OSError(errno.EIO, "Input/output error", str(self))
+        return read_text(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "read_text", manifest_fails)
+    fresh = trainer(run, corpus, train__max_steps=4, train__resume="never")
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert fresh.step == 0 and ckpt.step_dirs(root) == []
+    [damaged] = root.glob("damaged-*/step_000004")
+    [previous] = root.glob("previous-*/step_000002")
+    assert files(damaged) == earlier[4] and files(previous) == earlier[2]

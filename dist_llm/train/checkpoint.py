@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import stat
 import time
@@ -292,7 +293,25 @@ def prune_checkpoints(root: Path, keep: int, *, newest: Path) -> None:
         return
     older = [p for p in list_checkpoints(root) if step_of(p) < step_of(newest)]
     for old in older[:max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+        _delete(old)
+    for leftover in root.glob(f"{_DELETING}*"):  # what an earlier deletion could not finish
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+_DELETING = ".deleting-"
+
+
+def _delete(path: Path) -> None:
+    """Delete a checkpoint directory, first renamed to a hidden name: a deletion that stops halfway (an I/O
+    error, a crash) must not leave a `step_*` directory whose manifest still calls it complete while files are
+    gone. If even the rename fails, the checkpoint stays whole (logged): pruning is a convenience."""
+    hidden = path.with_name(f"{_DELETING}{path.name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, hidden)
+    except OSError as e:
+        log.warning("could not prune %s (%s); it stays", path, e.strerror or e)
+        return
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def move_aside(root: Path, paths: list[Path], label: str) -> Path:

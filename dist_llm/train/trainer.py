@@ -291,9 +291,18 @@ class Trainer:
         ours. They are moved, never deleted: those that verify into previous-<time>/, the rest (damaged, or a
         save that never completed) into damaged-<time>/."""
         found, complete = self._step_dirs(complete=False), set(self._step_dirs(complete=True))
-        intact = [p for p in found if p in complete and self._verify(p) is None]
+        intact = [p for p in found if p in complete and self._intact_for_naming(p)]
         self._move_aside(intact, "previous")
         self._move_aside([p for p in found if p not in intact], "damaged")
+
+    def _intact_for_naming(self, path: Path) -> bool:
+        """Whether an earlier run's checkpoint goes into previous- or damaged-: it is only moved either way, so a
+        file that cannot be read (an I/O error) names it damaged instead of stopping the fresh start."""
+        try:
+            return ckpt.verify(path, group=self.ckpt_group) is None
+        except ckpt.UnreadableCheckpoint as e:
+            log.warning("cannot check %s (%s): moved aside as damaged", path, e)
+            return False
 
     def _move_aside(self, paths: list[Path], label: str) -> None:
         if paths:
