@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -235,3 +236,34 @@ def test_a_fresh_start_moves_an_unreadable_checkpoint_aside(run: Path, corpus: P
     [damaged] = root.glob("damaged-*/step_000004")
     [previous] = root.glob("previous-*/step_000002")
     assert files(damaged) == earlier[4] and files(previous) == earlier[2]
+
+
+# -- 9: a failure of the main rank's file work reaches every rank ---------------------------------------------
+def _on_main_failing(rank: int, world_size: int, root: Path) -> str:
+    """Trainer._on_main on a stand-in trainer: the main rank's move fails (disk full)."""
+    def move() -> str:
+        raise OSError(errno.ENOSPC, "No space left on device", str(root / "previous-x"))
+    stand_in = SimpleNamespace(ctx=SimpleNamespace(is_main=rank == 0), ckpt_root=root)
+    try:
+        Trainer._on_main(stand_in, move)  # type: ignore[arg-type]
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_failure_on_the_main_rank_reaches_every_rank(tmp_path: Path) -> None:
+    """Before, rank 0 raised and rank 1 waited in the broadcast until parallel.timeout_s (here: the test's
+    timeout); now both raise the same one line."""
+    said = run_distributed(_on_main_failing, 2, tmp_path, timeout=60)
+    assert said == [f"checkpoints in {tmp_path}: {tmp_path / 'previous-x'}: No space left on device; nothing was "
+                    "deleted"] * 2
+
+
+# -- 8: the checkpoint group's timeout scales with one rank's share ------------------------------------------
+def test_the_checkpoint_timeout_scales_with_one_ranks_share() -> None:
+    """70B at tp=8, pp=8, dp=64 under ZeRO-1: each rank holds 1/64 of the fp32 weights (4 B) and 1/4096 of the
+    optimizer state (12 B); twice that share at 25 MB/s on top of the 1800 s training timeout, computed by hand:
+    70e9 * (4/64 + 12/4096) = 4,580,078,125 B; * 2 / 25e6 = 366.40625 s. (Before: the whole 16 B/param, 12.4 h.)
+    A tiny model waits for at least 1 GB's worth (40 s)."""
+    assert ckpt.coordination_timeout_s(70_000_000_000, 1800, weight_shards=64, state_shards=4096) == 2166.40625
+    assert ckpt.coordination_timeout_s(1000, 1800) == 1840.0

@@ -76,12 +76,24 @@ def step_dir(root: Path, step: int) -> Path:
 SLOWEST_BYTES_PER_S = 25e6
 
 
-def coordination_timeout_s(n_params: int, timeout_s: float) -> float:
+# What a checkpoint holds a parameter (fp32 weights; AdamW's two fp32 moments, and its fp32 master copy under
+# 16-bit training), and the unevenness allowed between ranks' shares (pipeline stages differ by the
+# embedding; DCP's dedup of replicated tensors balances by bytes, not exactly).
+WEIGHT_BYTES, OPTIMIZER_BYTES, UNEVEN = 4, 12, 2
+# However small a rank's share, its wait may cover this many bytes: small files, the index, a slow start.
+FLOOR_BYTES = 1e9
+
+
+def coordination_timeout_s(n_params: int, timeout_s: float, *, weight_shards: int = 1,
+                           state_shards: int = 1) -> float:
     """How long a rank may wait for the others while a checkpoint of an `n_params` model is saved, loaded or
-    checked: the training timeout plus the time to write or hash the whole checkpoint at the slowest assumed
-    rate. 16 bytes a parameter bound what a checkpoint holds (fp32 weights and AdamW's two fp32 moments are
-    12), and the whole checkpoint bounds any one rank's share."""
-    return timeout_s + 16 * n_params / SLOWEST_BYTES_PER_S
+    checked: the training timeout plus the time for one rank to write, read or hash its own share at the
+    slowest assumed rate. Each rank holds (and saves or loads) the weights split `weight_shards` ways (tp * pp,
+    times dp under ZeRO-3) and the optimizer state `state_shards` ways (times dp from ZeRO-1 on); hashing and
+    checking are split the same way. Not the whole checkpoint: at 70B and thousands of ranks that would be a
+    wait of half a day for a rank that died silently."""
+    share = n_params * (WEIGHT_BYTES / weight_shards + OPTIMIZER_BYTES / state_shards)
+    return timeout_s + max(UNEVEN * share, FLOOR_BYTES) / SLOWEST_BYTES_PER_S
 
 
 # DCP warns that it "assumes a single process" when no process group exists, which is what we mean; the

@@ -193,7 +193,7 @@ class Trainer:
         # with the state's bytes instead (a rank that dies still fails it at once: its connections close).
         # Background saves use it from their thread, never interleaving with training's collectives.
         self.ckpt_group = (torch.distributed.new_group(backend="gloo", timeout=timedelta(
-            seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s)))
+            seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s, **self._state_shards())))
             if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
         self.resumed_from = self._resume()
@@ -203,6 +203,13 @@ class Trainer:
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
                                   tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
                                   wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
+
+    def _state_shards(self) -> dict[str, int]:
+        """How many ways this layout splits the weights and the optimizer state (see coordination_timeout_s)."""
+        model_parallel = self.ctx.tp * self.ctx.pp
+        zero = self.cfg.parallel.zero_stage
+        return {"weight_shards": model_parallel * (self.ctx.dp if zero >= 3 else 1),
+                "state_shards": model_parallel * (self.ctx.dp if zero >= 1 else 1)}
 
     # -- resume -------------------------------------------------------------------------------------------
     def _resume(self) -> Path | None:
@@ -244,11 +251,22 @@ class Trainer:
         return path
 
     def _on_main(self, fn: Any) -> Any:
-        """fn() on the main rank, its result handed to every rank (file checks done once, not per rank)."""
-        box = [fn() if self.ctx.is_main else None]
+        """fn() on the main rank, its result handed to every rank (file checks done once, not per rank). If fn
+        raises, the failure is what is handed on, and every rank raises it as a one-line CheckpointError: no
+        peer is left waiting in the broadcast for parallel.timeout_s."""
+        box: list[Any] = [None]
+        if self.ctx.is_main:
+            try:
+                box = [(True, fn())]
+            except Exception as e:  # noqa: BLE001 - any failure must reach the peers, not only an OSError
+                where = e.filename if isinstance(e, OSError) and e.filename else self.ckpt_root
+                box = [(False, f"checkpoints in {self.ckpt_root}: {where}: {_io_reason(e)}")]
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        ok, value = box[0]
+        if not ok:
+            raise CheckpointError(f"{value}; nothing was deleted")
+        return value
 
     def _verify(self, path: Path) -> str | None:
         """`ckpt.verify` with every rank checking a share of the files; a file that cannot be read (an I/O error)
