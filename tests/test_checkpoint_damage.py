@@ -267,3 +267,28 @@ def test_the_checkpoint_timeout_scales_with_one_ranks_share() -> None:
     A tiny model waits for at least 1 GB's worth (40 s)."""
     assert ckpt.coordination_timeout_s(70_000_000_000, 1800, weight_shards=64, state_shards=4096) == 2166.40625
     assert ckpt.coordination_timeout_s(1000, 1800) == 1840.0
+
+
+# -- 7: a rank other than the first looks up only its own files ---------------------------------------------
+def test_a_rank_looks_up_its_own_files_without_listing_the_folder(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 3 of a checkpoint written by 4 ranks: it finds its two shards and its RNG file with no listing of
+    the checkpoint folder (listing raises here), so a save costs it a few lookups, not one per file."""
+    for k in range(4):
+        for n in range(2):
+            (tmp_path / f"__{k}_{n}.distcp").write_bytes(b"x")
+    (tmp_path / "rng").mkdir()
+    for k in range(4):
+        (tmp_path / "rng" / f"rank_{k:05d}.json").write_text("{}")
+    (tmp_path / ".metadata").write_bytes(b"x")
+
+    def no_listing(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("listed the checkpoint folder")
+
+    monkeypatch.setattr(Path, "rglob", no_listing)
+    monkeypatch.setattr(Path, "iterdir", no_listing)
+    monkeypatch.setattr(Path, "glob", no_listing)
+    monkeypatch.setattr(os, "scandir", no_listing)
+    monkeypatch.setattr(os, "listdir", no_listing)
+    assert checksums.checkpoint_files(tmp_path, rank=3, group_rank=3) == ["__3_0.distcp", "__3_1.distcp",
+                                                                          "rng/rank_00003.json"]

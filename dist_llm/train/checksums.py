@@ -48,11 +48,28 @@ def hash_files(root: Path, names: list[str]) -> FileEntries:
     return {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_file(root / name)} for name in names}
 
 
-def checkpoint_files(root: Path) -> list[str]:
-    """Every file of a checkpoint directory but the manifest and hidden temporaries; DCP's `.metadata` included."""
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                   if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
-    return files + [".metadata"] if (root / ".metadata").is_file() else files
+def checkpoint_files(root: Path, *, rank: int = 0, group_rank: int = 0) -> list[str]:
+    """The files of a checkpoint directory a rank may have to hash: for the group's first rank (the default),
+    every file but the manifest and hidden temporaries, DCP's `.metadata` included. Any other rank looks up
+    only the names it can have written, without listing or stat-ing the folder's other files (at thousands of
+    ranks, every rank listing the whole folder is millions of metadata operations on a shared file system):
+    its DCP shards `__K_0.distcp`, `__K_1.distcp`... up to the first absent one, its RNG file, and the files of
+    an engine's own folder (`deepspeed/`, whose names are the engine's). A name missed here is hashed by the
+    first rank, which lists everything."""
+    if group_rank == 0:
+        files = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                       if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+        return files + [".metadata"] if (root / ".metadata").is_file() else files
+    own, n = [], 0
+    while (root / (name := f"__{group_rank}_{n}.distcp")).is_file():
+        own.append(name)
+        n += 1
+    if (root / (name := f"rng/rank_{rank:05d}.json")).is_file():
+        own.append(name)
+    engine = root / "deepspeed"
+    if engine.is_dir():
+        own += sorted(str(p.relative_to(root)) for p in engine.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return own
 
 
 def written_by(names: list[str], *, rank: int, group_rank: int) -> list[str]:
@@ -81,10 +98,10 @@ def hash_and_write_manifest(root: Path, *, rank: int, group: Any, write: Callabl
     wrote, the dicts are gathered to the group's first rank, which hashes the rest and calls `write` with all
     entries. Raises the same OSError on every rank when any rank's part failed."""
     group_rank, size = _group_rank_size(group)
-    names = checkpoint_files(root)
-    mine = written_by(names, rank=rank, group_rank=group_rank)
-    try:
-        result: tuple[bool, Any] = (True, hash_files(root, mine))
+    names: list[str] = []
+    try:  # (the listing too: a rank whose listing fails must still take part in the gather)
+        names = checkpoint_files(root, rank=rank, group_rank=group_rank)
+        result: tuple[bool, Any] = (True, hash_files(root, written_by(names, rank=rank, group_rank=group_rank)))
     except OSError as e:
         result = (False, f"rank {rank}: {_reason(e, root)}")
     results = [result]
