@@ -9,6 +9,8 @@ import hashlib
 import json
 import os
 import shutil
+import socket
+import subprocess
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -292,3 +294,39 @@ def test_a_rank_looks_up_its_own_files_without_listing_the_folder(tmp_path: Path
     monkeypatch.setattr(os, "listdir", no_listing)
     assert checksums.checkpoint_files(tmp_path, rank=3, group_rank=3) == ["__3_0.distcp", "__3_1.distcp",
                                                                           "rng/rank_00003.json"]
+
+
+# -- 11: one run per out_dir; a fresh start keeps the earlier run's metrics ----------------------------------
+def test_a_second_run_in_the_same_out_dir_is_refused(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """The lock names a live process on this host (a `sleep`), then a process of another host: refused in one
+    line naming the file and the holder; a lock whose process is gone is taken over."""
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / "run.lock"
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock.write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname()}))
+        with pytest.raises(ConfigError) as info:
+            trainer(out, corpus, train__max_steps=2)
+        assert str(info.value) == (f"train.out_dir: {lock}: in use by process {holder.pid} on this host; wait for "
+                                   "it, or use another train.out_dir")
+        lock.write_text(json.dumps({"pid": holder.pid, "host": "elsewhere"}))
+        with pytest.raises(ConfigError) as info:
+            trainer(out, corpus, train__max_steps=2)
+        assert str(info.value) == (f"train.out_dir: {lock}: in use by process {holder.pid} on host elsewhere, which "
+                                   "cannot be checked from here; if that run has ended, remove the file")
+    finally:
+        holder.kill()
+        holder.wait()
+    lock.write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname()}))  # gone: stale
+    trainer(out, corpus, train__max_steps=2).fit()
+    assert not lock.exists()  # released at the end of the run
+
+
+def test_a_fresh_start_keeps_the_earlier_runs_metrics(run: Path, corpus: Path) -> None:  # noqa: F811
+    earlier = (run / "metrics.jsonl").read_bytes()
+    assert b'"loss"' in earlier
+    trainer(run, corpus, train__max_steps=2, train__resume="never").fit()
+    [kept] = run.glob("metrics.previous-*.jsonl")
+    assert kept.read_bytes() == earlier
+    assert (run / "metrics.jsonl").read_bytes() != earlier

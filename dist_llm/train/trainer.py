@@ -13,7 +13,7 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,7 +37,9 @@ from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
+from dist_llm.train import run_lock
 from dist_llm.train.metrics import MetricsLog, plot_losses
+from dist_llm.train.run_lock import RUN_LOCK
 from dist_llm.train.report import write_report
 from dist_llm.peft import apply_peft, trainable_names
 from dist_llm.profiling import StepProfiler, span
@@ -196,10 +198,12 @@ class Trainer:
             seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s, **self._state_shards())))
             if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
+        self._take_run_lock()
         self.resumed_from = self._resume()
         fresh = self.resumed_from is None
         if fresh:
             self._set_aside_previous_run()
+            self._set_aside_previous_metrics()
         self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
                                   tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
                                   wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
@@ -312,6 +316,38 @@ class Trainer:
         intact = [p for p in found if p in complete and self._intact_for_naming(p)]
         self._move_aside(intact, "previous")
         self._move_aside([p for p in found if p not in intact], "damaged")
+
+    def _take_run_lock(self) -> None:
+        """out_dir/run.lock, created exclusively by the main rank with its pid and host: a second run in the same
+        out_dir would resume, prune and move the first one's checkpoints under it. A lock left by a process that
+        is gone (same host) is taken over; one held by a live process, or from another host (whose processes
+        cannot be checked from here), stops this run with one line, exit 2. Every rank gets the verdict."""
+        box: list[str | None] = [None]
+        if self.ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            box = [run_lock.take(self.out_dir / RUN_LOCK)]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise ConfigError(f"train.out_dir: {box[0]}")
+
+    def _set_aside_previous_metrics(self) -> None:
+        """A fresh start writes a new metrics.jsonl: the earlier run's is renamed to metrics.previous-<time>.jsonl
+        (as its checkpoints are moved, not deleted)."""
+        def rename() -> str | None:
+            old = self.out_dir / "metrics.jsonl"
+            if not old.is_file():
+                return None
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            target, n = self.out_dir / f"metrics.previous-{stamp}.jsonl", 1
+            while target.exists():
+                target, n = self.out_dir / f"metrics.previous-{stamp}.{n}.jsonl", n + 1
+            os.replace(old, target)
+            return str(target)
+
+        moved = self._on_main(rename)
+        if moved:
+            log.warning("moved the earlier run's metrics.jsonl to %s", moved)
 
     def _intact_for_naming(self, path: Path) -> bool:
         """Whether an earlier run's checkpoint goes into previous- or damaged-: it is only moved either way, so a
@@ -738,6 +774,8 @@ class Trainer:
                 self.stager = None
             bar.close()
             self.metrics.close()
+            if self.ctx.is_main:
+                run_lock.release(self.out_dir / RUN_LOCK)
         if self.ctx.is_main:
             plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
             write_report(self.out_dir)
