@@ -321,6 +321,9 @@ def test_a_second_run_in_the_same_out_dir_is_refused(tmp_path: Path, corpus: Pat
     lock.write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname()}))  # gone: stale
     trainer(out, corpus, train__max_steps=2).fit()
     assert not lock.exists()  # released at the end of the run
+    with pytest.raises(ConfigError):
+        trainer(out, corpus, train__max_steps=2, train__resume=str(out / "nowhere"))
+    assert not lock.exists()  # and by a run that stopped before training
 
 
 def test_a_fresh_start_keeps_the_earlier_runs_metrics(run: Path, corpus: Path) -> None:  # noqa: F811

@@ -199,14 +199,19 @@ class Trainer:
             if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
         self._take_run_lock()
-        self.resumed_from = self._resume()
-        fresh = self.resumed_from is None
-        if fresh:
-            self._set_aside_previous_run()
-            self._set_aside_previous_metrics()
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
-                                  tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
-                                  wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
+        try:
+            self.resumed_from = self._resume()
+            fresh = self.resumed_from is None
+            if fresh:
+                self._set_aside_previous_run()
+                self._set_aside_previous_metrics()
+            self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
+                                      tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
+                                      wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
+        except BaseException:  # a refused resume leaves the out_dir free for the next try
+            if ctx.is_main:
+                run_lock.release(self.out_dir / RUN_LOCK)
+            raise
 
     def _state_shards(self) -> dict[str, int]:
         """How many ways this layout splits the weights and the optimizer state (see coordination_timeout_s)."""
