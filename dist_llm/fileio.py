@@ -2,7 +2,8 @@
 
 Each write goes to a temporary name in the destination's own folder (so the final rename stays on one file
 system), is flushed to disk, and is renamed over the destination with `os.replace`; the folder is then
-flushed too, so the rename itself survives a power loss. On failure the temporary is removed and the
+flushed too, so the rename itself survives a power loss (where the file system can flush a directory: one
+that refuses with EINVAL or ENOTSUP, as some FUSE and CIFS mounts do, is not a failed write). On failure the temporary is removed and the
 destination is untouched.
 
 Final files get the mode a plain `open(path, "w")` would give (0o666 less the umask): `tempfile` and
@@ -13,6 +14,7 @@ could not read.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import shutil
@@ -25,11 +27,19 @@ def _temp_name(path: Path) -> Path:
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")
 
 
+# What some file systems (FUSE mounts, CIFS/SMB, some network file systems) answer to fsync on a directory:
+# they cannot flush one, and the rename is as durable there as they make anything. Not a failed write.
+_DIR_FSYNC_UNSUPPORTED = frozenset({errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP})
+
+
 def fsync_dir(folder: Path) -> None:
-    """Make a rename or a new entry in `folder` durable."""
+    """Make a rename or a new entry in `folder` durable, where the file system can flush a directory."""
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)
+    except OSError as e:
+        if e.errno not in _DIR_FSYNC_UNSUPPORTED:
+            raise
     finally:
         os.close(fd)
 

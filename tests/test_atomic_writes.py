@@ -15,6 +15,7 @@ import json
 import os
 import resource
 import signal
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import torch
 from dist_llm import hf
 from dist_llm.config import Config, load_config
 from dist_llm.consolidate import save_full
-from dist_llm.fileio import atomic_folder, atomic_path
+from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.model import GPT
 from dist_llm.peft import apply_peft, save_adapter
 from dist_llm.train import checkpoint as ckpt
@@ -232,3 +233,29 @@ def test_written_files_get_the_umask_mode(tmp_path: Path, checkpoint: Path, umas
         "adapter/adapter.json", "adapter/adapter.safetensors", "converted/config.json",
         "converted/model.safetensors", "hf/config.json", "hf/model.safetensors", "model.safetensors",
         "run/loss.png", "run/report.md", "state.json"]}
+
+
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.ENOTSUP])
+def test_a_file_system_that_cannot_fsync_a_folder_still_writes(tmp_path: Path, code: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some FUSE and CIFS mounts refuse fsync on a directory (EINVAL, ENOTSUP): the write has succeeded, so it
+    must not be reported as failed; fsync of the file itself, or another error of the folder's, still fails."""
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(code, os.strerror(code))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    atomic_write_text(tmp_path / "a.txt", "new")
+    with atomic_folder(tmp_path / "folder") as tmp:
+        (tmp / "f").write_text("x")
+    assert snapshot(tmp_path) == {"a.txt": b"new", "folder": b"<dir>", "folder/f": b"x"}
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(OSError, match="Input/output error"):
+        atomic_write_text(tmp_path / "b.txt", "lost")

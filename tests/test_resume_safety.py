@@ -105,14 +105,14 @@ def test_an_io_error_while_checking_is_not_damage(tmp_path: Path, corpus: Path, 
                                "was moved or deleted: run again once the storage answers")
     monkeypatch.setattr(Path, "read_text", read_text)
 
-    sha256 = checksums.sha256_file
+    open_regular = checksums._open_regular
 
-    def shard_fails(p: Path) -> str:
-        if p == shard:
-            raise _eio(p)
-        return sha256(p)
+    def shard_fails(root: Path, name: str) -> tuple[int, int]:
+        if root / name == shard:
+            raise _eio(root / name)
+        return open_regular(root, name)
 
-    monkeypatch.setattr(checksums, "sha256_file", shard_fails)
+    monkeypatch.setattr(checksums, "_open_regular", shard_fails)
     with pytest.raises(CheckpointError, match=rf"^train.resume: cannot check {path}: rank 0: {shard}: Input/output "
                                               "error; nothing was moved or deleted"):
         trainer(tmp_path, corpus, train__max_steps=4)
@@ -160,8 +160,17 @@ def _save_and_check(rank: int, world_size: int, out: Path, corpus: Path) -> dict
             raise _eio(path)
         return real(path)
 
+    opened = checksums._open_regular
+
+    def recording_open(root: Path, name: str) -> tuple[int, int]:  # what verifying reads
+        hashed.append(root / name)
+        if failing and root / name == failing[0]:
+            raise _eio(root / name)
+        return opened(root, name)
+
     failing: list[Path] = []
     checksums.sha256_file = recording  # type: ignore[assignment]  (this rank's process only)
+    checksums._open_regular = recording_open  # type: ignore[assignment]
     cfg = load_config(None, tiny_overrides(out, data__source=str(corpus), train__eval_interval=0, train__max_steps=2,
                                            parallel__zero_stage=2))
     ctx = ParallelContext.from_config(cfg)

@@ -26,29 +26,36 @@ unpickle any other kind with weights_only=False).
 from __future__ import annotations
 
 import base64
+import contextlib
+import errno
+import io
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
+import stat
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dist_llm.config import Config
+from dist_llm.config import Config, ConfigError
 from dist_llm.fileio import atomic_write_text
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.train.safe_metadata import load_failure, load_index
@@ -69,12 +76,24 @@ def step_dir(root: Path, step: int) -> Path:
 SLOWEST_BYTES_PER_S = 25e6
 
 
-def coordination_timeout_s(n_params: int, timeout_s: float) -> float:
+# What a checkpoint holds a parameter (fp32 weights; AdamW's two fp32 moments, and its fp32 master copy under
+# 16-bit training), and the unevenness allowed between ranks' shares (pipeline stages differ by the
+# embedding; DCP's dedup of replicated tensors balances by bytes, not exactly).
+WEIGHT_BYTES, OPTIMIZER_BYTES, UNEVEN = 4, 12, 2
+# However small a rank's share, its wait may cover this many bytes: small files, the index, a slow start.
+FLOOR_BYTES = 1e9
+
+
+def coordination_timeout_s(n_params: int, timeout_s: float, *, weight_shards: int = 1,
+                           state_shards: int = 1) -> float:
     """How long a rank may wait for the others while a checkpoint of an `n_params` model is saved, loaded or
-    checked: the training timeout plus the time to write or hash the whole checkpoint at the slowest assumed
-    rate. 16 bytes a parameter bound what a checkpoint holds (fp32 weights and AdamW's two fp32 moments are
-    12), and the whole checkpoint bounds any one rank's share."""
-    return timeout_s + 16 * n_params / SLOWEST_BYTES_PER_S
+    checked: the training timeout plus the time for one rank to write, read or hash its own share at the
+    slowest assumed rate. Each rank holds (and saves or loads) the weights split `weight_shards` ways (tp * pp,
+    times dp under ZeRO-3) and the optimizer state `state_shards` ways (times dp from ZeRO-1 on); hashing and
+    checking are split the same way. Not the whole checkpoint: at 70B and thousands of ranks that would be a
+    wait of half a day for a rank that died silently."""
+    share = n_params * (WEIGHT_BYTES / weight_shards + OPTIMIZER_BYTES / state_shards)
+    return timeout_s + max(UNEVEN * share, FLOOR_BYTES) / SLOWEST_BYTES_PER_S
 
 
 # DCP warns that it "assumes a single process" when no process group exists, which is what we mean; the
@@ -102,17 +121,39 @@ def set_rng_state(state: dict[str, str], device: torch.device) -> None:
         torch.cuda.set_rng_state(tensor(state["cuda"]), device)
 
 
-def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
-           extra_files: dict[str, Path] | None, engine_files: Callable[[Path], None] | None) -> None:
-    """Everything of a checkpoint but its DCP tensors and the manifest: the small files, and an engine's own
-    files (`engine_files(path)`, on every rank), written at once."""
-    if ctx.is_main and path.exists():
+def _clear(path: Path, ctx: ParallelContext) -> str | None:
+    """On the main rank: make `path` free for a new checkpoint; what went wrong, or None. A complete checkpoint
+    there is moved aside, never deleted, and if the move fails it stays where it is, complete."""
+    if not ctx.is_main or not path.exists():
+        return None
+    try:
         if is_complete(path):  # (resume moves a newer damaged one aside first: only an explicit resume gets here)
             log.warning("moved %s, an earlier run's checkpoint at this step, to %s", path,
                         move_aside(path.parent, [path], "previous"))
         else:
             shutil.rmtree(path)  # a partial leftover from a crashed save (no manifest) of this very step
-    ctx.barrier()
+    except OSError as e:
+        return f"{e.filename or path}: {e.strerror or e} (while making room for the new checkpoint; {path} is kept)"
+    return None
+
+
+def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext, group: Any,
+           extra_files: dict[str, Path] | None, engine_files: Callable[[Path], None] | None,
+           on_cleared: Callable[[], None] | None) -> None:
+    """Everything of a checkpoint but its DCP tensors and the manifest: the small files, and an engine's own
+    files (`engine_files(path)`, on every rank), written at once. `on_cleared()` is called once `path` is
+    free: from then on, a directory at `path` is this save's own (a failed save may remove it, not before).
+    A failure to clear raises the same OSError on every rank (the main rank's outcome is broadcast: no peer
+    waits on a rank that gave up)."""
+    error = _clear(path, ctx)
+    if dist.is_initialized():
+        box = [error]
+        dist.broadcast_object_list(box, group=group, group_src=0)
+        error = box[0]
+    if error is not None:
+        raise OSError(error)
+    if on_cleared is not None:
+        on_cleared()
     (path / "rng").mkdir(parents=True, exist_ok=True)
     _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
     if ctx.is_main:
@@ -147,14 +188,16 @@ def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Para
 def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
                     ctx: ParallelContext, group: Any = None, extra_files: dict[str, Path] | None = None,
                     manifest_extra: dict[str, Any] | None = None, keep: int = 0,
-                    engine_files: Callable[[Path], None] | None = None) -> None:
+                    engine_files: Callable[[Path], None] | None = None,
+                    on_cleared: Callable[[], None] | None = None) -> None:
     """Write a complete checkpoint to `path` (collective: every rank calls it). DCP and the checksums coordinate
     over `group` (None: the default group): waits there scale with the checkpoint's size, so a trainer passes a
     group whose timeout does too. `extra_files` (name -> source) are copied in by the main rank, e.g. the
     tokenizer, so the checkpoint stands on its own; `engine_files` writes an engine's own state into `path` on
-    every rank (DeepSpeed's); `keep` > 0 then deletes all but the newest `keep` complete checkpoints up to this
+    every rank (DeepSpeed's); `on_cleared()` is called once `path` is free (see `_begin`); `keep` > 0 then deletes all but the newest `keep` complete checkpoints up to this
     one (never a newer one)."""
-    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files, engine_files=engine_files)
+    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, extra_files=extra_files,
+           engine_files=engine_files, on_cleared=on_cleared)
     dcp.save(state, checkpoint_id=str(path), process_group=group)  # returns once every rank's shards are down
     _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, manifest_extra=manifest_extra, keep=keep)
 
@@ -197,12 +240,14 @@ _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist_llm-che
 def save_checkpoint_async(path: Path, *, state: dict[str, Any], train_state: dict[str, Any], cfg: Config,
                           ctx: ParallelContext, stager: DefaultStager, group: Any = None,
                           extra_files: dict[str, Path] | None = None, manifest_extra: dict[str, Any] | None = None,
-                          keep: int = 0, engine_files: Callable[[Path], None] | None = None) -> PendingSave:
+                          keep: int = 0, engine_files: Callable[[Path], None] | None = None,
+                          on_cleared: Callable[[], None] | None = None) -> PendingSave:
     """`save_checkpoint` in the background: the small files now; the tensors staged by `stager` and written by
     DCP from a thread, which coordinates the ranks over `group` (a gloo group of its own, so its collectives
     never interleave with training's); then the main rank's manifest. One save at a time: wait for the last.
     `engine_files` writes now, in this thread: an engine's save is its own collective."""
-    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files, engine_files=engine_files)
+    _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, extra_files=extra_files,
+           engine_files=engine_files, on_cleared=on_cleared)
     response = dcp.async_save(state, checkpoint_id=str(path), process_group=group, async_stager=stager)
     staged, upload = ((response.staging_completion, response.upload_completion)
                       if isinstance(response, AsyncSaveResponse) else (None, response))
@@ -260,7 +305,25 @@ def prune_checkpoints(root: Path, keep: int, *, newest: Path) -> None:
         return
     older = [p for p in list_checkpoints(root) if step_of(p) < step_of(newest)]
     for old in older[:max(len(older) - (keep - 1), 0)]:
-        shutil.rmtree(old, ignore_errors=True)
+        _delete(old)
+    for leftover in root.glob(f"{_DELETING}*"):  # what an earlier deletion could not finish
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+_DELETING = ".deleting-"
+
+
+def _delete(path: Path) -> None:
+    """Delete a checkpoint directory, first renamed to a hidden name: a deletion that stops halfway (an I/O
+    error, a crash) must not leave a `step_*` directory whose manifest still calls it complete while files are
+    gone. If even the rename fails, the checkpoint stays whole (logged): pruning is a convenience."""
+    hidden = path.with_name(f"{_DELETING}{path.name}-{secrets.token_hex(4)}")
+    try:
+        os.rename(path, hidden)
+    except OSError as e:
+        log.warning("could not prune %s (%s); it stays", path, e.strerror or e)
+        return
+    shutil.rmtree(hidden, ignore_errors=True)
 
 
 def move_aside(root: Path, paths: list[Path], label: str) -> Path:
@@ -277,8 +340,47 @@ def move_aside(root: Path, paths: list[Path], label: str) -> Path:
     return folder
 
 
+class _OwnFilesOnly(FileSystem):
+    """DCP's file system, reading only regular files directly in the checkpoint's folder: a shard (or index)
+    that is a symbolic link would load a file from elsewhere into the model, and a FIFO or device would hang
+    the load. Checked on the open file (O_NOFOLLOW, fstat), so nothing can swap the file after the check."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__()
+        self.root = root
+
+    @contextlib.contextmanager
+    def create_stream(self, path: str | os.PathLike, mode: str) -> Iterator[io.IOBase]:
+        if mode != "rb":
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        path = Path(path)
+        if path.parent != self.root:  # (load_index already refuses such names: a second line of defence)
+            raise ConfigError(f"{path}: not a file of the checkpoint {self.root}")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError as e:
+            if e.errno != errno.ELOOP:
+                raise
+            fd = -1
+        if fd < 0 or not stat.S_ISREG(os.fstat(fd).st_mode):
+            if fd >= 0:
+                os.close(fd)
+            raise ConfigError(f"{path}: a symbolic link or not a regular file; a checkpoint's files are its own")
+        os.set_blocking(fd, True)
+        with open(fd, "rb") as stream:
+            yield cast(io.IOBase, stream)
+
+
 class SafeReader(FileSystemReader):
-    """DCP's file reader, with the index read by `safe_metadata.load_index` (no code runs; tensors only)."""
+    """DCP's file reader, with the index read by `safe_metadata.load_index` (no code runs; tensors only), and
+    files opened only if they are the checkpoint's own regular files (`_OwnFilesOnly`)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        super().__init__(path)
+        self.fs = _OwnFilesOnly(Path(path))
+        self.path = self.fs.init_path(path)
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = Path(self._get_metadata_path(kwargs.get("rank")))

@@ -13,9 +13,12 @@ timeout), and every rank raises the same error.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
+import os
 import re
+import stat
 from pathlib import Path
 from typing import Any, Callable
 
@@ -45,11 +48,28 @@ def hash_files(root: Path, names: list[str]) -> FileEntries:
     return {name: {"bytes": (root / name).stat().st_size, "sha256": sha256_file(root / name)} for name in names}
 
 
-def checkpoint_files(root: Path) -> list[str]:
-    """Every file of a checkpoint directory but the manifest and hidden temporaries; DCP's `.metadata` included."""
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*")
-                   if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
-    return files + [".metadata"] if (root / ".metadata").is_file() else files
+def checkpoint_files(root: Path, *, rank: int = 0, group_rank: int = 0) -> list[str]:
+    """The files of a checkpoint directory a rank may have to hash: for the group's first rank (the default),
+    every file but the manifest and hidden temporaries, DCP's `.metadata` included. Any other rank looks up
+    only the names it can have written, without listing or stat-ing the folder's other files (at thousands of
+    ranks, every rank listing the whole folder is millions of metadata operations on a shared file system):
+    its DCP shards `__K_0.distcp`, `__K_1.distcp`... up to the first absent one, its RNG file, and the files of
+    an engine's own folder (`deepspeed/`, whose names are the engine's). A name missed here is hashed by the
+    first rank, which lists everything."""
+    if group_rank == 0:
+        files = sorted(str(p.relative_to(root)) for p in root.rglob("*")
+                       if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
+        return files + [".metadata"] if (root / ".metadata").is_file() else files
+    own, n = [], 0
+    while (root / (name := f"__{group_rank}_{n}.distcp")).is_file():
+        own.append(name)
+        n += 1
+    if (root / (name := f"rng/rank_{rank:05d}.json")).is_file():
+        own.append(name)
+    engine = root / "deepspeed"
+    if engine.is_dir():
+        own += sorted(str(p.relative_to(root)) for p in engine.rglob("*") if p.is_file() and not p.name.startswith("."))
+    return own
 
 
 def written_by(names: list[str], *, rank: int, group_rank: int) -> list[str]:
@@ -64,6 +84,10 @@ def _group_rank_size(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def _reason(e: OSError, path: Path) -> str:
     """"<file>: <the OS's words>", e.g. "/ckpt/step_000008/__0_0.distcp: Input/output error"."""
     return f"{e.filename or path}: {e.strerror or e}"
@@ -74,10 +98,10 @@ def hash_and_write_manifest(root: Path, *, rank: int, group: Any, write: Callabl
     wrote, the dicts are gathered to the group's first rank, which hashes the rest and calls `write` with all
     entries. Raises the same OSError on every rank when any rank's part failed."""
     group_rank, size = _group_rank_size(group)
-    names = checkpoint_files(root)
-    mine = written_by(names, rank=rank, group_rank=group_rank)
-    try:
-        result: tuple[bool, Any] = (True, hash_files(root, mine))
+    names: list[str] = []
+    try:  # (the listing too: a rank whose listing fails must still take part in the gather)
+        names = checkpoint_files(root, rank=rank, group_rank=group_rank)
+        result: tuple[bool, Any] = (True, hash_files(root, written_by(names, rank=rank, group_rank=group_rank)))
     except OSError as e:
         result = (False, f"rank {rank}: {_reason(e, root)}")
     results = [result]
@@ -104,34 +128,104 @@ def hash_and_write_manifest(root: Path, *, rank: int, group: Any, write: Callabl
         raise OSError(error)
 
 
+_SHA256 = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _bad_name(name: Any) -> bool:
+    """A manifest name that is not a plain relative path inside the checkpoint (absolute, `..`, `.`, empty parts,
+    a trailing slash): joined onto the root, it could name any file of the machine."""
+    if type(name) is not str or not name or "\0" in name:
+        return True
+    parts = name.split("/")
+    return name.startswith("/") or any(part in ("", ".", "..") for part in parts)
+
+
+def _bad_entry(entry: Any) -> bool:
+    return (not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0
+            or type(entry.get("sha256")) is not str or not _SHA256.match(entry["sha256"]))
+
+
 def read_manifest(root: Path) -> FileEntries | str:
-    """The manifest's file entries, or what is wrong with it (missing, not JSON); an I/O error raises."""
+    """The manifest's file entries, or what is wrong with it (missing, not JSON, not of the shape
+    {relative name: {"bytes": int >= 0, "sha256": 64 hex digits}}, or a name outside the checkpoint): any of
+    these is damage, said in one line, never an exception. An I/O error raises UnreadableCheckpoint."""
     path = root / MANIFEST
     try:
         files = json.loads(path.read_text())["files"]
         if not isinstance(files, dict):
             raise TypeError
-        return files
     except FileNotFoundError:
         return f"{path}: missing"
     except OSError as e:
         raise UnreadableCheckpoint(_reason(e, path)) from None
     except (ValueError, KeyError, TypeError):
         return f"{path}: not a manifest (not JSON, or no files listed)"
+    for name, entry in files.items():
+        if _bad_name(name):
+            return f"{path}: names {name!r}, which is not a file inside the checkpoint"
+        if _bad_entry(entry):
+            return f"{path}: the entry of {name!r} is not {{\"bytes\": a size, \"sha256\": 64 hex digits}}"
+    return files
+
+
+def _open_regular(root: Path, name: str) -> tuple[int, int]:
+    """(fd, size) of the checkpoint's own regular file `name`: no component may be a symbolic link (a link would
+    make the manifest vouch for a file elsewhere), and a FIFO or device is refused before it is read (opened
+    non-blocking: a FIFO would wait for a writer). Raises _NotAFile, or the OSError (FileNotFoundError...)."""
+    folder = root
+    for part in name.split("/")[:-1]:
+        folder = folder / part
+        if not stat.S_ISDIR(os.lstat(folder).st_mode):  # a link to a folder elsewhere, or a file
+            raise _NotAFile(folder)
+    try:
+        fd = os.open(root / name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError as e:
+        if e.errno == errno.ELOOP:  # O_NOFOLLOW's answer for a symbolic link
+            raise _NotAFile(root / name) from None
+        raise
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode):
+        os.close(fd)
+        raise _NotAFile(root / name)
+    return fd, info.st_size
+
+
+class _NotAFile(Exception):
+    """A name of the manifest is a symbolic link, a folder, a FIFO or a device: damage, not an I/O error."""
+
+
+def _sha256_fd(fd: int, nbytes: int) -> str:
+    """The sha256 of the first `nbytes` of `fd`, never reading more (a file that grows while hashed, or a
+    special file, cannot keep a reader busy)."""
+    h = hashlib.sha256()
+    left = nbytes
+    while left > 0:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            break
+        h.update(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
 
 
 def check_files(root: Path, files: FileEntries) -> str | None:
-    """None when every listed file has its recorded size and sha256; else the first difference, naming the file
-    (missing, truncated, changed). A file that exists but cannot be read raises UnreadableCheckpoint."""
+    """None when every listed file is a regular file of the checkpoint with its recorded size and sha256; else
+    the first difference, naming the file (missing, truncated, changed, a symbolic link or special file). A file
+    that exists but cannot be read raises UnreadableCheckpoint. Names must have passed `read_manifest`."""
     for name, want in files.items():
         f = root / name
         try:
-            size = f.stat().st_size
-            if size != want["bytes"]:
-                return f"{f}: {size} bytes, the manifest says {want['bytes']}"
-            if sha256_file(f) != want["sha256"]:
-                return f"{f}: checksum differs from the manifest's"
-        except FileNotFoundError:
+            fd, size = _open_regular(root, name)
+            try:
+                if size != want["bytes"]:
+                    return f"{f}: {size} bytes, the manifest says {want['bytes']}"
+                if _sha256_fd(fd, size) != want["sha256"]:
+                    return f"{f}: checksum differs from the manifest's"
+            finally:
+                os.close(fd)
+        except _NotAFile as e:
+            return f"{e.args[0]}: a symbolic link or not a regular file; a checkpoint's files are its own"
+        except (FileNotFoundError, NotADirectoryError):
             return f"{f}: missing"
         except OSError as e:
             raise UnreadableCheckpoint(_reason(e, f)) from None
@@ -161,7 +255,10 @@ def verify(root: Path, *, group: Any = None) -> str | None:
         verdict: tuple[str, str | None] = (("damaged", files) if isinstance(files, str)
                                            else ("ok", check_files(root, partition(files, size)[group_rank])))
     except UnreadableCheckpoint as e:
-        verdict = ("unreadable", f"rank {dist.get_rank() if dist.is_initialized() else 0}: {e}")
+        verdict = ("unreadable", f"rank {_rank()}: {e}")
+    except Exception as e:  # noqa: BLE001 - whatever else goes wrong is still gathered: no peer waits on this rank
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        verdict = ("damaged", f"{root}: cannot be checked on rank {_rank()} ({type(e).__name__}: {first})")
     verdicts = [verdict]
     if size > 1:
         verdicts = [None] * size  # type: ignore[list-item]

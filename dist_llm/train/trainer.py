@@ -13,9 +13,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
@@ -37,7 +37,9 @@ from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
+from dist_llm.train import run_lock
 from dist_llm.train.metrics import MetricsLog, plot_losses
+from dist_llm.train.run_lock import RUN_LOCK
 from dist_llm.train.report import write_report
 from dist_llm.peft import apply_peft, trainable_names
 from dist_llm.profiling import StepProfiler, span
@@ -201,16 +203,30 @@ class Trainer:
         # with the state's bytes instead (a rank that dies still fails it at once: its connections close).
         # Background saves use it from their thread, never interleaving with training's collectives.
         self.ckpt_group = (torch.distributed.new_group(backend="gloo", timeout=timedelta(
-            seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s)))
+            seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s, **self._state_shards())))
             if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
-        self.resumed_from = self._resume()
-        fresh = self.resumed_from is None
-        if fresh:
-            self._set_aside_previous_run()
-        self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
-                                  tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
-                                  wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
+        self._take_run_lock()
+        try:
+            self.resumed_from = self._resume()
+            fresh = self.resumed_from is None
+            if fresh:
+                self._set_aside_previous_run()
+                self._set_aside_previous_metrics()
+            self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
+                                      tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
+                                      wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
+        except BaseException:  # a refused resume leaves the out_dir free for the next try
+            if ctx.is_main:
+                run_lock.release(self.out_dir / RUN_LOCK)
+            raise
+
+    def _state_shards(self) -> dict[str, int]:
+        """How many ways this layout splits the weights and the optimizer state (see coordination_timeout_s)."""
+        model_parallel = self.ctx.tp * self.ctx.pp
+        zero = self.cfg.parallel.zero_stage
+        return {"weight_shards": model_parallel * (self.ctx.dp if zero >= 3 else 1),
+                "state_shards": model_parallel * (self.ctx.dp if zero >= 1 else 1)}
 
     # -- resume -------------------------------------------------------------------------------------------
     def _resume(self) -> Path | None:
@@ -252,11 +268,22 @@ class Trainer:
         return path
 
     def _on_main(self, fn: Any) -> Any:
-        """fn() on the main rank, its result handed to every rank (file checks done once, not per rank)."""
-        box = [fn() if self.ctx.is_main else None]
+        """fn() on the main rank, its result handed to every rank (file checks done once, not per rank). If fn
+        raises, the failure is what is handed on, and every rank raises it as a one-line CheckpointError: no
+        peer is left waiting in the broadcast for parallel.timeout_s."""
+        box: list[Any] = [None]
+        if self.ctx.is_main:
+            try:
+                box = [(True, fn())]
+            except Exception as e:  # noqa: BLE001 - any failure must reach the peers, not only an OSError
+                where = e.filename if isinstance(e, OSError) and e.filename else self.ckpt_root
+                box = [(False, f"checkpoints in {self.ckpt_root}: {where}: {_io_reason(e)}")]
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(box, src=0)
-        return box[0]
+        ok, value = box[0]
+        if not ok:
+            raise CheckpointError(f"{value}; nothing was deleted")
+        return value
 
     def _verify(self, path: Path) -> str | None:
         """`ckpt.verify` with every rank checking a share of the files; a file that cannot be read (an I/O error)
@@ -299,9 +326,50 @@ class Trainer:
         ours. They are moved, never deleted: those that verify into previous-<time>/, the rest (damaged, or a
         save that never completed) into damaged-<time>/."""
         found, complete = self._step_dirs(complete=False), set(self._step_dirs(complete=True))
-        intact = [p for p in found if p in complete and self._verify(p) is None]
+        intact = [p for p in found if p in complete and self._intact_for_naming(p)]
         self._move_aside(intact, "previous")
         self._move_aside([p for p in found if p not in intact], "damaged")
+
+    def _take_run_lock(self) -> None:
+        """out_dir/run.lock, created exclusively by the main rank with its pid and host: a second run in the same
+        out_dir would resume, prune and move the first one's checkpoints under it. A lock left by a process that
+        is gone (same host) is taken over; one held by a live process, or from another host (whose processes
+        cannot be checked from here), stops this run with one line, exit 2. Every rank gets the verdict."""
+        box: list[str | None] = [None]
+        if self.ctx.is_main:
+            self.out_dir.mkdir(parents=True, exist_ok=True)
+            box = [run_lock.take(self.out_dir / RUN_LOCK)]
+        if torch.distributed.is_initialized():
+            torch.distributed.broadcast_object_list(box, src=0)
+        if box[0] is not None:
+            raise ConfigError(f"train.out_dir: {box[0]}")
+
+    def _set_aside_previous_metrics(self) -> None:
+        """A fresh start writes a new metrics.jsonl: the earlier run's is renamed to metrics.previous-<time>.jsonl
+        (as its checkpoints are moved, not deleted)."""
+        def rename() -> str | None:
+            old = self.out_dir / "metrics.jsonl"
+            if not old.is_file():
+                return None
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+            target, n = self.out_dir / f"metrics.previous-{stamp}.jsonl", 1
+            while target.exists():
+                target, n = self.out_dir / f"metrics.previous-{stamp}.{n}.jsonl", n + 1
+            os.replace(old, target)
+            return str(target)
+
+        moved = self._on_main(rename)
+        if moved:
+            log.warning("moved the earlier run's metrics.jsonl to %s", moved)
+
+    def _intact_for_naming(self, path: Path) -> bool:
+        """Whether an earlier run's checkpoint goes into previous- or damaged-: it is only moved either way, so a
+        file that cannot be read (an I/O error) names it damaged instead of stopping the fresh start."""
+        try:
+            return ckpt.verify(path, group=self.ckpt_group) is None
+        except ckpt.UnreadableCheckpoint as e:
+            log.warning("cannot check %s (%s): moved aside as damaged", path, e)
+            return False
 
     def _move_aside(self, paths: list[Path], label: str) -> None:
         if paths:
@@ -496,30 +564,34 @@ class Trainer:
                     extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
                     engine_files=self.dp.save_engine_state,
                     manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
-        with self._saving(path):
+        with self._saving(path) as cleared:
             if self.cfg.train.async_checkpoint:
                 if self.stager is None:
                     self.stager = ckpt.host_stager(self.device)
-                self.pending_save = ckpt.save_checkpoint_async(path, stager=self.stager, **args)
+                self.pending_save = ckpt.save_checkpoint_async(path, stager=self.stager, on_cleared=cleared, **args)
             else:
-                ckpt.save_checkpoint(path, **args)
+                ckpt.save_checkpoint(path, on_cleared=cleared, **args)
         return path
 
     def wait_for_save(self) -> None:
         """Until the checkpoint being written in the background (if any) is complete."""
         pending, self.pending_save = self.pending_save, None
         if pending is not None:
-            with self._saving(pending.path):
+            with self._saving(pending.path, ours=True):  # (a pending save has cleared its path)
                 pending.wait()
 
     @contextlib.contextmanager
-    def _saving(self, path: Path) -> Iterator[None]:
-        """A failed write (disk full, an I/O error) stops training with one line; no partial checkpoint stays."""
+    def _saving(self, path: Path, *, ours: bool = False) -> Iterator[Callable[[], None]]:
+        """A failed write (disk full, an I/O error) stops training with one line; no partial checkpoint stays.
+        Only a directory this save made is removed: `path` becomes ours when the save calls the yielded function
+        (after moving an earlier complete checkpoint out of the way); before, a failure (e.g. that move) leaves
+        whatever is at `path` as it was. A complete one (its manifest written) is kept even if ours."""
+        mine = [ours]
         try:
-            yield
+            yield lambda: mine.__setitem__(0, True)
         except (OSError, CheckpointException) as e:
-            if self.ctx.is_main:  # (resume=auto would ignore it anyway: it has no manifest)
-                shutil.rmtree(path, ignore_errors=True)
+            if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)  # (resume=auto would ignore it anyway: no manifest)
             kept = ckpt.latest_checkpoint(self.ckpt_root)
             raise CheckpointError(f"saving checkpoint {path} failed ({_io_reason(e)}); training stopped at step "
                                   f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
@@ -715,6 +787,8 @@ class Trainer:
                 self.stager = None
             bar.close()
             self.metrics.close()
+            if self.ctx.is_main:
+                run_lock.release(self.out_dir / RUN_LOCK)
         if self.ctx.is_main:
             plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
             write_report(self.out_dir)

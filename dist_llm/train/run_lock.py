@@ -1,0 +1,63 @@
+"""One training run per out_dir: a lock file created exclusively (O_EXCL), naming its process and host."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+RUN_LOCK = "run.lock"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, another user's
+        return True
+    return True
+
+
+def _create(path: Path) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+    return True
+
+
+def take(path: Path) -> str | None:
+    """Take the lock at `path`; None when taken, else why not (one line naming the holder and the file). This
+    very process may take it again (a run restarted in-process); a dead holder's lock on this host is stale."""
+    host = socket.gethostname()
+    for _ in range(3):  # a stale lock removed, or a race with another starter: look again
+        if _create(path):
+            return None
+        try:
+            holder = json.loads(path.read_text())
+            pid, their_host = int(holder["pid"]), str(holder["host"])
+        except FileNotFoundError:
+            continue
+        except (OSError, ValueError, KeyError, TypeError):
+            return f"{path} exists but names no process; if no run uses this out_dir, remove it"
+        if their_host != host:
+            return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
+                    "that run has ended, remove the file")
+        if pid != os.getpid() and _alive(pid):
+            return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir"
+        path.unlink(missing_ok=True)  # ours already, or its process is gone
+    return f"{path}: cannot be created (another run keeps taking it)"
+
+
+def release(path: Path) -> None:
+    """Remove the lock if this process holds it."""
+    try:
+        holder = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(holder, dict) and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
+        path.unlink(missing_ok=True)
