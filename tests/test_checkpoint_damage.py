@@ -326,6 +326,27 @@ def test_a_second_run_in_the_same_out_dir_is_refused(tmp_path: Path, corpus: Pat
     assert not lock.exists()  # and by a run that stopped before training
 
 
+def test_the_same_job_restarted_elsewhere_takes_its_lock_over(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchrun restarting a failed group (or SLURM requeueing a job) may start rank 0 on another host: the lock
+    of an earlier attempt of the same job is taken over; another job's lock, or torchrun's default id 'none'
+    (which every job without --rdzv-id shares), is not."""
+    from dist_llm.train import run_lock
+
+    lock = tmp_path / "run.lock"
+    monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    for ours, theirs, taken in (("job-7", "job-7", True), ("job-7", "job-8", False), ("none", "none", False)):
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", ours)
+        lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "job": theirs}))
+        assert (run_lock.take(lock) is None) == taken, (ours, theirs)
+        if taken:
+            assert json.loads(lock.read_text())["job"] == "job-7"
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")  # a requeued SLURM job keeps its id
+    lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "job": "4242"}))
+    assert run_lock.take(lock) is None
+
+
 def test_a_fresh_start_keeps_the_earlier_runs_metrics(run: Path, corpus: Path) -> None:  # noqa: F811
     earlier = (run / "metrics.jsonl").read_bytes()
     assert b'"loss"' in earlier

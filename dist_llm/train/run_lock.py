@@ -10,6 +10,15 @@ from pathlib import Path
 RUN_LOCK = "run.lock"
 
 
+def job_id() -> str | None:
+    """The job this process belongs to, the same across its restarts: torchrun's rendezvous id (not its default
+    'none', which every job shares) or SLURM's job id (kept by a requeue). None when neither says."""
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run_id and run_id != "none":
+        return run_id
+    return os.environ.get("SLURM_JOB_ID") or None
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
@@ -26,24 +35,29 @@ def _create(path: Path) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname()}, f)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": job_id()}, f)
     return True
 
 
 def take(path: Path) -> str | None:
     """Take the lock at `path`; None when taken, else why not (one line naming the holder and the file). This
-    very process may take it again (a run restarted in-process); a dead holder's lock on this host is stale."""
+    very process may take it again (a run restarted in-process), and so may the holder's own job (torchrun's
+    restart of a failed group, a SLURM requeue: its rank 0 may now be on another host); a dead holder's lock on
+    this host is stale."""
     host = socket.gethostname()
     for _ in range(3):  # a stale lock removed, or a race with another starter: look again
         if _create(path):
             return None
         try:
             holder = json.loads(path.read_text())
-            pid, their_host = int(holder["pid"]), str(holder["host"])
+            pid, their_host, their_job = int(holder["pid"]), str(holder["host"]), holder.get("job")
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError):
             return f"{path} exists but names no process; if no run uses this out_dir, remove it"
+        if their_job is not None and their_job == job_id():
+            path.unlink(missing_ok=True)  # an earlier attempt of this very job, which is not running any more
+            continue
         if their_host != host:
             return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
                     "that run has ended, remove the file")
