@@ -18,6 +18,28 @@ DS_ZERO2 = {"parallel__zero_stage": 2, "train__micro_batch_size": 2}  # 2 micro-
 _UNINTERRUPTED: dict[str, dict[str, Any]] = {}
 
 
+def train_recording(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                    extra: dict[str, Any]) -> dict[str, Any]:
+    """`train`, noting which checkpoint files this rank hashed and which engine-state files it wrote."""
+    from dist_llm.parallel.data import deepspeed as ds_backend
+    from dist_llm.train import checksums
+
+    hashed: list[str] = []
+    written: list[str] = []
+    hash_files, write_engine_state = checksums.hash_files, ds_backend.write_engine_state
+
+    def hashing(root: Path, names: list[str]) -> Any:
+        hashed.extend(names)
+        return hash_files(root, names)
+
+    def writing(path: Path, *args: Any, **kwargs: Any) -> None:
+        written.append(path.relative_to(path.parents[1]).as_posix())
+        write_engine_state(path, *args, **kwargs)
+
+    checksums.hash_files, ds_backend.write_engine_state = hashing, writing
+    return {**train(rank, world_size, out_dir, corpus, extra), "hashed": hashed, "written": written}
+
+
 def uninterrupted(out_dir: Path, corpus: Path) -> dict[str, Any]:  # noqa: F811
     """DeepSpeed ZeRO-2 for STEPS steps in one go (run once per test worker: a DeepSpeed run takes ~15 s)."""
     if "run" not in _UNINTERRUPTED:
@@ -42,8 +64,9 @@ def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpu
     step is lr * sign(g)) and the losses from step 6 on by far more than the tolerance."""
     extra = {**DS_ZERO2, "parallel__backend": "deepspeed"}
     out = tmp_path / "resumed"
-    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4},
-                    init_group=False, timeout=600)
+    first = run_distributed(train_recording, 2, out, corpus,
+                            {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4}, init_group=False,
+                            timeout=600)
     got = run_distributed(train, 2, out, corpus, extra, init_group=False, timeout=600)[0]
     whole = uninterrupted(tmp_path / "whole", corpus)
     assert len(got["losses"]) == STEPS  # the metrics file holds steps 1-4, then 5-8 after the resume
@@ -53,9 +76,16 @@ def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpu
         assert a == pytest.approx(b, rel=1e-6)
     for name, p in whole["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    files = json.loads((out / "checkpoints" / "step_000004" / "manifest.json").read_text())["files"]
-    engine_files = [f for f in files if f.startswith("deepspeed/") and f.endswith("optim_states.pt")]
-    assert len(engine_files) == 2, files  # one optimizer partition per dp rank, checksummed by our manifest
+    # Each rank wrote and hashed its own partition file and no other (DeepSpeed's save_checkpoint had rank 0 hash
+    # every rank's optim_states.pt); no 16-bit module file (mp_rank_00_model_states.pt): DCP holds the weights.
+    step = out / "checkpoints" / "step_000004"
+    mine = [f"deepspeed/rank_{r:05d}.safetensors" for r in range(2)]
+    assert sorted(p.relative_to(step).as_posix() for p in (step / "deepspeed").iterdir()) == mine
+    files = json.loads((step / "manifest.json").read_text())["files"]
+    assert [f for f in files if f.startswith("deepspeed/")] == mine  # checksummed by our manifest
+    for rank, got_rank in enumerate(first):
+        assert got_rank["written"] == [mine[rank]], (rank, got_rank["written"])
+        assert [f for f in got_rank["hashed"] if f.startswith("deepspeed/")] == [mine[rank]], (rank, got_rank["hashed"])
 
 
 def test_deepspeed_skipped_steps_come_from_the_engine(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
