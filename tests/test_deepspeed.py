@@ -26,7 +26,7 @@ def train_recording(rank: int, world_size: int, out_dir: Path, corpus: Path,  # 
 
     hashed: list[str] = []
     written: list[str] = []
-    hash_files, write_engine_state = checksums.hash_files, ds_backend.write_engine_state
+    hash_files, write_engine_state = checksums.hash_files, getattr(ds_backend, "write_engine_state", None)
 
     def hashing(root: Path, names: list[str]) -> Any:
         hashed.extend(names)
@@ -36,7 +36,9 @@ def train_recording(rank: int, world_size: int, out_dir: Path, corpus: Path,  # 
         written.append(path.relative_to(path.parents[1]).as_posix())
         write_engine_state(path, *args, **kwargs)
 
-    checksums.hash_files, ds_backend.write_engine_state = hashing, writing
+    checksums.hash_files = hashing
+    if write_engine_state is not None:  # (a backend that left its files to DeepSpeed's save_checkpoint has none)
+        ds_backend.write_engine_state = writing
     return {**train(rank, world_size, out_dir, corpus, extra), "hashed": hashed, "written": written}
 
 
