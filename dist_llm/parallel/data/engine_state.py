@@ -65,7 +65,7 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor], *, objects: dict[str, An
     the stored attributes set on it; a name not in `objects` raises EngineStateError."""
     if tree is None or isinstance(tree, (bool, int, float, str)):
         return tree
-    if not isinstance(tree, dict) or len(tree) not in (1, 2):
+    if not isinstance(tree, dict) or len(tree) != (2 if "object" in tree else 1):
         raise EngineStateError(f"unexpected JSON value {str(tree)[:80]}")
     tag, body = next(iter(tree.items()))
     if tag == "tensor" and isinstance(body, str) and body in tensors:
@@ -77,11 +77,14 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor], *, objects: dict[str, An
         return tuple(items) if tag == "tuple" else items
     if tag == "dict" and isinstance(body, list) and all(isinstance(kv, list) and len(kv) == 2 for kv in body):
         return {_key(k): decode(v, tensors, objects=objects) for k, v in body}
-    if tag == "object" and len(tree) == 2:
+    if tag == "object" and isinstance(body, str) and isinstance(tree.get("attrs"), dict):
         if body not in objects:
             raise EngineStateError(f"holds a {body}, this engine has {sorted(objects) or 'none'}")
         live = objects[body]
-        for name, v in decode(tree["attrs"], tensors, objects=objects).items():
+        attrs = decode(tree["attrs"], tensors, objects=objects)
+        if not isinstance(attrs, dict):
+            raise EngineStateError(f"attributes of {body} are not a dict")
+        for name, v in attrs.items():
             if name.startswith("__"):
                 raise EngineStateError(f"attribute {name!r} of {body} refused")
             setattr(live, name, v)
