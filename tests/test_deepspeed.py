@@ -103,3 +103,21 @@ def test_deepspeed_skipped_steps_come_from_the_engine(tmp_path: Path, corpus: Pa
     for r in records:  # the running count, step by step
         want = sum(1 for s in bad if s <= r["step"])
         assert r.get("skipped_steps", 0) == want, (r["step"], r.get("skipped_steps"), bad)
+
+
+def test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """ZeRO-1 in bf16: the partition file carries the fp32 master (the bf16 weights alone would round it) and
+    the loss scaler object's state, put back into the live engine's."""
+    extra = {"parallel__zero_stage": 1, "train__micro_batch_size": 2, "train__precision": "bf16",
+             "parallel__backend": "deepspeed"}
+    out = tmp_path / "resumed"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4},
+                    init_group=False, timeout=600)
+    got = run_distributed(train, 2, out, corpus, extra, init_group=False, timeout=600)[0]
+    whole = run_distributed(train, 2, tmp_path / "whole", corpus, extra, init_group=False, timeout=600)[0]
+    assert len(got["losses"]) == STEPS
+    # as in the ZeRO-2 test: the same state restored bit for bit, the same reduction order
+    for a, b in zip(got["losses"], whole["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    for name, p in whole["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
