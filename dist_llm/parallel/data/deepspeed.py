@@ -9,12 +9,15 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-Checkpoints hold the model weights in our format (so they load into any native layout) and, in the step
-folder's `deepspeed/`, DeepSpeed's own `save_checkpoint` (optimizer partitions, fp32 master, loss scaler, step
-counts), which our manifest covers. Resuming with this backend at the same dp size, ZeRO stage and precision
-loads it back through `load_checkpoint`, so training goes on as if never stopped; otherwise (or from a
-checkpoint of another backend) it loads the weights and restarts the optimizer moments, and says so.
-DeepSpeed reads its files with `torch.load(weights_only=False)`: they are trusted input.
+Checkpoints hold the model weights in our format (so they load into any native layout) and, at ZeRO-1/2, each
+rank's own optimizer partition (fp32 master, Adam moments, loss scaler, the engine's step counters) in the step
+folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON (engine_state.py), which our manifest covers.
+Each rank writes and later reads its own file only, with no collective: DeepSpeed's save_checkpoint and
+load_checkpoint are not used (they barrier on the training group, rank 0 writes a 16-bit copy of the whole
+module that the DCP shards already hold, and they read with torch.load(weights_only=False)). Resuming with this
+backend at the same dp size, ZeRO stage and precision puts the partition back through the optimizer's
+load_state_dict, so training goes on as if never stopped; otherwise (or from a checkpoint of another backend)
+it loads the weights and restarts the optimizer moments, and says so.
 """
 
 from __future__ import annotations
