@@ -121,3 +121,30 @@ def test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses(tmp_path: Path, 
         assert a == pytest.approx(b, rel=1e-6)
     for name, p in whole["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Rank 1's partition file replaced by one whose JSON asks to set a dunder attribute on the loss scaler, the
+    manifest rewritten to match (an attacker can): the resume refuses it with one ConfigError naming the file,
+    before anything in it is applied."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 2}
+    out = tmp_path / "run"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 2, "train__ckpt_interval": 2},
+                    init_group=False, timeout=600)
+    step = out / "checkpoints" / "step_000002"
+    victim = step / "deepspeed" / "rank_00001.safetensors"
+    hostile = {"object": "LossScaler", "attrs": {"dict": [["__class__", None]]}}
+    save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]})})
+    manifest = json.loads((step / "manifest.json").read_text())
+    data = victim.read_bytes()
+    manifest["files"]["deepspeed/rank_00001.safetensors"] = {"bytes": len(data),
+                                                              "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AssertionError) as failed:
+        run_distributed(train, 2, out, corpus, {**extra, "train__resume": str(step)}, init_group=False, timeout=600)
+    assert (f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute '__class__' "
+            f"of LossScaler refused)") in str(failed.value)
