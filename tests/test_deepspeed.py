@@ -87,7 +87,8 @@ def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpu
     assert [f for f in files if f.startswith("deepspeed/")] == mine  # checksummed by our manifest
     for rank, got_rank in enumerate(first):
         assert got_rank["written"] == [mine[rank]], (rank, got_rank["written"])
-        assert [f for f in got_rank["hashed"] if f.startswith("deepspeed/")] == [mine[rank]], (rank, got_rank["hashed"])
+        hashed = [f for f in got_rank["hashed"] if f.startswith("deepspeed/")]
+        assert hashed == [mine[rank]], (rank, got_rank["hashed"])
 
 
 def test_deepspeed_skipped_steps_come_from_the_engine(tmp_path: Path, corpus: Path) -> None:  # noqa: F811

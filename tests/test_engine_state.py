@@ -34,7 +34,8 @@ def _state() -> dict[str, Any]:
 
 def test_round_trip_is_exact(tmp_path: Path) -> None:
     saved = _state()
-    saved["loss_scaler"].cur_scale, saved["loss_scaler"].cur_iter, saved["loss_scaler"].dtype = 2.0**14, 37, torch.bfloat16
+    scaler = saved["loss_scaler"]
+    scaler.cur_scale, scaler.cur_iter, scaler.dtype = 2.0**14, 37, torch.bfloat16
     write_engine_state(tmp_path / "rank_00000.safetensors", saved, objects=(Scaler,))
     live = Scaler()
     got = read_engine_state(tmp_path / "rank_00000.safetensors", objects={"Scaler": live})

@@ -255,7 +255,8 @@ class DeepSpeedDataParallel(DataParallel):
         import yaml
 
         if not self._zero_optimizer():
-            return f"DeepSpeed's optimizer state is saved at zero_stage 1 and 2 only, this run has {self.cfg.parallel.zero_stage}"
+            return (f"DeepSpeed's optimizer state is saved at zero_stage 1 and 2 only, this run has "
+                    f"{self.cfg.parallel.zero_stage}")
         if not self._engine_file(path).is_file():
             return (f"{path} holds no {self._engine_file(path).relative_to(path)}: saved by another backend, "
                     f"another stage or an older dist_llm")
