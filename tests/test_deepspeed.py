@@ -18,6 +18,30 @@ DS_ZERO2 = {"parallel__zero_stage": 2, "train__micro_batch_size": 2}  # 2 micro-
 _UNINTERRUPTED: dict[str, dict[str, Any]] = {}
 
 
+def train_recording(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                    extra: dict[str, Any]) -> dict[str, Any]:
+    """`train`, noting which checkpoint files this rank hashed and which engine-state files it wrote."""
+    from dist_llm.parallel.data import deepspeed as ds_backend
+    from dist_llm.train import checksums
+
+    hashed: list[str] = []
+    written: list[str] = []
+    hash_files, write_engine_state = checksums.hash_files, getattr(ds_backend, "write_engine_state", None)
+
+    def hashing(root: Path, names: list[str]) -> Any:
+        hashed.extend(names)
+        return hash_files(root, names)
+
+    def writing(path: Path, *args: Any, **kwargs: Any) -> None:
+        written.append(path.relative_to(path.parents[1]).as_posix())
+        write_engine_state(path, *args, **kwargs)
+
+    checksums.hash_files = hashing
+    if write_engine_state is not None:  # (a backend that left its files to DeepSpeed's save_checkpoint has none)
+        ds_backend.write_engine_state = writing
+    return {**train(rank, world_size, out_dir, corpus, extra), "hashed": hashed, "written": written}
+
+
 def uninterrupted(out_dir: Path, corpus: Path) -> dict[str, Any]:  # noqa: F811
     """DeepSpeed ZeRO-2 for STEPS steps in one go (run once per test worker: a DeepSpeed run takes ~15 s)."""
     if "run" not in _UNINTERRUPTED:
@@ -42,8 +66,9 @@ def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpu
     step is lr * sign(g)) and the losses from step 6 on by far more than the tolerance."""
     extra = {**DS_ZERO2, "parallel__backend": "deepspeed"}
     out = tmp_path / "resumed"
-    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4},
-                    init_group=False, timeout=600)
+    first = run_distributed(train_recording, 2, out, corpus,
+                            {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4}, init_group=False,
+                            timeout=600)
     got = run_distributed(train, 2, out, corpus, extra, init_group=False, timeout=600)[0]
     whole = uninterrupted(tmp_path / "whole", corpus)
     assert len(got["losses"]) == STEPS  # the metrics file holds steps 1-4, then 5-8 after the resume
@@ -53,9 +78,17 @@ def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpu
         assert a == pytest.approx(b, rel=1e-6)
     for name, p in whole["params"].items():
         torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
-    files = json.loads((out / "checkpoints" / "step_000004" / "manifest.json").read_text())["files"]
-    engine_files = [f for f in files if f.startswith("deepspeed/") and f.endswith("optim_states.pt")]
-    assert len(engine_files) == 2, files  # one optimizer partition per dp rank, checksummed by our manifest
+    # Each rank wrote and hashed its own partition file and no other (DeepSpeed's save_checkpoint had rank 0 hash
+    # every rank's optim_states.pt); no 16-bit module file (mp_rank_00_model_states.pt): DCP holds the weights.
+    step = out / "checkpoints" / "step_000004"
+    mine = [f"deepspeed/rank_{r:05d}.safetensors" for r in range(2)]
+    assert sorted(p.relative_to(step).as_posix() for p in (step / "deepspeed").iterdir()) == mine
+    files = json.loads((step / "manifest.json").read_text())["files"]
+    assert [f for f in files if f.startswith("deepspeed/")] == mine  # checksummed by our manifest
+    for rank, got_rank in enumerate(first):
+        assert got_rank["written"] == [mine[rank]], (rank, got_rank["written"])
+        hashed = [f for f in got_rank["hashed"] if f.startswith("deepspeed/")]
+        assert hashed == [mine[rank]], (rank, got_rank["hashed"])
 
 
 def test_deepspeed_skipped_steps_come_from_the_engine(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
@@ -71,3 +104,48 @@ def test_deepspeed_skipped_steps_come_from_the_engine(tmp_path: Path, corpus: Pa
     for r in records:  # the running count, step by step
         want = sum(1 for s in bad if s <= r["step"])
         assert r.get("skipped_steps", 0) == want, (r["step"], r.get("skipped_steps"), bad)
+
+
+def test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """ZeRO-1 in bf16: the partition file carries the fp32 master (the bf16 weights alone would round it) and
+    the loss scaler object's state, put back into the live engine's."""
+    extra = {"parallel__zero_stage": 1, "train__micro_batch_size": 2, "train__precision": "bf16",
+             "parallel__backend": "deepspeed"}
+    out = tmp_path / "resumed"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4},
+                    init_group=False, timeout=600)
+    got = run_distributed(train, 2, out, corpus, extra, init_group=False, timeout=600)[0]
+    whole = run_distributed(train, 2, tmp_path / "whole", corpus, extra, init_group=False, timeout=600)[0]
+    assert len(got["losses"]) == STEPS
+    # as in the ZeRO-2 test: the same state restored bit for bit, the same reduction order
+    for a, b in zip(got["losses"], whole["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    for name, p in whole["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Rank 1's partition file replaced by one whose JSON asks to set a dunder attribute on the loss scaler, the
+    manifest rewritten to match (an attacker can): the resume refuses it with one ConfigError naming the file,
+    before anything in it is applied."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 2}
+    out = tmp_path / "run"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 2, "train__ckpt_interval": 2},
+                    init_group=False, timeout=600)
+    step = out / "checkpoints" / "step_000002"
+    victim = step / "deepspeed" / "rank_00001.safetensors"
+    hostile = {"object": "LossScaler", "attrs": {"dict": [["__class__", None]]}}
+    save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]})})
+    manifest = json.loads((step / "manifest.json").read_text())
+    data = victim.read_bytes()
+    manifest["files"]["deepspeed/rank_00001.safetensors"] = {"bytes": len(data),
+                                                              "sha256": hashlib.sha256(data).hexdigest()}
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(AssertionError) as failed:
+        run_distributed(train, 2, out, corpus, {**extra, "train__resume": str(step)}, init_group=False, timeout=600)
+    assert (f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute '__class__' "
+            f"of LossScaler refused)") in str(failed.value)

@@ -7,9 +7,9 @@ Layout of `checkpoints/step_NNNNNN/`:
   train_state.json           step, tokens seen, sampler, loss scaler (identical on every rank)
   rng/rank_KKKKK.json        each rank's RNG states
   config.yaml                the resolved config, so `dist-llm sample` needs nothing else
-  deepspeed/                 parallel.backend=deepspeed only: the engine's own save_checkpoint (optimizer
-                             partitions, fp32 master, loss scaler, step counts), read back only by that
-                             backend's resume, with torch.load(weights_only=False): trusted input
+  deepspeed/rank_KKKKK.safetensors  parallel.backend=deepspeed at ZeRO-1/2 only: each rank's optimizer
+                             partition (fp32 master, Adam moments, loss scaler, step counts), tensors plus
+                             JSON, written and read by that rank alone
   manifest.json              written last, atomically: the checkpoint is complete only once it exists; each
                              rank hashes the files it wrote (see checksums.py)
 

@@ -2,7 +2,8 @@
 resume each rank verifies a share of the files; only small {file: size and sha256} dicts and verdicts travel.
 
 Which rank wrote which file is read from the names: DCP's file writer names the shards of the rank at
-position K of its process group `__K_<n>.distcp`, and each rank writes its own `rng/rank_KKKKK.json`. The
+position K of its process group `__K_<n>.distcp`, and each rank writes its own `rng/rank_KKKKK.json` (and,
+with `parallel.backend=deepspeed`, its own `deepspeed/rank_KKKKK.safetensors`: its ZeRO partition). The
 main rank hashes everything else (the small JSON and YAML files, DCP's `.metadata`, and any file no rank
 claimed, so the manifest stays complete if the naming ever changes).
 
@@ -26,7 +27,8 @@ import torch.distributed as dist
 
 MANIFEST = "manifest.json"
 _SHARD = re.compile(r"^__(\d+)_\d+\.distcp$")
-_RNG = re.compile(r"^rng/rank_(\d+)\.json$")
+# files each rank writes under its own global rank: its RNG states, and the DeepSpeed backend's engine state
+_PER_RANK = re.compile(r"^(?:rng/rank_(\d+)\.json|deepspeed/rank_(\d+)\.safetensors)$")
 
 FileEntries = dict[str, dict[str, Any]]  # relative name -> {"bytes": int, "sha256": str}
 
@@ -75,7 +77,7 @@ def checkpoint_files(root: Path, *, rank: int = 0, group_rank: int = 0) -> list[
 def written_by(names: list[str], *, rank: int, group_rank: int) -> list[str]:
     """The files among `names` that rank `rank` (position `group_rank` in the saving group) wrote itself."""
     return [n for n in names if ((m := _SHARD.match(n)) and int(m.group(1)) == group_rank)
-            or ((m := _RNG.match(n)) and int(m.group(1)) == rank)]
+            or ((m := _PER_RANK.match(n)) and int(m.group(1) or m.group(2)) == rank)]
 
 
 def _group_rank_size(group: Any) -> tuple[int, int]:

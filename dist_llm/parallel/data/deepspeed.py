@@ -9,12 +9,15 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-Checkpoints hold the model weights in our format (so they load into any native layout) and, in the step
-folder's `deepspeed/`, DeepSpeed's own `save_checkpoint` (optimizer partitions, fp32 master, loss scaler, step
-counts), which our manifest covers. Resuming with this backend at the same dp size, ZeRO stage and precision
-loads it back through `load_checkpoint`, so training goes on as if never stopped; otherwise (or from a
-checkpoint of another backend) it loads the weights and restarts the optimizer moments, and says so.
-DeepSpeed reads its files with `torch.load(weights_only=False)`: they are trusted input.
+Checkpoints hold the model weights in our format (so they load into any native layout) and, at ZeRO-1/2, each
+rank's own optimizer partition (fp32 master, Adam moments, loss scaler, the engine's step counters) in the step
+folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON (engine_state.py), which our manifest covers.
+Each rank writes and later reads its own file only, with no collective: DeepSpeed's save_checkpoint and
+load_checkpoint are not used (they barrier on the training group, rank 0 writes a 16-bit copy of the whole
+module that the DCP shards already hold, and they read with torch.load(weights_only=False)). Resuming with this
+backend at the same dp size, ZeRO stage and precision puts the partition back through the optimizer's
+load_state_dict, so training goes on as if never stopped; otherwise (or from a checkpoint of another backend)
+it loads the weights and restarts the optimizer moments, and says so.
 """
 
 from __future__ import annotations
@@ -34,12 +37,15 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
+from dist_llm.parallel.data.engine_state import EngineStateError, read_engine_state, write_engine_state
 from dist_llm.train.optim import build_optimizer, set_lr
 
 log = logging.getLogger("dist_llm")
 
-#: DeepSpeed's checkpoint tag: its files go to step_NNNNNN/deepspeed/ (save_checkpoint writes save_dir/tag/)
+#: the folder of a checkpoint that holds each rank's DeepSpeed state (deepspeed/rank_KKKKK.safetensors)
 ENGINE_DIR = "deepspeed"
+#: the engine's own counters that its step reads (its skip count, the samples and steps it has seen)
+_COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
 
 
 def deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
@@ -191,29 +197,69 @@ class DeepSpeedDataParallel(DataParallel):
         if refresh is not None:  # DeepSpeed's fp32 master partitions follow the loaded weights
             refresh()
 
+    def _engine_file(self, path: Path) -> Path:
+        # named by rank like rng/rank_KKKKK.json, so checksums.written_by gives each rank its own file to hash;
+        # this backend runs data parallelism only (pp>1 is refused), so the rank is the ZeRO partition's index
+        return path / ENGINE_DIR / f"rank_{self.ctx.rank:05d}.safetensors"
+
+    def _zero_optimizer(self) -> bool:
+        from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+        return isinstance(self.optimizer, DeepSpeedZeroOptimizer)
+
     def save_engine_state(self, path: Path) -> None:
-        """DeepSpeed's own checkpoint into path/deepspeed/ (a collective: every rank writes its partitions)."""
-        self.engine.save_checkpoint(str(path), tag=ENGINE_DIR, save_latest=False)
+        """This rank's ZeRO-1/2 partition (fp32 master, Adam moments, loss scaler) and the engine's step counters
+        into path/deepspeed/rank_KKKKK.safetensors: each rank writes only its own share, with no collective
+        (DeepSpeed's save_checkpoint would add its barriers on the training group and a 16-bit copy of the
+        whole module, which the DCP shards already hold)."""
+        if not self._zero_optimizer():
+            return  # other stages resume the weights only (load_engine_state says so)
+        from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
+        from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
+
+        # the slice mappings serve only DeepSpeed's universal checkpoints (and are not tensors or numbers)
+        optim = {k: v for k, v in self.optimizer.state_dict().items() if k != PARAM_SLICE_MAPPINGS}
+        counters = {k: getattr(self.engine, k) for k in _COUNTERS}
+        self._engine_file(path).parent.mkdir(exist_ok=True)
+        write_engine_state(self._engine_file(path), {"optimizer": optim, "engine": counters},
+                           objects=(LossScalerBase,))
 
     def load_engine_state(self, path: Path) -> None:
-        """DeepSpeed's optimizer, fp32 master and counters from path/deepspeed/, when they fit this engine."""
+        """This rank's partition and the engine's counters from path/deepspeed/, when they fit this engine;
+        only this rank's file is read, and nothing waits on another rank."""
         reason = self._engine_state_mismatch(path)
         if reason is not None:
             log.warning("parallel.backend=deepspeed: resumed the model weights only; optimizer moments start "
                         "afresh (%s)", reason)
             return
-        loaded, _ = self.engine.load_checkpoint(str(path), tag=ENGINE_DIR)
-        if loaded is None:
-            raise ConfigError(f"train.resume: {path / ENGINE_DIR}: DeepSpeed could not load its state")
-        log.info("parallel.backend=deepspeed: resumed DeepSpeed's optimizer state from %s", path / ENGINE_DIR)
+        file = self._engine_file(path)
+        scaler = self.optimizer.loss_scaler
+        try:
+            saved = read_engine_state(file, objects={type(scaler).__name__: scaler})
+            optim, counters = saved["optimizer"], saved["engine"]
+            # DeepSpeed's load takes one state per saved partition and, when the dp size is unchanged (checked
+            # above), reads only this rank's entry: the others stay None rather than being read from disk
+            parts: list[Any] = [None] * self.ctx.dp
+            parts[self.ctx.dp_rank] = optim
+            self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+            for name in _COUNTERS:
+                setattr(self.engine, name, int(counters[name]))
+        except (EngineStateError, KeyError, TypeError, ValueError, RuntimeError) as e:
+            raise ConfigError(f"train.resume: {file}: cannot load DeepSpeed's state ({str(e).splitlines()[0]})") \
+                from None
+        log.info("parallel.backend=deepspeed: resumed DeepSpeed's optimizer state from %s", file)
 
     def _engine_state_mismatch(self, path: Path) -> str | None:
         """Why DeepSpeed's files in checkpoint `path` cannot go into this engine (None when they can): its
         ZeRO partitions are cut for one dp size, and named and typed for one stage and precision."""
         import yaml
 
-        if not (path / ENGINE_DIR).is_dir():
-            return f"{path} holds no {ENGINE_DIR}/ engine state: saved by another backend or an older dist_llm"
+        if not self._zero_optimizer():
+            return (f"DeepSpeed's optimizer state is saved at zero_stage 1 and 2 only, this run has "
+                    f"{self.cfg.parallel.zero_stage}")
+        if not self._engine_file(path).is_file():
+            return (f"{path} holds no {self._engine_file(path).relative_to(path)}: saved by another backend, "
+                    f"another stage or an older dist_llm")
         saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
         saved_dp = json.loads((path / "manifest.json").read_text())["layout"]["dp"]
         then = (saved_dp, saved_cfg["parallel"]["zero_stage"], saved_cfg["train"]["precision"])
