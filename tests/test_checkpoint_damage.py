@@ -274,7 +274,7 @@ def test_the_checkpoint_timeout_scales_with_one_ranks_share() -> None:
 # -- 7: a rank other than the first looks up only its own files ---------------------------------------------
 def test_a_rank_looks_up_its_own_files_without_listing_the_folder(tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rank 3 of a checkpoint written by 4 ranks: it finds its two shards and its RNG file with no listing of
+    """Rank 3 of a checkpoint written by 4 ranks: it finds its two shards, its RNG and engine files with no listing of
     the checkpoint folder (listing raises here), so a save costs it a few lookups, not one per file."""
     for k in range(4):
         for n in range(2):
@@ -283,6 +283,9 @@ def test_a_rank_looks_up_its_own_files_without_listing_the_folder(tmp_path: Path
     for k in range(4):
         (tmp_path / "rng" / f"rank_{k:05d}.json").write_text("{}")
     (tmp_path / ".metadata").write_bytes(b"x")
+    (tmp_path / "deepspeed").mkdir()  # parallel.backend=deepspeed: each rank's engine state file
+    for k in range(4):
+        (tmp_path / "deepspeed" / f"rank_{k:05d}.safetensors").write_bytes(b"x")
 
     def no_listing(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("listed the checkpoint folder")
@@ -292,8 +295,8 @@ def test_a_rank_looks_up_its_own_files_without_listing_the_folder(tmp_path: Path
     monkeypatch.setattr(Path, "glob", no_listing)
     monkeypatch.setattr(os, "scandir", no_listing)
     monkeypatch.setattr(os, "listdir", no_listing)
-    assert checksums.checkpoint_files(tmp_path, rank=3, group_rank=3) == ["__3_0.distcp", "__3_1.distcp",
-                                                                          "rng/rank_00003.json"]
+    assert checksums.checkpoint_files(tmp_path, rank=3, group_rank=3) == [
+        "__3_0.distcp", "__3_1.distcp", "rng/rank_00003.json", "deepspeed/rank_00003.safetensors"]
 
 
 # -- 11: one run per out_dir; a fresh start keeps the earlier run's metrics ----------------------------------

@@ -55,9 +55,9 @@ def checkpoint_files(root: Path, *, rank: int = 0, group_rank: int = 0) -> list[
     every file but the manifest and hidden temporaries, DCP's `.metadata` included. Any other rank looks up
     only the names it can have written, without listing or stat-ing the folder's other files (at thousands of
     ranks, every rank listing the whole folder is millions of metadata operations on a shared file system):
-    its DCP shards `__K_0.distcp`, `__K_1.distcp`... up to the first absent one, its RNG file, and the files of
-    an engine's own folder (`deepspeed/`, whose names are the engine's). A name missed here is hashed by the
-    first rank, which lists everything."""
+    its DCP shards `__K_0.distcp`, `__K_1.distcp`... up to the first absent one, its RNG file, and its engine
+    state file (`deepspeed/rank_KKKKK.safetensors`). A name missed here is hashed by the first rank, which
+    lists everything."""
     if group_rank == 0:
         files = sorted(str(p.relative_to(root)) for p in root.rglob("*")
                        if p.is_file() and p.name != MANIFEST and not p.name.startswith("."))
@@ -68,9 +68,8 @@ def checkpoint_files(root: Path, *, rank: int = 0, group_rank: int = 0) -> list[
         n += 1
     if (root / (name := f"rng/rank_{rank:05d}.json")).is_file():
         own.append(name)
-    engine = root / "deepspeed"
-    if engine.is_dir():
-        own += sorted(str(p.relative_to(root)) for p in engine.rglob("*") if p.is_file() and not p.name.startswith("."))
+    if (root / (name := f"deepspeed/rank_{rank:05d}.safetensors")).is_file():
+        own.append(name)
     return own
 
 
