@@ -2,7 +2,8 @@
 # Train on NNODES machines: run this same command on every node (or let launch/slurm.sbatch do it).
 #   NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 launch/torchrun_multi_node.sh configs/3d.yaml
 #   NNODES=4 RDZV_ENDPOINT=node0:29500 launch/torchrun_multi_node.sh configs/3d.yaml train.max_steps=100
-# NPROC: processes per node (default: its GPUs, else 1). c10d rendezvous under RDZV_ID (default dist_llm),
+# NPROC: processes per node (default: its GPUs, else 1). c10d rendezvous under RDZV_ID (default: the SLURM job
+# id, else one named after the rendezvous endpoint, the same on every node and kept across restarts),
 # so the job re-forms after a failure, up to MAX_RESTARTS (default 3) times, and resumes from its newest
 # checkpoint (train.resume=auto). Ranks are numbered node by node: a node's processes get consecutive ranks,
 # which the mesh ("pp", "dp", "tp") puts in one tensor-parallel group.
@@ -15,5 +16,5 @@ endpoint=${RDZV_ENDPOINT:-${MASTER_ADDR:?set MASTER_ADDR (or RDZV_ENDPOINT)}:${M
 node_rank=()
 [ -n "${NODE_RANK:-}" ] && node_rank=(--node-rank "$NODE_RANK")
 exec "${PYTHON:-python}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${node_rank[@]}" \
-  --rdzv-backend c10d --rdzv-endpoint "$endpoint" --rdzv-id "${RDZV_ID:-dist_llm}" \
+  --rdzv-backend c10d --rdzv-endpoint "$endpoint" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-dist_llm-${endpoint}}}" \
   --max-restarts "${MAX_RESTARTS:-3}" -m dist_llm.train --config "$config" "$@"

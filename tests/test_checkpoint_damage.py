@@ -261,6 +261,28 @@ def test_a_failure_on_the_main_rank_reaches_every_rank(tmp_path: Path) -> None:
                     "deleted"] * 2
 
 
+def _run_lock_failing(rank: int, world_size: int, out_dir: Path) -> str:
+    """Trainer._take_run_lock on a stand-in trainer: the main rank cannot create the lock (disk full)."""
+    from dist_llm.train import run_lock
+
+    def full(path: Path) -> str | None:
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+    run_lock.take = full
+    stand_in = SimpleNamespace(ctx=SimpleNamespace(is_main=rank == 0), out_dir=out_dir)
+    try:
+        Trainer._take_run_lock(stand_in)  # type: ignore[arg-type]
+    except ConfigError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_failure_to_take_the_run_lock_reaches_every_rank(tmp_path: Path) -> None:
+    """Before, rank 0 raised a traceback and rank 1 waited in the broadcast until parallel.timeout_s (here: the
+    test's timeout); now both raise the same one line."""
+    said = run_distributed(_run_lock_failing, 2, tmp_path, timeout=60)
+    assert said == [f"train.out_dir: {tmp_path / 'run.lock'}: cannot take the run lock: No space left on device"] * 2
+
+
 # -- 8: the checkpoint group's timeout scales with one rank's share ------------------------------------------
 def test_the_checkpoint_timeout_scales_with_one_ranks_share() -> None:
     """70B at tp=8, pp=8, dp=64 under ZeRO-1: each rank holds 1/64 of the fp32 weights (4 B) and 1/4096 of the
@@ -348,6 +370,16 @@ def test_the_same_job_restarted_elsewhere_takes_its_lock_over(tmp_path: Path,
     monkeypatch.setenv("SLURM_JOB_ID", "4242")  # a requeued SLURM job keeps its id
     lock.write_text(json.dumps({"pid": 1, "host": "elsewhere", "job": "4242"}))
     assert run_lock.take(lock) is None
+    # on this host the pid decides, whatever the job: two live runs of one job id (two sruns of one allocation,
+    # or the launch script's fixed rendezvous id) must not share an out_dir
+    holder = subprocess.Popen(["sleep", "60"])
+    try:
+        lock.write_text(json.dumps({"pid": holder.pid, "host": socket.gethostname(), "job": "4242"}))
+        assert run_lock.take(lock) == (f"{lock}: in use by process {holder.pid} on this host; wait for it, or use "
+                                       "another train.out_dir")
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_a_fresh_start_keeps_the_earlier_runs_metrics(run: Path, corpus: Path) -> None:  # noqa: F811

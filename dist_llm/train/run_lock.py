@@ -41,9 +41,9 @@ def _create(path: Path) -> bool:
 
 def take(path: Path) -> str | None:
     """Take the lock at `path`; None when taken, else why not (one line naming the holder and the file). This
-    very process may take it again (a run restarted in-process), and so may the holder's own job (torchrun's
-    restart of a failed group, a SLURM requeue: its rank 0 may now be on another host); a dead holder's lock on
-    this host is stale."""
+    very process may take it again (a run restarted in-process); a dead holder's lock on this host is stale;
+    on another host, whose processes cannot be checked from here, only the holder's own job may take it over
+    (torchrun's restart of a failed group, a SLURM requeue: its rank 0 may now be on another host)."""
     host = socket.gethostname()
     for _ in range(3):  # a stale lock removed, or a race with another starter: look again
         if _create(path):
@@ -55,15 +55,16 @@ def take(path: Path) -> str | None:
             continue
         except (OSError, ValueError, KeyError, TypeError):
             return f"{path} exists but names no process; if no run uses this out_dir, remove it"
-        if their_job is not None and their_job == job_id():
-            path.unlink(missing_ok=True)  # an earlier attempt of this very job, which is not running any more
+        if their_host == host:
+            if pid != os.getpid() and _alive(pid):
+                return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir"
+            path.unlink(missing_ok=True)  # ours already, or its process is gone
             continue
-        if their_host != host:
-            return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
-                    "that run has ended, remove the file")
-        if pid != os.getpid() and _alive(pid):
-            return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir"
-        path.unlink(missing_ok=True)  # ours already, or its process is gone
+        if their_job is not None and their_job == job_id():
+            path.unlink(missing_ok=True)  # an earlier attempt of this very job, restarted on another host
+            continue
+        return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
+                "that run has ended, remove the file")
     return f"{path}: cannot be created (another run keeps taking it)"
 
 

@@ -337,8 +337,11 @@ class Trainer:
         cannot be checked from here), stops this run with one line, exit 2. Every rank gets the verdict."""
         box: list[str | None] = [None]
         if self.ctx.is_main:
-            self.out_dir.mkdir(parents=True, exist_ok=True)
-            box = [run_lock.take(self.out_dir / RUN_LOCK)]
+            try:  # an error here goes to every rank as the verdict, not left for them to wait on
+                self.out_dir.mkdir(parents=True, exist_ok=True)
+                box = [run_lock.take(self.out_dir / RUN_LOCK)]
+            except OSError as e:
+                box = [f"{self.out_dir / RUN_LOCK}: cannot take the run lock: {e.strerror or e}"]
         if torch.distributed.is_initialized():
             torch.distributed.broadcast_object_list(box, src=0)
         if box[0] is not None:
