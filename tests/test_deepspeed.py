@@ -124,10 +124,23 @@ def test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses(tmp_path: Path, 
         torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _train_or_refusal(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                      extra: dict[str, Any]) -> str:
+    """`train`, or the ConfigError it stopped with on this rank."""
+    from dist_llm.config import ConfigError
+
+    try:
+        train(rank, world_size, out_dir, corpus, extra)
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+    return "trained"
+
+
 def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    """Rank 1's partition file replaced by one whose JSON asks to set a dunder attribute on the loss scaler, the
-    manifest rewritten to match (an attacker can): the resume refuses it with one ConfigError naming the file,
-    before anything in it is applied."""
+    """Rank 1's partition file replaced by one whose JSON sets the loss scaler's `loss_scale` (a property of
+    DeepSpeed's: setattr raised a bare AttributeError), the manifest rewritten to match (an attacker can): the
+    resume refuses it with one ConfigError naming the file, on both ranks (before, rank 0 went on training
+    while rank 1 died), before anything in it is applied."""
     import hashlib
 
     from safetensors.torch import save_file
@@ -138,14 +151,14 @@ def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Pa
                     init_group=False, timeout=600)
     step = out / "checkpoints" / "step_000002"
     victim = step / "deepspeed" / "rank_00001.safetensors"
-    hostile = {"object": "LossScaler", "attrs": {"dict": [["__class__", None]]}}
+    hostile = {"object": "LossScaler", "attrs": {"dict": [["loss_scale", 5]]}}
     save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]})})
     manifest = json.loads((step / "manifest.json").read_text())
     data = victim.read_bytes()
     manifest["files"]["deepspeed/rank_00001.safetensors"] = {"bytes": len(data),
                                                               "sha256": hashlib.sha256(data).hexdigest()}
     (step / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(AssertionError) as failed:
-        run_distributed(train, 2, out, corpus, {**extra, "train__resume": str(step)}, init_group=False, timeout=600)
-    assert (f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute '__class__' "
-            f"of LossScaler refused)") in str(failed.value)
+    said = run_distributed(_train_or_refusal, 2, out, corpus, {**extra, "train__resume": str(step)},
+                           init_group=False, timeout=600)
+    assert said == [f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute "
+                    "'loss_scale' of LossScaler: this engine's LossScaler has no such data attribute)"] * 2
