@@ -143,6 +143,7 @@ def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Pa
     while rank 1 died), before anything in it is applied."""
     import hashlib
 
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 2}
@@ -152,7 +153,10 @@ def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Pa
     step = out / "checkpoints" / "step_000002"
     victim = step / "deepspeed" / "rank_00001.safetensors"
     hostile = {"object": "LossScaler", "attrs": {"dict": [["loss_scale", 5]]}}
-    save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]})})
+    with safe_open(str(victim), framework="pt") as f:  # the partition layout stays: this engine's own
+        layout = f.metadata()["dist_llm.engine_layout"]
+    save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]}),
+                                         "dist_llm.engine_layout": layout})
     manifest = json.loads((step / "manifest.json").read_text())
     data = victim.read_bytes()
     manifest["files"]["deepspeed/rank_00001.safetensors"] = {"bytes": len(data),
@@ -162,3 +166,43 @@ def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Pa
                            init_group=False, timeout=600)
     assert said == [f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute "
                     "'loss_scale' of LossScaler: this engine's LossScaler has no such data attribute)"] * 2
+
+
+def _train_logging_warnings(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                            extra: dict[str, Any]) -> list[str]:
+    """`train`; the dist_llm warnings this rank logged."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("dist_llm").addHandler(handler)
+    try:
+        train(rank, world_size, out_dir, corpus, extra)
+    finally:
+        logging.getLogger("dist_llm").removeHandler(handler)
+    return said
+
+
+def test_deepspeed_resume_with_other_zero_settings_loads_weights_only(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Saved with round_robin_gradients off, resumed with it on: the partitions keep their sizes but hold the
+    parameters in another order, so loading them would put moments on the wrong parameters silently. Before,
+    the resume loaded them (dp, stage and precision agree); now every rank warns and starts the moments afresh."""
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 3}
+    out = tmp_path / "run"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 2, "train__ckpt_interval": 2},
+                    init_group=False, timeout=600)
+    toggled = tmp_path / "ds.json"
+    toggled.write_text(json.dumps({"zero_optimization": {"round_robin_gradients": True}}))
+    step = out / "checkpoints" / "step_000002"
+    said = run_distributed(_train_logging_warnings, 2, out, corpus,
+                           {**extra, "train__resume": str(step), "parallel__deepspeed_config": str(toggled)},
+                           init_group=False, timeout=600)
+    for rank_said in said:
+        weights_only = [s for s in rank_said if "resumed the model weights only" in s]
+        assert len(weights_only) == 1, rank_said
+        assert "was cut for another partition layout (zero_optimization_sha256 differ" in weights_only[0]

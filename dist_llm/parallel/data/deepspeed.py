@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
-from dist_llm.parallel.data.engine_state import EngineStateError, read_engine_state, write_engine_state
+from dist_llm.parallel.data.engine_state import (EngineStateError, read_engine_layout, read_engine_state,
+                                                 write_engine_state)
 from dist_llm.train.optim import build_optimizer, set_lr
 
 log = logging.getLogger("dist_llm")
@@ -222,7 +223,20 @@ class DeepSpeedDataParallel(DataParallel):
         counters = {k: getattr(self.engine, k) for k in _COUNTERS}
         self._engine_file(path).parent.mkdir(exist_ok=True)
         write_engine_state(self._engine_file(path), {"optimizer": optim, "engine": counters},
-                           objects=(LossScalerBase,))
+                           objects=(LossScalerBase,), layout=self._partition_layout())
+
+    def _partition_layout(self) -> dict[str, Any]:
+        """What decides where each value sits in this rank's flat ZeRO partitions: the engine's effective
+        zero_optimization settings (e.g. round_robin_gradients reorders the parameters inside a partition, sizes
+        unchanged), as a hash, and each parameter group's partition size and padding. Two engines whose layouts
+        differ cannot exchange partitions, even at the same dp, stage and precision."""
+        import hashlib
+
+        zero = self.engine._config.zero_config.model_dump(mode="json")
+        text = json.dumps(zero, sort_keys=True, default=str)
+        return {"zero_optimization_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                "partition_sizes": [int(n) for n in self.optimizer.partition_size],
+                "paddings": [int(n) for n in self.optimizer.groups_padding]}
 
     def load_engine_state(self, path: Path, group: Any = None) -> None:
         """This rank's partition and the engine's counters from path/deepspeed/, when they fit this engine; only
@@ -266,7 +280,13 @@ class DeepSpeedDataParallel(DataParallel):
         # above), reads only this rank's entry: the others stay None rather than being read from disk
         parts: list[Any] = [None] * self.ctx.dp
         parts[self.ctx.dp_rank] = optim
+        # the saved param groups carry the old run's hyperparameters; this run's config decides them (as under
+        # the native backends): kept across the load (the lr is set at each step by the schedule)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        configured = [{k: g[k] for k in ("betas", "eps", "weight_decay") if k in g} for g in inner.param_groups]
         self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+        for group, values in zip(inner.param_groups, configured, strict=True):
+            group.update(values)
         for name in _COUNTERS:
             setattr(self.engine, name, int(counters[name]))
 
@@ -287,6 +307,14 @@ class DeepSpeedDataParallel(DataParallel):
         now = (self.ctx.dp, self.cfg.parallel.zero_stage, self.cfg.train.precision)
         if then != now:
             return f"{path} was saved at dp, zero_stage, precision = {then}, this run has {now}"
+        saved = read_engine_layout(self._engine_file(path))
+        if saved is None:
+            return f"{self._engine_file(path)} holds no partition layout: saved by an older dist_llm"
+        ours = self._partition_layout()
+        if saved != ours:
+            what = ", ".join(k for k in sorted(ours) if saved.get(k) != ours[k]) or "its keys"
+            return (f"{self._engine_file(path)} was cut for another partition layout ({what} differ: a change to "
+                    f"DeepSpeed's zero_optimization settings)")
         return None
 
     def _held_grad_bytes(self) -> int:

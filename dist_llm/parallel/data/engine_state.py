@@ -129,15 +129,36 @@ def _key(k: Any) -> str | int:
     return k
 
 
-def write_engine_state(path: Path, state: Any, *, objects: tuple[type, ...] = ()) -> None:
-    """`state` into the safetensors file `path`, atomically (a crash leaves the old file or none)."""
+_LAYOUT_KEY = "dist_llm.engine_layout"  # the header metadata entry that describes how the state was cut
+
+
+def write_engine_state(path: Path, state: Any, *, objects: tuple[type, ...] = (),
+                       layout: dict[str, Any] | None = None) -> None:
+    """`state` into the safetensors file `path`, atomically (a crash leaves the old file or none). `layout`
+    (JSON data) goes into the header on its own, so `read_engine_layout` gets it without reading the tensors."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     tree = encode(state, tensors, objects=objects)
     cpu = {k: t.cpu() for k, t in tensors.items()}
+    metadata = {_KEY: json.dumps(tree)}
+    if layout is not None:
+        metadata[_LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
     with atomic_path(path) as tmp:
-        save_file(cpu, str(tmp), metadata={_KEY: json.dumps(tree)})
+        save_file(cpu, str(tmp), metadata=metadata)
+
+
+def read_engine_layout(path: Path) -> Any:
+    """The `layout` that `write_engine_state` stored in `path`'s header (None when it stored none); reads the
+    header only. Raises EngineStateError naming the file when it is not such a file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get(_LAYOUT_KEY)
+        return None if text is None else json.loads(text)
+    except (SafetensorError, json.JSONDecodeError, RecursionError) as e:
+        raise EngineStateError(f"{path}: not an engine state file ({e})") from None
 
 
 def read_engine_state(path: Path, *, objects: dict[str, Any]) -> Any:
