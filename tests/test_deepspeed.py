@@ -206,3 +206,41 @@ def test_deepspeed_resume_with_other_zero_settings_loads_weights_only(tmp_path: 
         weights_only = [s for s in rank_said if "resumed the model weights only" in s]
         assert len(weights_only) == 1, rank_said
         assert "was cut for another partition layout (zero_optimization_sha256 differ" in weights_only[0]
+
+
+def _resumed_hyperparameters(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                             extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Build the trainer (which resumes), and report its optimizer groups' hyperparameters."""
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__eval_interval": 0,
+                                                       "model__bias": False, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        assert trainer.resumed_from is not None
+        inner = trainer.dp.optimizer.optimizer  # the torch AdamW DeepSpeed wraps
+        return [{"betas": tuple(g["betas"]), "eps": g["eps"], "weight_decay": g["weight_decay"]}
+                for g in inner.param_groups]
+    finally:
+        ctx.destroy()
+
+
+def test_deepspeed_resume_keeps_the_configs_optimizer_hyperparameters(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Saved at betas (0.9, 0.95), eps 1e-8, weight decay 0.1, resumed with other values: the new config's hold
+    (as under the native backends), not the ones in the saved param groups. The decay group takes the new
+    weight decay, the no-decay group stays at 0."""
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 2}
+    out = tmp_path / "run"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 2, "train__ckpt_interval": 2},
+                    init_group=False, timeout=600)
+    new = {"optim__beta1": 0.8, "optim__beta2": 0.99, "optim__eps": 1e-6, "optim__weight_decay": 0.05}
+    got = run_distributed(_resumed_hyperparameters, 2, out, corpus,
+                          {**extra, **new, "train__resume": str(out / "checkpoints" / "step_000002")},
+                          init_group=False, timeout=600)
+    want = [{"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05},
+            {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+    assert got == [want, want]
