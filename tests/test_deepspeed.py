@@ -164,8 +164,9 @@ def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Pa
     (step / "manifest.json").write_text(json.dumps(manifest))
     said = run_distributed(_train_or_refusal, 2, out, corpus, {**extra, "train__resume": str(step)},
                            init_group=False, timeout=600)
-    assert said == [f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute "
-                    "'loss_scale' of LossScaler: this engine's LossScaler has no such data attribute)"] * 2
+    refusal = (f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute "
+               "'loss_scale' of LossScaler: this engine's LossScaler has no such data attribute)")
+    assert said == [refusal] * 2
 
 
 def _train_logging_warnings(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811

@@ -37,8 +37,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
-from dist_llm.parallel.data.engine_state import (EngineStateError, read_engine_layout, read_engine_state,
-                                                 write_engine_state)
+from dist_llm.parallel.data.engine_state import (
+    EngineStateError,
+    read_engine_layout,
+    read_engine_state,
+    write_engine_state,
+)
 from dist_llm.train.optim import build_optimizer, set_lr
 
 log = logging.getLogger("dist_llm")
