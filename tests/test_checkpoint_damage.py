@@ -389,3 +389,41 @@ def test_a_fresh_start_keeps_the_earlier_runs_metrics(run: Path, corpus: Path) -
     [kept] = run.glob("metrics.previous-*.jsonl")
     assert kept.read_bytes() == earlier
     assert (run / "metrics.jsonl").read_bytes() != earlier
+
+
+# -- 10: a rank whose own files fail to write takes its peers with it, before DCP's collectives ---------------
+def _save_with_rank_1_disk_full(rank: int, world_size: int, root: Path) -> str:
+    """save_checkpoint on stand-ins for the config and context; rank 1's RNG file hits a full disk."""
+    import torch
+
+    real_write = ckpt._atomic_write
+
+    def full_for_rng(path: Path, text: str) -> None:
+        if path.parent.name == "rng":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        real_write(path, text)
+
+    if rank == 1:
+        ckpt._atomic_write = full_for_rng  # type: ignore[assignment]  (rank 1's process only)
+    ctx = SimpleNamespace(rank=rank, is_main=rank == 0, device=torch.device("cpu"))
+    cfg = SimpleNamespace(to_yaml=lambda: "model: {}\n")
+    group = dist.new_group(backend="gloo")
+    try:
+        ckpt.save_checkpoint(ckpt.step_dir(root, 8), state={"w": torch.ones(4) * rank}, train_state={"step": 8},
+                             cfg=cfg, ctx=ctx, group=group)  # type: ignore[arg-type]
+    except OSError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_failed_write_on_one_rank_reaches_every_rank_before_dcp(tmp_path: Path) -> None:
+    """Before, rank 1 raised and rank 0 went on into dcp.save, where it waited on rank 1 until that process exited
+    and then died of a gloo error; now both raise the same one line, naming the rank and the file, and the
+    complete checkpoint already there stays as it was."""
+    earlier = ckpt.step_dir(tmp_path, 4)
+    earlier.mkdir()
+    (earlier / ckpt.MANIFEST).write_text("{}")
+    said = run_distributed(_save_with_rank_1_disk_full, 2, tmp_path, timeout=60)
+    rng = ckpt.step_dir(tmp_path, 8) / "rng" / "rank_00001.json"
+    assert said == [f"rank 1: {rng}: No space left on device"] * 2
+    assert (earlier / ckpt.MANIFEST).read_text() == "{}"

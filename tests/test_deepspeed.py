@@ -124,12 +124,26 @@ def test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses(tmp_path: Path, 
         torch.testing.assert_close(got["params"][name], p, rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
 
 
+def _train_or_refusal(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                      extra: dict[str, Any]) -> str:
+    """`train`, or the ConfigError it stopped with on this rank."""
+    from dist_llm.config import ConfigError
+
+    try:
+        train(rank, world_size, out_dir, corpus, extra)
+    except ConfigError as e:
+        return f"ConfigError: {e}"
+    return "trained"
+
+
 def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    """Rank 1's partition file replaced by one whose JSON asks to set a dunder attribute on the loss scaler, the
-    manifest rewritten to match (an attacker can): the resume refuses it with one ConfigError naming the file,
-    before anything in it is applied."""
+    """Rank 1's partition file replaced by one whose JSON sets the loss scaler's `loss_scale` (a property of
+    DeepSpeed's: setattr raised a bare AttributeError), the manifest rewritten to match (an attacker can): the
+    resume refuses it with one ConfigError naming the file, on both ranks (before, rank 0 went on training
+    while rank 1 died), before anything in it is applied."""
     import hashlib
 
+    from safetensors import safe_open
     from safetensors.torch import save_file
 
     extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 2}
@@ -138,14 +152,96 @@ def test_deepspeed_hostile_engine_state_is_one_line_naming_the_file(tmp_path: Pa
                     init_group=False, timeout=600)
     step = out / "checkpoints" / "step_000002"
     victim = step / "deepspeed" / "rank_00001.safetensors"
-    hostile = {"object": "LossScaler", "attrs": {"dict": [["__class__", None]]}}
-    save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]})})
+    hostile = {"object": "LossScaler", "attrs": {"dict": [["loss_scale", 5]]}}
+    with safe_open(str(victim), framework="pt") as f:  # the partition layout stays: this engine's own
+        layout = f.metadata()["dist_llm.engine_layout"]
+    save_file({}, str(victim), metadata={"dist_llm.engine_state": json.dumps({"dict": [["optimizer", hostile]]}),
+                                         "dist_llm.engine_layout": layout})
     manifest = json.loads((step / "manifest.json").read_text())
     data = victim.read_bytes()
     manifest["files"]["deepspeed/rank_00001.safetensors"] = {"bytes": len(data),
                                                               "sha256": hashlib.sha256(data).hexdigest()}
     (step / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(AssertionError) as failed:
-        run_distributed(train, 2, out, corpus, {**extra, "train__resume": str(step)}, init_group=False, timeout=600)
-    assert (f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute '__class__' "
-            f"of LossScaler refused)") in str(failed.value)
+    said = run_distributed(_train_or_refusal, 2, out, corpus, {**extra, "train__resume": str(step)},
+                           init_group=False, timeout=600)
+    refusal = (f"ConfigError: train.resume: {victim}: cannot load DeepSpeed's state ({victim}: attribute "
+               "'loss_scale' of LossScaler: this engine's LossScaler has no such data attribute)")
+    assert said == [refusal] * 2
+
+
+def _train_logging_warnings(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                            extra: dict[str, Any]) -> list[str]:
+    """`train`; the dist_llm warnings this rank logged."""
+    import logging
+
+    said: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    handler = Keep(level=logging.WARNING)
+    logging.getLogger("dist_llm").addHandler(handler)
+    try:
+        train(rank, world_size, out_dir, corpus, extra)
+    finally:
+        logging.getLogger("dist_llm").removeHandler(handler)
+    return said
+
+
+def test_deepspeed_resume_with_other_zero_settings_loads_weights_only(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Saved with round_robin_gradients off, resumed with it on: the partitions keep their sizes but hold the
+    parameters in another order, so loading them would put moments on the wrong parameters silently. Before,
+    the resume loaded them (dp, stage and precision agree); now every rank warns and starts the moments afresh."""
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 3}
+    out = tmp_path / "run"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 2, "train__ckpt_interval": 2},
+                    init_group=False, timeout=600)
+    toggled = tmp_path / "ds.json"
+    toggled.write_text(json.dumps({"zero_optimization": {"round_robin_gradients": True}}))
+    step = out / "checkpoints" / "step_000002"
+    said = run_distributed(_train_logging_warnings, 2, out, corpus,
+                           {**extra, "train__resume": str(step), "parallel__deepspeed_config": str(toggled)},
+                           init_group=False, timeout=600)
+    for rank_said in said:
+        weights_only = [s for s in rank_said if "resumed the model weights only" in s]
+        assert len(weights_only) == 1, rank_said
+        assert "was cut for another partition layout (zero_optimization_sha256 differ" in weights_only[0]
+
+
+def _resumed_hyperparameters(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                             extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """Build the trainer (which resumes), and report its optimizer groups' hyperparameters."""
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__eval_interval": 0,
+                                                       "model__bias": False, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        assert trainer.resumed_from is not None
+        inner = trainer.dp.optimizer.optimizer  # the torch AdamW DeepSpeed wraps
+        return [{"betas": tuple(g["betas"]), "eps": g["eps"], "weight_decay": g["weight_decay"]}
+                for g in inner.param_groups]
+    finally:
+        ctx.destroy()
+
+
+def test_deepspeed_resume_keeps_the_configs_optimizer_hyperparameters(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Saved at betas (0.9, 0.95), eps 1e-8, weight decay 0.1, resumed with other values: the new config's hold
+    (as under the native backends), not the ones in the saved param groups. The decay group takes the new
+    weight decay, the no-decay group stays at 0."""
+    extra = {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 2}
+    out = tmp_path / "run"
+    run_distributed(train, 2, out, corpus, {**extra, "train__stop_after_step": 2, "train__ckpt_interval": 2},
+                    init_group=False, timeout=600)
+    new = {"optim__beta1": 0.8, "optim__beta2": 0.99, "optim__eps": 1e-6, "optim__weight_decay": 0.05}
+    got = run_distributed(_resumed_hyperparameters, 2, out, corpus,
+                          {**extra, **new, "train__resume": str(out / "checkpoints" / "step_000002")},
+                          init_group=False, timeout=600)
+    want = [{"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05},
+            {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
+    assert got == [want, want]

@@ -80,7 +80,8 @@ def _with_header(path: Path, tree: Any) -> None:
 
 
 @pytest.mark.parametrize("tree, words", [
-    ({"object": "Scaler", "attrs": {"dict": [["__class__", None]]}}, "attribute '__class__' of Scaler refused"),
+    ({"object": "Scaler", "attrs": {"dict": [["__class__", None]]}},
+     "attribute '__class__' of Scaler: this engine's Scaler has no such data attribute"),
     ({"tensor": "7"}, "unexpected JSON value"),
     ({"dtype": "Tensor"}, "unexpected JSON value"),
     ({"eval": "1"}, "unexpected JSON value"),
@@ -108,3 +109,44 @@ def test_each_rank_claims_only_its_own_engine_file() -> None:
                                                         "deepspeed/rank_00001.safetensors"]
     assert written_by(names, rank=0, group_rank=0) == ["__0_0.distcp", "rng/rank_00000.json",
                                                         "deepspeed/rank_00000.safetensors"]
+
+
+def _scaler_file(path: Path, attrs: dict[str, Any]) -> None:
+    _with_header(path, {"object": "LossScaler", "attrs": {"dict": [[k, v] for k, v in attrs.items()]}})
+
+
+@pytest.mark.parametrize("attrs, words", [
+    # a property of DeepSpeed's scaler: setattr raised a bare AttributeError ('property has no setter')
+    ({"loss_scale": 5}, "attribute 'loss_scale' of LossScaler: this engine's LossScaler has no such data attribute"),
+    # a method replaced by data, and the scale by a string: both were set
+    ({"update_scale": 5, "cur_scale": "x"},
+     "attribute 'update_scale' of LossScaler: this engine's LossScaler has no such data attribute"),
+    ({"cur_scale": "x"}, "attribute 'cur_scale' of LossScaler: saved a str, this engine holds a int"),
+    ({"dynamic": 1}, "attribute 'dynamic' of LossScaler: saved a int, this engine holds a bool"),
+    ({"dynamic": False, "brand_new": 1}, "attribute 'brand_new' of LossScaler: this engine's LossScaler has no such"),
+])
+def test_only_data_attributes_of_the_same_sort_are_set(tmp_path: Path, attrs: dict[str, Any], words: str) -> None:
+    """Against DeepSpeed's own static loss scaler (cur_scale 1, dynamic False): each file is refused in one line
+    naming the file and the attribute, and the live scaler is left as it was (nothing set before the refusal)."""
+    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+
+    path = tmp_path / "rank_00001.safetensors"
+    _scaler_file(path, attrs)
+    live = LossScaler(scale=1)
+    before = dict(vars(live))
+    with pytest.raises(EngineStateError, match=f"^{path}: {words}"):
+        read_engine_state(path, objects={"LossScaler": live})
+    assert vars(live) == before and live.loss_scale == 1
+
+
+def test_a_dynamic_scale_may_come_back_as_a_float(tmp_path: Path) -> None:
+    """DeepSpeed's dynamic scaler starts at an int scale and halves it into a float: a saved float scale, and
+    an optional field that was None, are set."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+
+    path = tmp_path / "rank_00000.safetensors"
+    _scaler_file(path, {"cur_scale": 1024.0, "cur_iter": 7, "dtype": {"dtype": "bfloat16"}})
+    live = DynamicLossScaler(init_scale=2**16, scale_window=10, min_scale=1, delayed_shift=1,
+                             consecutive_hysteresis=False)
+    read_engine_state(path, objects={"DynamicLossScaler": live} | {"LossScaler": live})
+    assert (live.cur_scale, live.cur_iter, live.dtype) == (1024.0, 7, torch.bfloat16)

@@ -137,32 +137,56 @@ def _clear(path: Path, ctx: ParallelContext) -> str | None:
     return None
 
 
+def shared_error(error: str | None, group: Any) -> str | None:
+    """Collective over `group`: the first rank's error (in rank order) of those `error`s the ranks hold, or None
+    when none failed. Every rank returns the same answer, so all raise together and none waits in a later
+    collective on a peer that gave up."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e is not None), None)
+
+
+def _write_own_files(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,
+                     extra_files: dict[str, Path] | None, engine_files: Callable[[Path], None] | None) -> str | None:
+    """This rank's files of a checkpoint (its RNG state; the main rank's small files and copies; an engine's
+    files); what went wrong, naming the rank and file, or None."""
+    try:
+        (path / "rng").mkdir(parents=True, exist_ok=True)
+        _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
+        if ctx.is_main:
+            _atomic_write(path / "train_state.json", json.dumps(train_state, indent=1))
+            _atomic_write(path / "config.yaml", cfg.to_yaml())
+            for name, source in (extra_files or {}).items():
+                shutil.copyfile(source, path / name)
+        if engine_files is not None:  # before the manifest, which lists (and checksums) what it wrote
+            engine_files(path)
+    except OSError as e:
+        return f"rank {ctx.rank}: {e.filename or path}: {e.strerror or e}"
+    except Exception as e:  # noqa: BLE001 - an engine's save may fail otherwise; its peers must still hear of it
+        first = str(e).splitlines()[0] if str(e) else ""
+        return f"rank {ctx.rank}: {path}: {type(e).__name__}: {first}"
+    return None
+
+
 def _begin(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext, group: Any,
            extra_files: dict[str, Path] | None, engine_files: Callable[[Path], None] | None,
            on_cleared: Callable[[], None] | None) -> None:
     """Everything of a checkpoint but its DCP tensors and the manifest: the small files, and an engine's own
     files (`engine_files(path)`, on every rank), written at once. `on_cleared()` is called once `path` is
     free: from then on, a directory at `path` is this save's own (a failed save may remove it, not before).
-    A failure to clear raises the same OSError on every rank (the main rank's outcome is broadcast: no peer
-    waits on a rank that gave up)."""
-    error = _clear(path, ctx)
-    if dist.is_initialized():
-        box = [error]
-        dist.broadcast_object_list(box, group=group, group_src=0)
-        error = box[0]
+    A failure to clear, or to write any rank's files, raises the same OSError on every rank (the errors are
+    gathered over `group`: no peer waits in DCP's collectives on a rank that gave up)."""
+    error = shared_error(_clear(path, ctx), group)
     if error is not None:
         raise OSError(error)
     if on_cleared is not None:
         on_cleared()
-    (path / "rng").mkdir(parents=True, exist_ok=True)
-    _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
-    if ctx.is_main:
-        _atomic_write(path / "train_state.json", json.dumps(train_state, indent=1))
-        _atomic_write(path / "config.yaml", cfg.to_yaml())
-        for name, source in (extra_files or {}).items():
-            shutil.copyfile(source, path / name)
-    if engine_files is not None:  # before the manifest, which lists (and checksums) what it wrote
-        engine_files(path)
+    error = shared_error(_write_own_files(path, train_state=train_state, cfg=cfg, ctx=ctx, extra_files=extra_files,
+                                          engine_files=engine_files), group)
+    if error is not None:
+        raise OSError(error)
 
 
 def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext, group: Any,

@@ -258,7 +258,7 @@ class Trainer:
         everything["model"].update(buffers["model"])
         everything["optim"]["state"].update(buffers["optim"]["state"])
         self.dp.load_checkpoint_state(everything)
-        self.dp.load_engine_state(path)
+        self.dp.load_engine_state(path, self.ckpt_group)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.elapsed_s = state.get("elapsed_s", 0.0)

@@ -173,8 +173,10 @@ class DataParallel:
         """Every rank, inside the checkpoint folder being written (before its manifest): an engine's own files
         (DeepSpeed's), so the manifest covers them. Our forms keep everything in the DCP tensors."""
 
-    def load_engine_state(self, path: Path) -> None:
-        """After `load_checkpoint_state`: put back what `save_engine_state` wrote into the checkpoint `path`."""
+    def load_engine_state(self, path: Path, group: Any = None) -> None:
+        """After `load_checkpoint_state`: put back what `save_engine_state` wrote into the checkpoint `path`.
+        Collective over `group` (the checkpoint group) where an engine has files: a rank that cannot load its
+        file stops every rank."""
 
     def last_step_skipped(self) -> torch.Tensor | None:
         """After `step`: 1.0 where an engine skipped the step by its own decision (DeepSpeed checks overflow

@@ -37,7 +37,12 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
-from dist_llm.parallel.data.engine_state import EngineStateError, read_engine_state, write_engine_state
+from dist_llm.parallel.data.engine_state import (
+    EngineStateError,
+    read_engine_layout,
+    read_engine_state,
+    write_engine_state,
+)
 from dist_llm.train.optim import build_optimizer, set_lr
 
 log = logging.getLogger("dist_llm")
@@ -222,32 +227,72 @@ class DeepSpeedDataParallel(DataParallel):
         counters = {k: getattr(self.engine, k) for k in _COUNTERS}
         self._engine_file(path).parent.mkdir(exist_ok=True)
         write_engine_state(self._engine_file(path), {"optimizer": optim, "engine": counters},
-                           objects=(LossScalerBase,))
+                           objects=(LossScalerBase,), layout=self._partition_layout())
 
-    def load_engine_state(self, path: Path) -> None:
-        """This rank's partition and the engine's counters from path/deepspeed/, when they fit this engine;
-        only this rank's file is read, and nothing waits on another rank."""
-        reason = self._engine_state_mismatch(path)
+    def _partition_layout(self) -> dict[str, Any]:
+        """What decides where each value sits in this rank's flat ZeRO partitions: the engine's effective
+        zero_optimization settings (e.g. round_robin_gradients reorders the parameters inside a partition, sizes
+        unchanged), as a hash, and each parameter group's partition size and padding. Two engines whose layouts
+        differ cannot exchange partitions, even at the same dp, stage and precision."""
+        import hashlib
+
+        zero = self.engine._config.zero_config.model_dump(mode="json")
+        text = json.dumps(zero, sort_keys=True, default=str)
+        return {"zero_optimization_sha256": hashlib.sha256(text.encode()).hexdigest(),
+                "partition_sizes": [int(n) for n in self.optimizer.partition_size],
+                "paddings": [int(n) for n in self.optimizer.groups_padding]}
+
+    def load_engine_state(self, path: Path, group: Any = None) -> None:
+        """This rank's partition and the engine's counters from path/deepspeed/, when they fit this engine; only
+        this rank's file is read. Collective over `group` (the checkpoint group): the ranks agree first on
+        whether the files fit (the first rank's reason not to load holds for all), then on the outcome, so a
+        file that fails on one rank raises the same one-line ConfigError on every rank."""
+        from dist_llm.train.checkpoint import shared_error
+
+        file = self._engine_file(path)
+        reason = shared_error(self._engine_state_mismatch_or_error(path), group)
         if reason is not None:
             log.warning("parallel.backend=deepspeed: resumed the model weights only; optimizer moments start "
                         "afresh (%s)", reason)
             return
-        file = self._engine_file(path)
-        scaler = self.optimizer.loss_scaler
         try:
-            saved = read_engine_state(file, objects={type(scaler).__name__: scaler})
-            optim, counters = saved["optimizer"], saved["engine"]
-            # DeepSpeed's load takes one state per saved partition and, when the dp size is unchanged (checked
-            # above), reads only this rank's entry: the others stay None rather than being read from disk
-            parts: list[Any] = [None] * self.ctx.dp
-            parts[self.ctx.dp_rank] = optim
-            self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
-            for name in _COUNTERS:
-                setattr(self.engine, name, int(counters[name]))
-        except (EngineStateError, KeyError, TypeError, ValueError, RuntimeError) as e:
-            raise ConfigError(f"train.resume: {file}: cannot load DeepSpeed's state ({str(e).splitlines()[0]})") \
-                from None
+            self._load_own_engine_state(file)
+            error = None
+        except Exception as e:  # noqa: BLE001 - whatever a hostile or damaged file causes, one line on every rank
+            words = str(e).splitlines()[0] if str(e) else type(e).__name__
+            error = f"train.resume: {file}: cannot load DeepSpeed's state ({words})"
+        error = shared_error(error, group)
+        if error is not None:
+            raise ConfigError(error)
         log.info("parallel.backend=deepspeed: resumed DeepSpeed's optimizer state from %s", file)
+
+    def _engine_state_mismatch_or_error(self, path: Path) -> str | None:
+        """`_engine_state_mismatch`, or what kept it from being decided (an unreadable config.yaml): either way,
+        a reason to load the weights only, never an exception that leaves the peers waiting."""
+        try:
+            return self._engine_state_mismatch(path)
+        except Exception as e:  # noqa: BLE001 - see above
+            return f"rank {self.ctx.rank}: cannot compare {path} with this run ({type(e).__name__}: {e})"
+
+    def _load_own_engine_state(self, file: Path) -> None:
+        scaler = self.optimizer.loss_scaler
+        saved = read_engine_state(file, objects={type(scaler).__name__: scaler})
+        if not isinstance(saved, dict) or not isinstance(saved.get("engine"), dict):
+            raise EngineStateError(f"{file}: no optimizer and engine entries")
+        optim, counters = saved["optimizer"], saved["engine"]
+        # DeepSpeed's load takes one state per saved partition and, when the dp size is unchanged (checked
+        # above), reads only this rank's entry: the others stay None rather than being read from disk
+        parts: list[Any] = [None] * self.ctx.dp
+        parts[self.ctx.dp_rank] = optim
+        # the saved param groups carry the old run's hyperparameters; this run's config decides them (as under
+        # the native backends): kept across the load (the lr is set at each step by the schedule)
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        configured = [{k: g[k] for k in ("betas", "eps", "weight_decay") if k in g} for g in inner.param_groups]
+        self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
+        for group, values in zip(inner.param_groups, configured, strict=True):
+            group.update(values)
+        for name in _COUNTERS:
+            setattr(self.engine, name, int(counters[name]))
 
     def _engine_state_mismatch(self, path: Path) -> str | None:
         """Why DeepSpeed's files in checkpoint `path` cannot go into this engine (None when they can): its
@@ -266,6 +311,14 @@ class DeepSpeedDataParallel(DataParallel):
         now = (self.ctx.dp, self.cfg.parallel.zero_stage, self.cfg.train.precision)
         if then != now:
             return f"{path} was saved at dp, zero_stage, precision = {then}, this run has {now}"
+        saved = read_engine_layout(self._engine_file(path))
+        if saved is None:
+            return f"{self._engine_file(path)} holds no partition layout: saved by an older dist_llm"
+        ours = self._partition_layout()
+        if saved != ours:
+            what = ", ".join(k for k in sorted(ours) if saved.get(k) != ours[k]) or "its keys"
+            return (f"{self._engine_file(path)} was cut for another partition layout ({what} differ: a change to "
+                    f"DeepSpeed's zero_optimization settings)")
         return None
 
     def _held_grad_bytes(self) -> int:

@@ -22,6 +22,10 @@ import torch
 from dist_llm.fileio import atomic_path
 
 _KEY = "dist_llm.engine_state"  # the header metadata entry that holds the JSON
+# torch's dtypes by name, looked up once from what torch already holds: getattr(torch, name) on a name from a file
+# would run torch's lazy imports of submodules
+_DTYPES: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in vars(torch).values()
+                                   if isinstance(d, torch.dtype)}
 
 
 class EngineStateError(ValueError):
@@ -70,8 +74,8 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor], *, objects: dict[str, An
     tag, body = next(iter(tree.items()))
     if tag == "tensor" and isinstance(body, str) and body in tensors:
         return tensors[body]
-    if tag == "dtype" and isinstance(body, str) and isinstance(getattr(torch, body, None), torch.dtype):
-        return getattr(torch, body)
+    if tag == "dtype" and isinstance(body, str) and body in _DTYPES:
+        return _DTYPES[body]
     if tag in ("list", "tuple") and isinstance(body, list):
         items = [decode(v, tensors, objects=objects) for v in body]
         return tuple(items) if tag == "tuple" else items
@@ -85,11 +89,38 @@ def decode(tree: Any, tensors: dict[str, torch.Tensor], *, objects: dict[str, An
         if not isinstance(attrs, dict):
             raise EngineStateError(f"attributes of {body} are not a dict")
         for name, v in attrs.items():
-            if name.startswith("__"):
-                raise EngineStateError(f"attribute {name!r} of {body} refused")
+            _check_attr(live, body, name, v)
+        for name, v in attrs.items():
             setattr(live, name, v)
         return live
     raise EngineStateError(f"unexpected JSON value {str(tree)[:80]}")
+
+
+def _kind(value: Any) -> str | None:
+    """What sort of data `value` is, for comparing a saved attribute with the live one: int and float are one
+    sort (a dynamic loss scale starts as an int and becomes a float once halved); None for anything not data."""
+    if isinstance(value, bool):
+        return "bool"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "str"
+    if isinstance(value, torch.dtype):
+        return "dtype"
+    return "none" if value is None else None
+
+
+def _check_attr(live: Any, cls: str, name: Any, value: Any) -> None:
+    """Refuses a saved attribute unless the live object holds data under that name (not a method, a property or
+    a new name) and the saved value is data of the same sort. None matches any sort either way: a scaler's
+    optional fields start as None."""
+    held = vars(live)
+    if not isinstance(name, str) or name not in held:
+        raise EngineStateError(f"attribute {name!r} of {cls}: this engine's {cls} has no such data attribute")
+    saved, now = _kind(value), _kind(held[name])
+    if saved is None or now is None or (saved != now and "none" not in (saved, now)):
+        raise EngineStateError(f"attribute {name!r} of {cls}: saved a {type(value).__name__}, this engine holds a "
+                               f"{type(held[name]).__name__}")
 
 
 def _key(k: Any) -> str | int:
@@ -98,15 +129,36 @@ def _key(k: Any) -> str | int:
     return k
 
 
-def write_engine_state(path: Path, state: Any, *, objects: tuple[type, ...] = ()) -> None:
-    """`state` into the safetensors file `path`, atomically (a crash leaves the old file or none)."""
+_LAYOUT_KEY = "dist_llm.engine_layout"  # the header metadata entry that describes how the state was cut
+
+
+def write_engine_state(path: Path, state: Any, *, objects: tuple[type, ...] = (),
+                       layout: dict[str, Any] | None = None) -> None:
+    """`state` into the safetensors file `path`, atomically (a crash leaves the old file or none). `layout`
+    (JSON data) goes into the header on its own, so `read_engine_layout` gets it without reading the tensors."""
     from safetensors.torch import save_file
 
     tensors: dict[str, torch.Tensor] = {}
     tree = encode(state, tensors, objects=objects)
     cpu = {k: t.cpu() for k, t in tensors.items()}
+    metadata = {_KEY: json.dumps(tree)}
+    if layout is not None:
+        metadata[_LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
     with atomic_path(path) as tmp:
-        save_file(cpu, str(tmp), metadata={_KEY: json.dumps(tree)})
+        save_file(cpu, str(tmp), metadata=metadata)
+
+
+def read_engine_layout(path: Path) -> Any:
+    """The `layout` that `write_engine_state` stored in `path`'s header (None when it stored none); reads the
+    header only. Raises EngineStateError naming the file when it is not such a file."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            text = (f.metadata() or {}).get(_LAYOUT_KEY)
+        return None if text is None else json.loads(text)
+    except (SafetensorError, json.JSONDecodeError, RecursionError) as e:
+        raise EngineStateError(f"{path}: not an engine state file ({e})") from None
 
 
 def read_engine_state(path: Path, *, objects: dict[str, Any]) -> Any:
