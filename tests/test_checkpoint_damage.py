@@ -120,6 +120,22 @@ def test_resume_auto_passes_over_a_malformed_manifest(run: Path, corpus: Path) -
     assert files(moved) == damaged
 
 
+@pytest.mark.parametrize(("key", "value", "kind"), [("model_fingerprint", None, "a string"),
+                                                     ("step", "4", "an integer"), ("layout", [], "an object")])
+def test_a_manifest_field_resume_reads_of_the_wrong_type_is_damage(key: str, value: Any, kind: str, run: Path,
+                                                                 corpus: Path) -> None:  # noqa: F811
+    """Before, the files verified and resume then failed with a KeyError/TypeError traceback; now the checkpoint
+    is damaged (one line), and resume=auto passes over it to step 2."""
+    root = run / "checkpoints"
+    path = ckpt.step_dir(root, 4)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    manifest[key] = value
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    assert ckpt.verify(path) == f"{path / ckpt.MANIFEST}: its {key!r} is not {kind}"
+    resumed = trainer(run, corpus, train__max_steps=4, train__ckpt_interval=2)
+    assert resumed.resumed_from == ckpt.step_dir(root, 2)
+
+
 def _verify_with_a_failing_rank(rank: int, world_size: int, path: Path) -> str | None:
     """Rank 1's check of its share fails with an unexpected exception: both ranks still answer."""
     if rank == 1:

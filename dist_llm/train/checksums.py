@@ -146,13 +146,18 @@ def _bad_entry(entry: Any) -> bool:
             or type(entry.get("sha256")) is not str or not _SHA256.match(entry["sha256"]))
 
 
+_FIELDS: dict[str, type] = {"step": int, "tokens_seen": int, "model_fingerprint": str, "layout": dict}
+_FIELD_NAMES = {int: "an integer", str: "a string", dict: "an object"}
+
+
 def read_manifest(root: Path) -> FileEntries | str:
     """The manifest's file entries, or what is wrong with it (missing, not JSON, not of the shape
     {relative name: {"bytes": int >= 0, "sha256": 64 hex digits}}, or a name outside the checkpoint): any of
     these is damage, said in one line, never an exception. An I/O error raises UnreadableCheckpoint."""
     path = root / MANIFEST
     try:
-        files = json.loads(path.read_text())["files"]
+        manifest = json.loads(path.read_text())
+        files = manifest["files"]
         if not isinstance(files, dict):
             raise TypeError
     except FileNotFoundError:
@@ -161,6 +166,9 @@ def read_manifest(root: Path) -> FileEntries | str:
         raise UnreadableCheckpoint(_reason(e, path)) from None
     except (ValueError, KeyError, TypeError):
         return f"{path}: not a manifest (not JSON, or no files listed)"
+    for key, kind in _FIELDS.items():  # what resume reads besides the files: a wrong type is damage too
+        if key in manifest and (not isinstance(manifest[key], kind) or isinstance(manifest[key], bool)):
+            return f"{path}: its {key!r} is not {_FIELD_NAMES[kind]}"
     for name, entry in files.items():
         if _bad_name(name):
             return f"{path}: names {name!r}, which is not a file inside the checkpoint"

@@ -243,7 +243,7 @@ class Trainer:
             if problem:
                 raise ConfigError(f"train.resume: {problem}")
         manifest = ckpt.read_json(path / ckpt.MANIFEST)
-        if manifest["model_fingerprint"] != self.cfg.fingerprint():
+        if manifest.get("model_fingerprint") != self.cfg.fingerprint():
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
         if self.cfg.peft.method != "none" and manifest.get("peft_base") != self.peft_base():
             raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
