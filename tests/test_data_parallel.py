@@ -225,10 +225,13 @@ def zero_accumulated_grads(rank: int, world_size: int, out_dir: Path, stage: int
     from dist_llm.train.precision import autocast
 
     out = {}
-    for accum in ("fp32", "bf16"):
-        cfg = _accum_config(out_dir, stage, accum)
-        ctx = ParallelContext.from_config(cfg)
-        try:
+    ctx = None
+    try:
+        for accum in ("fp32", "bf16"):
+            cfg = _accum_config(out_dir, stage, accum)
+            # one process group for both runs (the second call finds it): tearing it down and starting another
+            # on the same port races with the old store under load
+            ctx = ParallelContext.from_config(cfg)
             torch.manual_seed(0)
             model = GPT(cfg.model)
             dp = ZeroDataParallel(model, cfg, ctx, stage=stage)
@@ -238,7 +241,8 @@ def zero_accumulated_grads(rank: int, world_size: int, out_dir: Path, stage: int
             dp.finish_grads()
             names = {id(p): n for n, p in model.named_parameters()}
             out[accum] = {names[id(p)]: (offset, g.detach().clone()) for p, g, offset in dp.grad_shards()}
-        finally:
+    finally:
+        if ctx is not None:
             ctx.destroy()
     return out
 
