@@ -123,19 +123,21 @@ def test_recomputation_replays_sequence_parallel_masks(tmp_path: Path) -> None:
 
 def _lora_masks(rank: int, world_size: int, out_dir: Path) -> dict[bool, dict[str, torch.Tensor]]:
     masks = {}
-    for sp in (True, False):
-        extra = {**SP, "parallel__sequence_parallel": sp, "model__dropout": 0.0, "peft__method": "lora",
-                 "peft__targets": "[qkv,attn_out]", "peft__rank": 4, "peft__dropout": P}
-        cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size, **extra))
-        ctx = ParallelContext.from_config(cfg)
-        try:
+    ctx = None
+    try:
+        for sp in (True, False):
+            extra = {**SP, "parallel__sequence_parallel": sp, "model__dropout": 0.0, "peft__method": "lora",
+                     "peft__targets": "[qkv,attn_out]", "peft__rank": 4, "peft__dropout": P}
+            cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size, **extra))
+            ctx = ParallelContext.from_config(cfg)  # the second call finds the group: no re-init on one port
             model = build_model(cfg, ctx).train()
             seen = _record_masks(model)
             idx, tgt = _batch(cfg)
             torch.manual_seed(5)
             model(idx, tgt)
             masks[sp] = {k: v[0] for k, v in seen.items()}
-        finally:
+    finally:
+        if ctx is not None:
             ctx.destroy()
     return masks
 
