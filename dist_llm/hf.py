@@ -549,7 +549,7 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.parallel.data.base import DataParallel
     from dist_llm.train import checkpoint as ckpt
-    from dist_llm.train.precision import LossScaler
+    from dist_llm.precision import LossScaler
 
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConfigError("convert runs as one process: do not start it under torchrun")

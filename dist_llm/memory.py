@@ -271,7 +271,7 @@ def _stage_model(cfg: Config, pp: int, pp_rank: int) -> torch.nn.Module:
 def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Estimate:
     """Bytes of model states on rank 0 of the given pipeline stage (dp rank 0, tp rank 0)."""
     from dist_llm.parallel.data.zero import accum_dtype, bucket_numel, plan_buckets, rank_segments, tied_alone
-    from dist_llm.train.precision import DTYPES
+    from dist_llm.precision import DTYPES
 
     p, t = cfg.parallel, cfg.train
     model = _stage_model(cfg, pp, pp_rank)

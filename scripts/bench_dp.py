@@ -144,7 +144,7 @@ def worker(args: argparse.Namespace) -> int:
     from dist_llm.model import GPT
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.parallel.data import build_data_parallel
-    from dist_llm.train.precision import LossScaler, autocast
+    from dist_llm.precision import LossScaler, autocast
 
     cores = len(os.sched_getaffinity(0))
     threads = max(1, cores // args.nproc)

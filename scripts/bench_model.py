@@ -53,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from dist_llm import perf  # noqa: E402
 from dist_llm.config import ModelConfig, OptimConfig, load_config  # noqa: E402
 from dist_llm.model import GPT  # noqa: E402
-from dist_llm.train.optim import adamw, param_groups  # noqa: E402
+from dist_llm.optim import adamw, param_groups  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 LOSS_TOL = {"fp32": 1e-4, "bf16": 3e-2}  # same weights, same batch: |loss difference| allowed

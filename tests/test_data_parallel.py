@@ -222,7 +222,7 @@ def zero_accumulated_grads(rank: int, world_size: int, out_dir: Path, stage: int
     process computes. Returns, per accumulation dtype, each parameter's (offset, gradient piece) on this rank."""
     from dist_llm.model import GPT
     from dist_llm.parallel.data.zero import ZeroDataParallel
-    from dist_llm.train.precision import autocast
+    from dist_llm.precision import autocast
 
     out = {}
     ctx = None
@@ -311,8 +311,8 @@ def test_offload_device_logic_with_a_stand_in_accelerator() -> None:
     from torch import nn
 
     from dist_llm.parallel.data.base import DataParallel
-    from dist_llm.train.optim import guarded_step
-    from dist_llm.train.precision import LossScaler
+    from dist_llm.optim import guarded_step
+    from dist_llm.precision import LossScaler
     from tests.standin_device import STANDIN, standin, value
 
     class Offloaded(DataParallel):

@@ -249,7 +249,7 @@ def _peak_step(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any])
     from dist_llm.model import GPT
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.parallel.data import build_data_parallel
-    from dist_llm.train.precision import autocast
+    from dist_llm.precision import autocast
 
     cfg = load_config(None, tiny_overrides(out_dir, **{**PEAK, **extra}))
     ctx = ParallelContext.from_config(cfg)

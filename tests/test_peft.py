@@ -14,7 +14,7 @@ from dist_llm.config import ConfigError, load_config
 from dist_llm.model import GPT
 from dist_llm.peft import apply_peft, load_adapter, lora_modules, merge, save_adapter, trainable_names, unmerge
 from dist_llm.peft.nf4 import NF4Linear
-from dist_llm.train.optim import build_optimizer
+from dist_llm.optim import build_optimizer
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401

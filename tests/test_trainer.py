@@ -12,8 +12,8 @@ import torch
 from dist_llm.config import ConfigError, load_config
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.train import checkpoint as ckpt
-from dist_llm.train.optim import lr_at
-from dist_llm.train.precision import LossScaler
+from dist_llm.optim import lr_at
+from dist_llm.precision import LossScaler
 from dist_llm.train.trainer import Trainer, TrainingError
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed

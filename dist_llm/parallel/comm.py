@@ -17,6 +17,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -178,3 +179,14 @@ def describe_failure(e: BaseException, *, rank: int, timeout_s: float, log_dir: 
     else:
         why = text.strip().splitlines()[0] if text.strip() else type(e).__name__
     return f"rank {rank}: {what}{where} failed: {why}"
+
+
+def shared_error(error: str | None, group: Any) -> str | None:
+    """Collective over `group`: the first rank's error (in rank order) of those `error`s the ranks hold, or None
+    when none failed. Every rank returns the same answer, so all raise together and none waits in a later
+    collective on a peer that gave up."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return error
+    errors: list[str | None] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    return next((e for e in errors if e is not None), None)

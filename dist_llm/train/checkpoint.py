@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config, ConfigError
 from dist_llm.fileio import atomic_write_text
+from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.train.safe_metadata import load_failure, load_index
 from dist_llm.train import checksums
@@ -137,15 +138,6 @@ def _clear(path: Path, ctx: ParallelContext) -> str | None:
     return None
 
 
-def shared_error(error: str | None, group: Any) -> str | None:
-    """Collective over `group`: the first rank's error (in rank order) of those `error`s the ranks hold, or None
-    when none failed. Every rank returns the same answer, so all raise together and none waits in a later
-    collective on a peer that gave up."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return error
-    errors: list[str | None] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    return next((e for e in errors if e is not None), None)
 
 
 def _write_own_files(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: ParallelContext,

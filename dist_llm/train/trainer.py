@@ -44,8 +44,8 @@ from dist_llm.train.report import write_report
 from dist_llm.peft import apply_peft, trainable_names
 from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
-from dist_llm.train.optim import lr_at
-from dist_llm.train.precision import DTYPES, LossScaler, autocast
+from dist_llm.optim import lr_at
+from dist_llm.precision import DTYPES, LossScaler, autocast
 from dist_llm.train.saved_tensors import SavedTensorMeter
 
 log = logging.getLogger("dist_llm")

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.train.optim import build_optimizer, guarded_step, set_lr
+from dist_llm.optim import build_optimizer, guarded_step, set_lr
 
 
 def tensor_bytes(tensors: Any) -> int:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
 from dist_llm.parallel.data.engine_state import (
@@ -43,7 +44,7 @@ from dist_llm.parallel.data.engine_state import (
     read_engine_state,
     write_engine_state,
 )
-from dist_llm.train.optim import build_optimizer, set_lr
+from dist_llm.optim import build_optimizer, set_lr
 
 log = logging.getLogger("dist_llm")
 
@@ -247,10 +248,8 @@ class DeepSpeedDataParallel(DataParallel):
         this rank's file is read. Collective over `group` (the checkpoint group): the ranks agree first on
         whether the files fit (the first rank's reason not to load holds for all), then on the outcome, so a
         file that fails on one rank raises the same one-line ConfigError on every rank."""
-        from dist_llm.train.checkpoint import shared_error
-
         file = self._engine_file(path)
-        reason = shared_error(self._engine_state_mismatch_or_error(path), group)
+        reason = comm.shared_error(self._engine_state_mismatch_or_error(path), group)
         if reason is not None:
             log.warning("parallel.backend=deepspeed: resumed the model weights only; optimizer moments start "
                         "afresh (%s)", reason)
@@ -261,7 +260,7 @@ class DeepSpeedDataParallel(DataParallel):
         except Exception as e:  # noqa: BLE001 - whatever a hostile or damaged file causes, one line on every rank
             words = str(e).splitlines()[0] if str(e) else type(e).__name__
             error = f"train.resume: {file}: cannot load DeepSpeed's state ({words})"
-        error = shared_error(error, group)
+        error = comm.shared_error(error, group)
         if error is not None:
             raise ConfigError(error)
         log.info("parallel.backend=deepspeed: resumed DeepSpeed's optimizer state from %s", file)

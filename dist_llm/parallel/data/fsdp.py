@@ -21,8 +21,8 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
-from dist_llm.train.optim import build_optimizer
-from dist_llm.train.precision import DTYPES
+from dist_llm.optim import build_optimizer
+from dist_llm.precision import DTYPES
 
 
 _PARAM_MARKS = ("tp_partition_dim", "sequence_parallel", "tp_replicated_rows")

@@ -40,8 +40,8 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, quantised_bytes, tensor_bytes
-from dist_llm.train.optim import adamw, guarded_step, set_lr
-from dist_llm.train.precision import DTYPES
+from dist_llm.optim import adamw, guarded_step, set_lr
+from dist_llm.precision import DTYPES
 
 
 

@@ -4,7 +4,7 @@ The parameters (and so the optimizer's master copy) stay fp32; autocast runs mat
 scaler is written here rather than taken from `torch.amp.GradScaler` because that one unscales through
 the optimizer's param groups, which sharded optimizers (ZeRO) do not expose: here the trainer unscales
 whatever gradient tensors the data-parallel form holds, and decides the skip from the global norm, on the
-device: the fused optimizer reads the decision as a tensor (`train/optim.py::guarded_step`).
+device: the fused optimizer reads the decision as a tensor (`dist_llm/optim.py::guarded_step`).
 """
 
 from __future__ import annotations
