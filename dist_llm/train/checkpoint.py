@@ -2,8 +2,9 @@
 
 Layout of `checkpoints/step_NNNNNN/`:
   .metadata, __*.distcp      model and optimizer tensors, keyed by parameter name with their full shapes
-                             (DCP: each rank writes its own shards, and a load reshards into whatever
-                             layout asks for them); tensors only
+                             (DCP: each rank writes only its own chunks, with their offsets in the full
+                             tensors, see parallel/shards.py, and a load reshards into whatever layout asks
+                             for them); tensors only
   train_state.json           step, tokens seen, sampler, loss scaler (identical on every rank)
   rng/rank_KKKKK.json        each rank's RNG states
   config.yaml                the resolved config, so `dist-llm sample` needs nothing else
@@ -59,6 +60,7 @@ from dist_llm.config import Config, ConfigError
 from dist_llm.fileio import atomic_write_text
 from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.shards import ChunkStager
 from dist_llm.train.safe_metadata import load_failure, load_index
 from dist_llm.train import checksums
 # re-exported: callers know checkpoints, not how they are hashed
@@ -241,13 +243,13 @@ class PendingSave:
         self._complete.result()
 
 
-def host_stager(device: torch.device) -> DefaultStager:
+def host_stager(device: torch.device) -> ChunkStager:
     """Copies a state to host memory in a background thread, into buffers it keeps for the next save (a
-    resident host copy of the checkpointed state: the price of not allocating it at every save); pinned, and
-    copied on a side stream, on a GPU."""
+    resident host copy of the checkpointed state, this rank's chunks only: the price of not allocating it at
+    every save); pinned, and copied on a side stream, on a GPU. DCP's DefaultStager, taught the chunks."""
     gpu = device.type == "cuda"
-    return DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False, use_async_staging=True,
-                                        use_non_blocking_copy=gpu))
+    return ChunkStager(DefaultStager(StagingOptions(use_pinned_memory=gpu, use_shared_memory=False,
+                                                    use_async_staging=True, use_non_blocking_copy=gpu)))
 
 
 _BACKGROUND = ThreadPoolExecutor(max_workers=1, thread_name_prefix="dist_llm-checkpoint")
@@ -437,6 +439,12 @@ def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = F
     state = {"model": get_model_state_dict(model)}
     _load(state, path)
     set_model_state_dict(model, state["model"])
+
+
+def load_model_state(path: Path, state: dict[str, Any], group: Any = None) -> None:
+    """Fill `state` ({"model": {name: tensor}}, plain tensors, DTensors or ChunkedTensors of this rank's part)
+    from the checkpoint in place, resharding as needed; nothing else of it is read."""
+    _load(state, path, group)
 
 
 def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, group: Any = None) -> dict[str, Any]:

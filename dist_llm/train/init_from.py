@@ -1,7 +1,7 @@
 """`model.init_from`: start training from Hugging Face weights (`hf:DIR`) or a dist_llm checkpoint (`ckpt:DIR`).
 
-The weights are read whole on every rank, then each rank keeps its tensor-parallel slice, so the start is the
-same at every layout. With `hf:DIR` the directory's config.json decides the architecture keys of model.*,
+From `ckpt:DIR` each rank reads only its own chunks of the weights (DCP reshards into this layout); `hf:DIR`
+weights are read whole, then each rank keeps its tensor-parallel slice. The start is the same at every layout. With `hf:DIR` the directory's config.json decides the architecture keys of model.*,
 and its tokenizer.json is used when data.tokenizer is left at 'byte'.
 """
 
@@ -43,27 +43,62 @@ def resolve_architecture(cfg: Config) -> Config:
 
 
 def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
-    """The full (tp=1) weights to start from, by parameter name."""
+    """The full (tp=1) weights to start from, by parameter name, read whole (`hf:` starts; a `ckpt:` start
+    loads into the model shard by shard instead, see `load_initial_weights`)."""
     kind, where = _split(cfg.model.init_from)
     if kind == "hf":
         from dist_llm.hf import load_hf_state_dict
 
         return load_hf_state_dict(where, cfg.model)
+    where = _checked_checkpoint(cfg)
     from dist_llm.train import checkpoint as ckpt
 
+    model = GPT(config_from_dict(yaml.safe_load((where / "config.yaml").read_text()), check=False).model)
+    ckpt.load_model_weights(where, model)
+    return model.state_dict()
+
+
+def _checked_checkpoint(cfg: Config) -> Path:
+    from dist_llm.train import checkpoint as ckpt
+
+    _, where = _split(cfg.model.init_from)
     if not ckpt.is_complete(where):
         raise ConfigError(f"model.init_from: {where} is not a complete checkpoint (no {ckpt.MANIFEST})")
     saved = config_from_dict(yaml.safe_load((where / "config.yaml").read_text()), check=False)
     if saved.fingerprint() != cfg.fingerprint():
         raise ConfigError(f"model.init_from: {where} holds a different model than the model.* settings describe")
-    model = GPT(saved.model)
-    ckpt.load_model_weights(where, model)
-    return model.state_dict()
+    return where
+
+
+def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None) -> None:
+    """DCP reads this rank's chunks of each full weight straight into the model (resharding from whatever
+    layout saved them): no rank reads or holds a whole weight it does not keep."""
+    from dist_llm.train import checkpoint as ckpt
+
+    where = _checked_checkpoint(cfg)
+    current = model.state_dict()  # (detached views of the parameters: the load writes into them)
+    index = ckpt.SafeReader(str(where)).read_metadata().state_dict_metadata
+    for name, t in current.items():
+        saved = index.get(f"model.{name}")
+        if saved is None:
+            raise ConfigError(f"model.init_from: {cfg.model.init_from} has no weight for {name}")
+        want = tp_state.global_shape(name, t.shape) if tp_state is not None else t.shape  # type: ignore[attr-defined]
+        if tuple(saved.size) != tuple(want):
+            raise ConfigError(f"model.init_from: weight {name} has shape {tuple(saved.size)}, this model "
+                              f"wants {tuple(want)}")
+    state = {"model": current, "optim": {"state": {}}}
+    if tp_state is not None:
+        state = tp_state.shard_state(state)  # type: ignore[attr-defined]
+    ckpt.load_model_state(where, {"model": state["model"]})
 
 
 @torch.no_grad()
 def load_initial_weights(model: GPT, cfg: Config, tp_state: object | None, tp_rank: int) -> None:
     """Overwrite `model`'s weights (this rank's slices when `tp_state`, a TensorParallelState, is given)."""
+    if cfg.model.init_from.startswith("ckpt:"):
+        _load_checkpoint_shards(model, cfg, tp_state)
+        log.info("initialised from %s", cfg.model.init_from)
+        return
     full = initial_state(cfg)
     current = model.state_dict()
     if tp_state is not None:

@@ -248,15 +248,11 @@ class Trainer:
         if self.cfg.peft.method != "none" and manifest.get("peft_base") != self.peft_base():
             raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
                               f"model.init_from describes ({self.peft_base()})")
+        # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
+        # `everything`); a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
         everything = self.dp.checkpoint_state()
-        template = self._saved_part(everything)
-        buffers = self.tp_state.empty_full(template) if self.tp_state else template
-        state = ckpt.load_checkpoint(path, state=buffers, ctx=self.ctx, group=self.ckpt_group)
-        if self.tp_state:
-            buffers = self.tp_state.to_local(buffers, template, self.ctx.tp_rank)
-        # a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
-        everything["model"].update(buffers["model"])
-        everything["optim"]["state"].update(buffers["optim"]["state"])
+        state = ckpt.load_checkpoint(path, state=self._chunked(self._saved_part(everything)), ctx=self.ctx,
+                                     group=self.ckpt_group)
         self.dp.load_checkpoint_state(everything)
         self.dp.load_engine_state(path, self.ckpt_group)
         self.step = state["step"]
@@ -548,6 +544,11 @@ class Trainer:
         return {"model": {k: v for k, v in state["model"].items() if k in keep},
                 "optim": {"state": {k: v for k, v in state["optim"]["state"].items() if k in keep}}}
 
+    def _chunked(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A checkpoint state as this rank's chunks of the full tensors (views of the live state: nothing is
+        gathered or copied); at tp=1 the forms' tensors are placed already (plain, DTensors, ZeRO's chunks)."""
+        return self.tp_state.shard_state(state) if self.tp_state else state
+
     def peft_base(self) -> dict[str, str]:
         """The identity of the frozen base a PEFT checkpoint adapts: where it came from and its shapes."""
         return {"init_from": self.cfg.model.init_from, "model_fingerprint": self.cfg.fingerprint()}
@@ -560,9 +561,7 @@ class Trainer:
         """Save at this step: complete on return, or with `train.async_checkpoint` once `wait_for_save` returns."""
         self.wait_for_save()  # one save at a time
         path = ckpt.step_dir(self.ckpt_root, self.step)
-        state = self._saved_part(self.dp.checkpoint_state())
-        if self.tp_state:
-            state = self.tp_state.to_full(state)
+        state = self._chunked(self._saved_part(self.dp.checkpoint_state()))
         args = dict(state=state, train_state=self.train_state(), cfg=self.cfg, ctx=self.ctx, group=self.ckpt_group,
                     extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
                     engine_files=self.dp.save_engine_state,

@@ -28,6 +28,7 @@ Reduce-scatter plus all-gather moves the same bytes as one all-reduce.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -39,6 +40,8 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.shards import range_rectangles
+from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, quantised_bytes, tensor_bytes
 from dist_llm.optim import adamw, guarded_step, set_lr
 from dist_llm.precision import DTYPES
@@ -198,6 +201,7 @@ class ZeroDataParallel(DataParallel):
 
         self.segments = self._segments()
         self.optimizer = self.build_optimizer()
+        self.tp_layout = TensorParallelState(model, ctx)  # where each tp slice sits in its full tensor
 
     # -- layout helpers -----------------------------------------------------------------------------------
     def _piece(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:
@@ -347,67 +351,73 @@ class ZeroDataParallel(DataParallel):
         else:
             self.grad_shard.zero_()
 
-    # -- checkpoints: gathered to full per-parameter tensors, the format every layout reads ---------------------------
-    def _gather_full(self, shard: torch.Tensor) -> torch.Tensor:
-        """A full flat fp32 buffer from each rank's shard (a transient of 4 bytes per parameter)."""
-        full = torch.zeros(sum(b.numel for b in self.buckets), dtype=shard.dtype, device=shard.device)
-        for b in self.buckets:
-            comm.all_gather(full[b.start : b.start + b.numel], self._shard_of(b, shard).contiguous(), self.group, None)
-        return full
+    # -- checkpoints: this rank's shard as chunks of the full per-parameter tensors, the format every layout reads --
+    # Each segment is a 1-D range of a flattened tp-local parameter: cut into rectangles (a partial first row,
+    # full rows, a partial last row), placed in the full tensor by the tp layout. The chunks view the fp32
+    # masters (in fp32 runs the flat parameters' own piece) and the moments: DCP writes them as they are and
+    # loads straight into them. Nothing is gathered.
+    def _ensure_state(self) -> None:
+        """The optimizer's state for every shard tensor, made now if no step made it yet (a resume loads into
+        it): AdamW's own first step would make the same zeros and step 0."""
+        step_device = self._opt_params[0].device if self.optimizer.defaults.get("fused") else "cpu"
+        for p in self._opt_params:
+            if not self.optimizer.state.get(p):
+                self.optimizer.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                                           "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                                           "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format)}
 
-    def _shard_state(self, key: str) -> torch.Tensor:
-        """The optimizer's `key` moment laid out as this rank's shard."""
-        shard = torch.zeros(self.shard_numel, dtype=torch.float32, device=self.ctx.device)
-        for seg, p in zip(self.segments, self._opt_params):
-            state = self.optimizer.state.get(p)
-            if state and key in state:
-                a, z = seg.shard_range(self.rank)
-                shard[a:z] = state[key]
-        return shard
-
-    def _master_shard(self) -> torch.Tensor:
-        return self.master if self.master is not None else self._my_pieces(self.flat_params).float()
+    def _chunked(self, e: Entry, pieces: list[tuple[Segment, torch.Tensor]]) -> torch.Tensor:
+        """Parameter `e`'s full tensor, of which this rank holds `pieces`: (segment, its flat fp32 values)."""
+        views, device = [], self.ctx.device
+        for seg, flat in pieces:
+            device = flat.device
+            at = 0
+            for rect in range_rectangles(e.param.shape, seg.lo - e.offset, seg.hi - e.offset):
+                n = math.prod(rect[1])
+                views.append((flat[at : at + n].view(rect[1]), rect))
+                at += n
+        return self.tp_layout.chunked(e.name, views, e.param.shape, torch.float32, device)
 
     def checkpoint_state(self) -> dict[str, Any]:
-        model_sd = get_model_state_dict(self.module)
-        masters = self._gather_full(self._master_shard())
-        moments = {k: self._gather_full(self._shard_state(k)) for k in ("exp_avg", "exp_avg_sq")}
-        steps = [s["step"] for s in self.optimizer.state.values() if "step" in s]
-        step = steps[0].detach().clone().float() if steps else torch.tensor(0.0)
+        self._ensure_state()
+        model_sd = get_model_state_dict(self.module)  # the frozen (PEFT) parameters' values are the module's own
+        by_entry: dict[int, list[tuple[Segment, torch.nn.Parameter]]] = {}
+        for seg, p in zip(self.segments, self._opt_params):
+            by_entry.setdefault(id(seg.entry.param), []).append((seg, p))
+
+        def master(seg: Segment, p: torch.Tensor) -> torch.Tensor:
+            return p.detach() if self.master is not None else self.flat_params[seg.lo : seg.hi]
+
+        step = next(iter(self.optimizer.state[p]["step"] for p in self._opt_params), torch.tensor(0.0))
         optim: dict[str, Any] = {}
         entry_of = {id(e.param): e for e in self.entries}
         # every name of a parameter, tied aliases (lm_head.weight = wte.weight) too, gets the fp32 master
-        for name, p in self.module.named_parameters(remove_duplicate=False):
-            e = entry_of.get(id(p))
-            if e is None:  # frozen (PEFT): not in ZeRO's buffers, its value is the module's own
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            e = entry_of.get(id(param))
+            if e is None:  # frozen (PEFT): not in ZeRO's buffers
                 continue
-            sl = slice(e.offset, e.offset + e.numel)
-            model_sd[name] = masters[sl].view(e.param.shape)
+            mine = by_entry.get(id(param), [])
+            model_sd[name] = self._chunked(e, [(seg, master(seg, p)) for seg, p in mine])
             if name == e.name:
-                optim[name] = {"step": step.clone(), **{k: v[sl].view(e.param.shape) for k, v in moments.items()}}
+                optim[name] = {"step": step.detach().to("cpu", torch.float32, copy=True),
+                               **{k: self._chunked(e, [(seg, self.optimizer.state[p][k]) for seg, p in mine])
+                                  for k in ("exp_avg", "exp_avg_sq")}}
         return {"model": model_sd, "optim": {"state": optim}}
 
+    @torch.no_grad()
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        model_sd, optim = state["model"], state["optim"]["state"]
-        total = sum(b.numel for b in self.buckets)
-        full = {k: torch.zeros(total, dtype=torch.float32, device=self.ctx.device)
-                for k in ("master", "exp_avg", "exp_avg_sq")}
-        for e in self.entries:
-            sl = slice(e.offset, e.offset + e.numel)
-            full["master"][sl] = model_sd[e.name].reshape(-1)
-            full["exp_avg"][sl] = optim[e.name]["exp_avg"].reshape(-1)
-            full["exp_avg_sq"][sl] = optim[e.name]["exp_avg_sq"].reshape(-1)
-        self.flat_params.copy_(full["master"])
+        """After DCP filled the chunks of `checkpoint_state()`'s tensors (this rank's masters and moments, in
+        place): the step count, the compute-dtype parameters, and every bucket all-gathered, as after a step."""
+        optim = state["optim"]["state"]
+        step = next(iter(optim.values()))["step"] if optim else torch.tensor(0.0)
+        for p in self._opt_params:
+            self.optimizer.state[p]["step"].copy_(step)
         if self.master is not None:
-            self.master.copy_(self._my_pieces(full["master"]))
-        step = next(iter(optim.values()))["step"]
-        mine = {k: self._my_pieces(full[k]) for k in ("exp_avg", "exp_avg_sq")}
-        # torch's fused AdamW keeps `step` on the parameters' device, the others on the CPU
-        step_device = self._opt_params[0].device if self.optimizer.defaults.get("fused") else "cpu"
-        for seg, p in zip(self.segments, self._opt_params):
-            a, z = seg.shard_range(self.rank)
-            self.optimizer.state[p] = {"step": step.detach().to(step_device, torch.float32, copy=True),
-                                       **{k: v[a:z].clone() for k, v in mine.items()}}
+            for b in self.buckets:
+                self._piece(self.flat_params, b).copy_(self._shard_of(b, self.master))
+        for b in self.buckets:
+            piece = self._piece(self.flat_params, b).clone()
+            comm.all_gather(self.flat_params[b.start : b.start + b.numel], piece, self.group, None)
 
     def model_state_bytes(self) -> dict[str, int]:
         grads = self.flat_grads if self.flat_grads is not None else self.grad_shard
