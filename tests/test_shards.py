@@ -71,7 +71,8 @@ def test_chunked_tensor_reports_its_chunks_and_stages_as_plain_tensors() -> None
 
 
 # -- no gather: each rank hands DCP only its own bytes -----------------------------------------------------------
-def handed_bytes(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[str, Any]) -> dict[str, Any]:  # noqa: F811
+def handed_bytes(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                 extra: dict[str, Any]) -> dict[str, Any]:
     """Build a trainer, take one step, then save, counting the collectives of our own code during the save and
     the bytes this rank hands DCP; with the shares computed from the parameters' shapes."""
     from dist_llm.config import load_config
@@ -133,8 +134,8 @@ def test_tensor_parallel_save_hands_dcp_only_its_slices(tmp_path: Path, corpus: 
 def test_zero2_save_hands_dcp_only_its_shard(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     """ZeRO-2 at dp=2: no collective during the save; each rank hands DCP 12 bytes (fp32 master and both
     moments) for each element of its shard, and the shards of the two ranks are the whole model once."""
-    results = run_distributed(handed_bytes, 2, tmp_path, corpus, {"parallel__zero_stage": 2, "parallel__bucket_mb": 0.01},
-                              init_group=False)
+    results = run_distributed(handed_bytes, 2, tmp_path, corpus,
+                              {"parallel__zero_stage": 2, "parallel__bucket_mb": 0.01}, init_group=False)
     for r in results:
         assert r["calls"] == []
         assert r["handed"] == 4 * r["own_model"] + 8 * r["own_optim"] + 4 * r["optim_names"]
@@ -215,3 +216,60 @@ def test_fsdp2_with_tp_resumes_at_one_process(tmp_path: Path, tmp_path_factory: 
     ref = reference(tmp_path_factory, corpus, **extra)
     for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def started_params(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    """The full parameters a trainer starts from (built and initialised, no step taken)."""
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "model__bias": False, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        params = {n: p.detach().clone() for n, p in trainer.module.named_parameters()}
+        if trainer.tp_state is not None:
+            params = trainer.tp_state.to_full({"model": params, "optim": {"state": {}}})["model"]
+        return {"params": params, "step": trainer.step}
+    finally:
+        ctx.destroy()
+
+
+def test_one_process_checkpoint_starts_and_resumes_tensor_parallel(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:  # noqa: F811
+    """A checkpoint of one process (one chunk per tensor, as every checkpoint was before chunks) read into
+    tp=2 slices: `model.init_from=ckpt:` starts from exactly its weights, and a resume at tp=2 x dp=2 ZeRO-2
+    continues the uninterrupted run."""
+    extra = {"model__n_kv_head": 2}
+    saved = tmp_path / "saved"
+    first = train(0, 1, saved, corpus, {**extra, "train__stop_after_step": 4, "train__ckpt_interval": 4})
+    step4 = saved / "checkpoints" / "step_000004"
+    got = run_distributed(started_params, 2, tmp_path / "init", corpus,
+                          {**extra, "parallel__tp": 2, "model__init_from": f"ckpt:{step4}"}, init_group=False)[0]
+    assert got["step"] == 0
+    for name, p in first["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    out = tmp_path / "resumed"
+    shutil.copytree(saved, out)
+    resumed = run_distributed(train, 4, out, corpus, {**extra, "parallel__tp": 2, "parallel__zero_stage": 2,
+                                                      "train__micro_batch_size": 4}, init_group=False)[0]
+    ref = reference(tmp_path_factory, corpus, **extra)
+    for a, b in zip(resumed["losses"][4:], ref["losses"][4:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_lora_at_tp2_zero1_resumes_its_own_run(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """LoRA over tp=2 x dp=2 ZeRO-1: the checkpoint holds the adapters' chunks only (the frozen base stays as
+    built); stopped at step 4 and resumed, the run ends as the uninterrupted one."""
+    lora = {"peft__method": "lora", "peft__targets": "[qkv, attn_out, mlp_up, mlp_down]", "peft__rank": 4,
+            "parallel__tp": 2, "parallel__zero_stage": 1, "train__micro_batch_size": 4}
+    whole = run_distributed(train, 4, tmp_path / "whole", corpus, lora, init_group=False)[0]
+    run_distributed(train, 4, tmp_path / "cut", corpus, {**lora, "train__stop_after_step": 4,
+                                                         "train__ckpt_interval": 4}, init_group=False)
+    resumed = run_distributed(train, 4, tmp_path / "cut", corpus, lora, init_group=False)[0]
+    assert resumed["losses"] == pytest.approx(whole["losses"], rel=1e-6)
+    for name, p in whole["params"].items():
+        torch.testing.assert_close(resumed["params"][name], p, rtol=1e-6, atol=1e-7)

@@ -1,8 +1,9 @@
 """`model.init_from`: start training from Hugging Face weights (`hf:DIR`) or a dist_llm checkpoint (`ckpt:DIR`).
 
 From `ckpt:DIR` each rank reads only its own chunks of the weights (DCP reshards into this layout); `hf:DIR`
-weights are read whole, then each rank keeps its tensor-parallel slice. The start is the same at every layout. With `hf:DIR` the directory's config.json decides the architecture keys of model.*,
-and its tokenizer.json is used when data.tokenizer is left at 'byte'.
+weights are read whole, then each rank keeps its tensor-parallel slice. The start is the same at every layout.
+With `hf:DIR` the directory's config.json decides the architecture keys of model.*, and its tokenizer.json is
+used when data.tokenizer is left at 'byte'.
 """
 
 from __future__ import annotations
