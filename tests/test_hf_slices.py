@@ -103,6 +103,26 @@ def file_elements(path: Path) -> int:
     return sum(t.numel() for k, t in read_hf_tensors(path).items() if not hf_module._IGNORED.search(k))
 
 
+TOKENS = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    torch.manual_seed(9)
+    return save(hf_llama(), tmp_path_factory.mktemp("hf") / "llama")
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, torch.Tensor]:
+    """4 layers in many shards, one KV head (at tp=2 both ranks hold it); and transformers' logits of TOKENS."""
+    torch.manual_seed(8)
+    hf = hf_llama(num_hidden_layers=4, num_key_value_heads=1)
+    path = tmp_path_factory.mktemp("hf") / "sharded"
+    hf.save_pretrained(path, max_shard_size="60KB")
+    assert (path / "model.safetensors.index.json").is_file() and not (path / "model.safetensors").exists()
+    return path, hf_logits(hf, TOKENS)
+
+
 # -- tensor parallel ---------------------------------------------------------------------------------------
 def _materialise_buffers(model: GPT) -> None:
     """What the model builder does for buffers after a meta build (the loader fills parameters only)."""
@@ -145,19 +165,15 @@ def _load_at_tp(rank: int, world_size: int, out_dir: Path, hf_dir: Path, meta: b
 
 
 @pytest.mark.parametrize("family, meta", [("llama-sharded", True), ("gpt2", False)])
-def test_each_tp_rank_reads_only_its_slice(family: str, meta: bool, tmp_path: Path) -> None:
-    torch.manual_seed(7)
-    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+def test_each_tp_rank_reads_only_its_slice(family: str, meta: bool, tmp_path: Path,
+                                           sharded_dir: tuple[Path, torch.Tensor]) -> None:
     if family == "gpt2":
+        torch.manual_seed(7)
         hf = hf_gpt2()
-        path = save(hf, tmp_path / "hf")
-    else:  # one KV head at tp=2: both ranks hold (and read) it
-        hf = hf_llama(num_key_value_heads=1)
-        path = tmp_path / "hf"
-        hf.save_pretrained(path, max_shard_size="60KB")
-        assert (path / "model.safetensors.index.json").is_file()
-    ref = hf_logits(hf, tokens)
-    results = run_distributed(_load_at_tp, 2, tmp_path / "run", path, meta, tokens, init_group=False)
+        path, ref = save(hf, tmp_path / "hf"), hf_logits(hf, TOKENS)
+    else:
+        path, ref = sharded_dir
+    results = run_distributed(_load_at_tp, 2, tmp_path / "run", path, meta, TOKENS, init_group=False)
     cfg = results[0]["cfg"]
     share = gpt2_share if family == "gpt2" else llama_share
     for rank, r in enumerate(results):
@@ -171,12 +187,11 @@ def test_each_tp_rank_reads_only_its_slice(family: str, meta: bool, tmp_path: Pa
 
 
 # -- pipeline stage ------------------------------------------------------------------------------------------
-def test_a_pipeline_stage_reads_only_its_blocks_and_their_shards(tmp_path: Path, reads: ReadLog) -> None:
+def test_a_pipeline_stage_reads_only_its_blocks_and_their_shards(tmp_path: Path, reads: ReadLog,
+                                                                 sharded_dir: tuple[Path, torch.Tensor]) -> None:
     from dist_llm.parallel.pipeline.stage import cut_to_stage
 
-    torch.manual_seed(8)
-    path = tmp_path / "hf"
-    hf_llama(num_hidden_layers=4).save_pretrained(path, max_shard_size="60KB")
+    path = sharded_dir[0]
     weight_map = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     cfg = resolve_architecture(load_config(None, tiny_overrides(tmp_path, model__init_from=f"hf:{path}")))
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, dp=1, tp=1, pp=1, device=torch.device("cpu"))
@@ -189,7 +204,7 @@ def test_a_pipeline_stage_reads_only_its_blocks_and_their_shards(tmp_path: Path,
         load_initial_weights(model, cfg, ctx)
         params = dict(model.named_parameters())
         assert params and all(torch.equal(p, full[n]) for n, p in params.items())
-        assert reads.elements == sum(p.numel() for p in params.values()) - (cfg.model.padded_vocab - VOCAB) * 64
+        assert reads.elements == sum(p.numel() for p in params.values()) - (cfg.model.padded_vocab - VOCAB) * cfg.model.n_embd
         wanted = {weight_map[k] for k in weight_map
                   if any(f"layers.{i}." in k for i in blocks) or (first and "embed" in k)
                   or (last and ("lm_head" in k or k == "model.norm.weight"))}
@@ -224,9 +239,8 @@ def dataclasses_replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
     return dataclasses.replace(cfg, **kw)
 
 
-def test_fsdp2_shards_read_only_their_rows(tmp_path: Path) -> None:
-    torch.manual_seed(9)
-    path = save(hf_llama(), tmp_path / "hf")
+def test_fsdp2_shards_read_only_their_rows(llama_dir: Path) -> None:
+    path = llama_dir
     cfg = load_hf(path).cfg
     full = load_hf_state_dict(path, cfg)
     results = run_distributed(_load_fsdp, 2, path, cfg)
@@ -240,9 +254,14 @@ def test_fsdp2_shards_read_only_their_rows(tmp_path: Path) -> None:
 
 
 # -- dtypes, QLoRA, errors -----------------------------------------------------------------------------------
-def test_bf16_files_are_read_as_bf16_and_converted_per_tensor(tmp_path: Path, reads: ReadLog) -> None:
-    torch.manual_seed(10)
-    path = save(hf_llama().to(torch.bfloat16), tmp_path / "hf")
+def test_bf16_files_are_read_as_bf16_and_converted_per_tensor(tmp_path: Path, reads: ReadLog, llama_dir: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "bf16"
+    path.mkdir()
+    (path / "config.json").write_bytes((llama_dir / "config.json").read_bytes())
+    tensors = {k: t.bfloat16() for k, t in load_file(str(llama_dir / "model.safetensors")).items()}
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     cfg = load_hf(path).cfg
     reads.dtypes.clear()
     with HFCheckpoint(path, cfg) as src:
@@ -252,17 +271,16 @@ def test_bf16_files_are_read_as_bf16_and_converted_per_tensor(tmp_path: Path, re
             native = src.read(name, dtype=torch.bfloat16)
             assert torch.equal(native.float(), got), name  # bf16 -> fp32 is exact
     assert reads.dtypes == {torch.bfloat16}
-    tensors = read_hf_tensors(path)
     model = load_hf(path)
     assert torch.equal(model.blocks[1].mlp.down.weight, tensors["model.layers.1.mlp.down_proj.weight"].float())
 
 
-def test_qlora_quantises_each_layer_as_it_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_qlora_quantises_each_layer_as_it_is_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  llama_dir: Path) -> None:
     from dist_llm.peft import BLOCK_LINEARS, apply_peft
     from dist_llm.peft.nf4 import NF4Linear
 
-    torch.manual_seed(11)
-    path = save(hf_llama(), tmp_path / "hf")
+    path = llama_dir
     cfg = resolve_architecture(load_config(None, tiny_overrides(
         tmp_path, model__init_from=f"hf:{path}", peft__method="qlora", peft__targets="[qkv,attn_out,mlp_up,mlp_down]")))
     ctx = ParallelContext(rank=0, world_size=1, local_rank=0, dp=1, tp=1, pp=1, device=torch.device("cpu"))
@@ -290,11 +308,10 @@ def test_qlora_quantises_each_layer_as_it_is_read(tmp_path: Path, monkeypatch: p
         assert torch.equal(mine[name], t), name
 
 
-def test_bad_weights_are_one_line_naming_file_and_key(tmp_path: Path) -> None:
+def test_bad_weights_are_one_line_naming_file_and_key(tmp_path: Path, llama_dir: Path) -> None:
     from safetensors.torch import load_file, save_file
 
-    torch.manual_seed(12)
-    good = save(hf_llama(), tmp_path / "good")
+    good = llama_dir
     cfg = load_hf(good).cfg
 
     def variant(name: str, edit: Any) -> Path:
