@@ -212,25 +212,31 @@ def test_a_pipeline_stage_reads_only_its_blocks_and_their_shards(tmp_path: Path,
 
 
 # -- FSDP2 ---------------------------------------------------------------------------------------------------
-def _load_fsdp(rank: int, world_size: int, hf_dir: Path, cfg: ModelConfig) -> dict[str, Any]:
+def _load_fsdp(rank: int, world_size: int, hf_dir: Path, cfg: ModelConfig, meta: bool) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     config = Config(model=dataclasses_replace(cfg, init_from=f"hf:{hf_dir}"))
     ctx = ParallelContext(rank=rank, world_size=world_size, local_rank=rank, dp=world_size, tp=1, pp=1,
                           device=torch.device("cpu"))
-    model = GPT(cfg)
+    with torch.device("meta" if meta else "cpu"):
+        model = GPT(cfg)
     mesh = init_device_mesh("cpu", (world_size,))
     for block in model.blocks:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.to_local().fill_(math.nan)
+    if not meta:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().fill_(math.nan)
     log = count_reads()
     load_initial_weights(model, config, ctx)
-    return {"elements": log.elements, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
-            "local": sum(p.to_local().numel() for p in model.parameters())}
+    out = {"elements": log.elements, "params": {n: p.full_tensor() for n, p in model.named_parameters()},
+           "local": sum(p.to_local().numel() for p in model.parameters())}
+    _materialise_buffers(model)
+    with torch.no_grad():  # FSDP2 gathers what was loaded
+        out["logits"] = model.eval()(TOKENS)
+    return out
 
 
 def dataclasses_replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
@@ -239,11 +245,17 @@ def dataclasses_replace(cfg: ModelConfig, **kw: Any) -> ModelConfig:
     return dataclasses.replace(cfg, **kw)
 
 
-def test_fsdp2_shards_read_only_their_rows(llama_dir: Path) -> None:
+@pytest.mark.parametrize("meta", [False, True], ids=["materialised", "meta"])
+def test_fsdp2_shards_read_only_their_rows(llama_dir: Path, meta: bool) -> None:
     path = llama_dir
-    cfg = load_hf(path).cfg
+    ref = load_hf(path)
+    cfg = ref.cfg
     full = load_hf_state_dict(path, cfg)
-    results = run_distributed(_load_fsdp, 2, path, cfg)
+    results = run_distributed(_load_fsdp, 2, path, cfg, meta)
+    with torch.no_grad():
+        ref_logits = ref(TOKENS)
+    for r in results:
+        torch.testing.assert_close(r["logits"], ref_logits, rtol=1e-5, atol=1e-5)
     padding = (cfg.padded_vocab - VOCAB) * cfg.n_embd
     for r in results:
         for name, t in full.items():

@@ -176,7 +176,7 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
                 if name not in src.layout:
                     raise ConfigError(f"model.init_from: {where} has no weight for {name}")
                 rows, cols = _region(name, module, p, cfg, ctx)
-                done[id(p)] = _fill(src, name, module, param_name, p, rows, cols, ctx.device)
+                done[id(p)] = _fill(src, name, module, param_name, p, rows, cols, ctx.device, model)
             path = _global_name(module_name, "").rstrip(".")
             if qlora and isinstance(module, nn.Linear) and path.endswith(BLOCK_LINEARS) and path.startswith("blocks."):
                 _quantise(model, module_name, module)  # before the next layer is read
@@ -186,25 +186,47 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
 
 
 def _fill(src: Any, name: str, module: nn.Module, param_name: str, p: nn.Parameter, rows: list[tuple[int, int]],
-          cols: tuple[int, int] | None, device: torch.device) -> nn.Parameter:
+          cols: tuple[int, int] | None, device: torch.device, model: nn.Module) -> nn.Parameter:
     """Read `name`'s region into `p`, allocating it on `device` first when it is on the meta device."""
     if isinstance(p, DTensor):
         local = p.to_local()
-        if local.is_meta:
-            raise ConfigError(f"model.init_from: {name} is an FSDP2 parameter still on the meta device: "
-                              "materialise the model (to_empty) before loading")
-        if local.numel():  # (a small parameter may have no rows on this dp rank)
+        if not local.is_meta:
+            if local.numel():  # (a small parameter may have no rows on this dp rank)
+                src.read_into(name, local, rows, cols)
+            return p
+        local = torch.empty(local.shape, dtype=p.dtype, device=device)
+        if local.numel():
             src.read_into(name, local, rows, cols)
-        return p
-    if not p.is_meta:
+        data: torch.Tensor = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                                stride=p.stride())
+    elif p.is_meta:
+        data = torch.empty(p.shape, dtype=p.dtype, device=device)
+        src.read_into(name, data, rows, cols)
+    else:
         src.read_into(name, p.data, rows, cols)
         return p
-    local = torch.empty(p.shape, dtype=p.dtype, device=device)
-    src.read_into(name, local, rows, cols)
-    new = nn.Parameter(local, requires_grad=p.requires_grad)
+    new = nn.Parameter(data, requires_grad=p.requires_grad)
     new.__dict__.update(p.__dict__)  # the parallel marks (tp_partition_dim, sequence_parallel, ...)
     setattr(module, param_name, new)
+    if isinstance(p, DTensor):
+        _fsdp_param(model, module, param_name).reset_sharded_param()  # FSDP2 re-points (and pads) its shard
     return new
+
+
+def _fsdp_param(model: nn.Module, module: nn.Module, param_name: str) -> Any:
+    """The FSDP2 record of a parameter, which must learn of a new one (as FSDPModule._apply tells it, which
+    to_empty goes through: that materialises a whole unit at once, this one parameter)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            for group in unit._get_fsdp_state()._fsdp_param_groups:
+                for fsdp_param in group.fsdp_params:
+                    info = fsdp_param._module_info
+                    if info.module is module and info.param_name == param_name:
+                        return fsdp_param
+    raise ConfigError(f"model.init_from: {param_name} of {type(module).__name__} is a DTensor that FSDP2 does not "
+                      "manage: cannot materialise it")  # pragma: no cover - a wrapping bug
 
 
 def _quantise(model: nn.Module, module_name: str, linear: nn.Linear) -> None:
