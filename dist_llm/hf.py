@@ -16,6 +16,10 @@ interleaving permutation). The fused qkv rows are q (n_head*hd), k (kv*hd), v (k
 
 The embedding and head are padded to model.pad_vocab_to; imported padding rows are zero and exported
 tensors have them stripped. `transformers` is not needed here: only `safetensors` and torch.
+
+Reading is region by region: `hf_layout` says, for each of our parameters, which rows of which Hugging Face
+tensors fill it (names and shapes only), and `HFCheckpoint` reads just the rows and columns a rank keeps
+with safetensors' lazy `get_slice`, so no rank holds the whole model (`dist_llm.train.init_from`).
 """
 
 from __future__ import annotations

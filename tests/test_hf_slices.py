@@ -164,7 +164,7 @@ def _load_at_tp(rank: int, world_size: int, out_dir: Path, hf_dir: Path, meta: b
         ctx.destroy()
 
 
-@pytest.mark.parametrize("family, meta", [("llama-sharded", True), ("gpt2", False)])
+@pytest.mark.parametrize("family, meta", [("llama-sharded", False), ("gpt2", True)])
 def test_each_tp_rank_reads_only_its_slice(family: str, meta: bool, tmp_path: Path,
                                            sharded_dir: tuple[Path, torch.Tensor]) -> None:
     if family == "gpt2":
@@ -184,6 +184,23 @@ def test_each_tp_rank_reads_only_its_slice(family: str, meta: bool, tmp_path: Pa
     if family == "llama-sharded":  # together: the checkpoint once, plus what both ranks hold: the KV head, the norms
         kv, norms = cfg.head_dim * cfg.n_embd * 2 * cfg.n_layer, (2 * cfg.n_layer + 1) * cfg.n_embd
         assert sum(r["elements"] for r in results) == whole + kv + norms
+
+
+def test_a_tied_model_untied_by_to_empty_is_tied_again(tmp_path: Path, reads: ReadLog) -> None:
+    torch.manual_seed(6)
+    hf = hf_gpt2()
+    path = save(hf, tmp_path / "hf")
+    cfg = resolve_architecture(load_config(None, tiny_overrides(tmp_path, model__init_from=f"hf:{path}")))
+    ctx = ParallelContext(rank=0, world_size=1, local_rank=0, dp=1, tp=1, pp=1, device=torch.device("cpu"))
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    model.to_empty(device="cpu")  # a new tensor per module: wte and lm_head no longer share one
+    assert model.lm_head.weight is not model.wte.weight
+    load_initial_weights(model, cfg, ctx)
+    assert model.lm_head.weight is model.wte.weight
+    assert reads.elements == file_elements(path)  # the embedding read once
+    with torch.no_grad():
+        torch.testing.assert_close(model.eval()(TOKENS), hf_logits(hf, TOKENS), rtol=1e-5, atol=1e-5)
 
 
 # -- pipeline stage ------------------------------------------------------------------------------------------

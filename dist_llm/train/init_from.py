@@ -156,10 +156,6 @@ def _region(name: str, module: nn.Module, p: torch.Tensor, cfg: Config,
     return _runs(rows), cols
 
 
-def _local_data(p: torch.Tensor) -> torch.Tensor:
-    return p.to_local() if isinstance(p, DTensor) else p.data
-
-
 def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None:
     from dist_llm.hf import HFCheckpoint
     from dist_llm.peft import BLOCK_LINEARS
@@ -173,16 +169,17 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
                     setattr(module, param_name, done[id(p)])
                     continue
                 name = _global_name(module_name, param_name)
+                if (name == "lm_head.weight" and cfg.model.tie_embeddings and getattr(model, "wte", None) is not None
+                        and not isinstance(p, DTensor)):  # (re-)tied to the embedding read before it
+                    setattr(module, param_name, model.wte.weight)
+                    continue
                 if name not in src.layout:
                     raise ConfigError(f"model.init_from: {where} has no weight for {name}")
                 rows, cols = _region(name, module, p, cfg, ctx)
                 done[id(p)] = _fill(src, name, module, param_name, p, rows, cols, ctx.device, model)
             path = _global_name(module_name, "").rstrip(".")
-            if qlora and isinstance(module, nn.Linear) and path.endswith(BLOCK_LINEARS) and path.startswith("blocks."):
+            if qlora and isinstance(module, nn.Linear) and path.startswith("blocks.") and path.endswith(BLOCK_LINEARS):
                 _quantise(model, module_name, module)  # before the next layer is read
-    tie = cfg.model.tie_embeddings and getattr(model, "wte", None) is not None and getattr(model, "lm_head", None) is not None
-    if tie and model.lm_head.weight is not model.wte.weight and not isinstance(model.wte.weight, DTensor):
-        model.lm_head.weight = model.wte.weight  # a materialised copy untied them (to_empty does)
 
 
 def _fill(src: Any, name: str, module: nn.Module, param_name: str, p: nn.Parameter, rows: list[tuple[int, int]],
