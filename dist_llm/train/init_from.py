@@ -123,13 +123,19 @@ def _runs(rows: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _tp_rows(name: str, module: nn.Module, rows: int, cfg: Config, ctx: ParallelContext) -> torch.Tensor:
-    """The full-tensor rows a dim-0 tensor-parallel slice of `rows` rows holds: the module's `rows` index or
-    vocabulary range, or, where a meta-built module's index has no values yet, the same rows from the plan."""
-    index = getattr(module, "rows", None)
-    if isinstance(index, torch.Tensor) and not index.is_meta:
-        return index.cpu()
+    """The full-tensor rows a dim-0 tensor-parallel slice of `rows` rows holds: the module's vocabulary range
+    or `rows` index; where that index has no values (built on the meta device, or uninitialised by to_empty:
+    it is a non-persistent buffer), the same rows from the plan."""
     if hasattr(module, "vocab_start"):
         return torch.arange(module.vocab_start, module.vocab_end)
+    index = getattr(module, "rows", None)
+    if isinstance(index, torch.Tensor) and not index.is_meta and len(index) == rows:
+        index = index.cpu()
+        out_features = getattr(module, "out_features", None)
+        # the plan's indexes are strictly increasing and in range; an uninitialised buffer is not
+        increasing = bool((index[1:] > index[:-1]).all())
+        if rows and increasing and index[0] >= 0 and (out_features is None or index[-1] < out_features):
+            return index
     if name.rpartition(".")[0].endswith("attn.qkv"):
         from dist_llm.parallel.tensor.plan import qkv_rows
 
