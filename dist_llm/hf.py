@@ -16,6 +16,10 @@ interleaving permutation). The fused qkv rows are q (n_head*hd), k (kv*hd), v (k
 
 The embedding and head are padded to model.pad_vocab_to; imported padding rows are zero and exported
 tensors have them stripped. `transformers` is not needed here: only `safetensors` and torch.
+
+Reading is region by region: `hf_layout` says, for each of our parameters, which rows of which Hugging Face
+tensors fill it (names and shapes only), and `HFCheckpoint` reads just the rows and columns a rank keeps
+with safetensors' lazy `get_slice`, so no rank holds the whole model (`dist_llm.train.init_from`).
 """
 
 from __future__ import annotations
@@ -25,9 +29,10 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
+from safetensors import safe_open
 
 from dist_llm.config import Config, ConfigError, ModelConfig
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
@@ -204,13 +209,18 @@ def _llama_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
     }
 
 
-def _load_file(file: Path) -> dict[str, torch.Tensor]:
+def _load_file(file: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
     try:
         if file.suffix == ".safetensors":
             from safetensors.torch import load_file
 
             return load_file(str(file), device="cpu")
-        return torch.load(file, map_location="cpu", weights_only=True)
+        try:  # mapped, not read: only the pages of the slices taken are touched (zip-format files only)
+            return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+        except RuntimeError:
+            if not mmap:
+                raise
+            return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
         lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
         # torch.load's weights_only refusal opens with a paragraph on its defaults; the line naming the global says why
@@ -218,157 +228,299 @@ def _load_file(file: Path) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{file}: cannot read weights ({reason})") from None
 
 
-def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a Hugging Face directory by their Hugging Face names (safetensors preferred, shards joined)."""
-    path = Path(path).expanduser()
+def _weight_files(path: Path) -> tuple[str, list[Path]]:
+    """('safetensors' | 'torch', the weight files) of a directory; safetensors preferred, shards from their index."""
     if (path / SAFETENSORS_FILE).is_file():
-        return _load_file(path / SAFETENSORS_FILE)
-    for index_name in (SAFETENSORS_INDEX, TORCH_INDEX):
+        return "safetensors", [path / SAFETENSORS_FILE]
+    for kind, index_name in (("safetensors", SAFETENSORS_INDEX), ("torch", TORCH_INDEX)):
         index = path / index_name
         if index.is_file():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (ValueError, KeyError, TypeError):
+                shards = sorted(set(weight_map.values()))
+            except (ValueError, KeyError, TypeError, AttributeError):
                 raise ConfigError(f"{index}: not a weight index (no weight_map)") from None
-            tensors: dict[str, torch.Tensor] = {}
-            for shard in sorted(set(weight_map.values())):
+            for shard in shards:
                 if not (path / shard).is_file():
                     raise ConfigError(f"{path / shard}: not found (listed in {index_name})")
-                tensors.update(_load_file(path / shard))
-            return tensors
+            return kind, [path / shard for shard in shards]
     if (path / TORCH_FILE).is_file():
-        return _load_file(path / TORCH_FILE)
+        return "torch", [path / TORCH_FILE]
     raise ConfigError(f"{path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_FILE})")
 
 
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    out = t.new_zeros((rows, *t.shape[1:]))
-    out[: t.shape[0]] = t
+def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a Hugging Face directory by their Hugging Face names, read whole (shards joined): for
+    comparisons and small models; loading a model reads region by region (`HFCheckpoint`)."""
+    _, files = _weight_files(Path(path).expanduser())
+    tensors: dict[str, torch.Tensor] = {}
+    for file in files:
+        tensors.update(_load_file(file))
+    return tensors
+
+
+# -- where each of our tensors comes from (pure: names and shapes only) -------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """Rows [start, start + rows) of one of our tensors: rows [0, rows) of the Hugging Face tensor `name`
+    (of its columns when `transposed`: GPT-2's Conv1D stores (in, out)), or zeros where `name` is None
+    (vocabulary padding) or where an `optional` tensor is absent (a bias the family leaves out)."""
+
+    start: int
+    rows: int
+    name: str | None = None  # without the family prefix ("transformer." / "model.")
+    hf_shape: tuple[int, ...] = ()
+    transposed: bool = False
+    optional: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Mapping:
+    """One of our tensors: its full (tp=1) shape and the pieces that fill its rows, in order."""
+
+    shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+
+
+def _whole(name: str, shape: tuple[int, ...], *, transposed: bool = False, optional: bool = False) -> Mapping:
+    hf_shape = (shape[1], shape[0]) if transposed else shape
+    return Mapping(shape, (Piece(0, shape[0], name, hf_shape, transposed, optional),))
+
+
+def _stacked(parts: list[tuple[str, int]], width: int | None = None, *, optional: bool = False) -> Mapping:
+    """Rows of several tensors one after the other (Llama's q, k, v -> our fused qkv)."""
+    pieces, start = [], 0
+    for name, rows in parts:
+        pieces.append(Piece(start, rows, name, (rows, width) if width else (rows,), optional=optional))
+        start += rows
+    return Mapping((start, width) if width else (start,), tuple(pieces))
+
+
+def _vocab(name: str, cfg: ModelConfig) -> Mapping:
+    """The real vocabulary's rows, then zero rows up to cfg.padded_vocab."""
+    V, C = cfg.vocab_size, cfg.n_embd
+    pad = (Piece(V, cfg.padded_vocab - V),) if cfg.padded_vocab > V else ()
+    return Mapping((cfg.padded_vocab, C), (Piece(0, V, name, (V, C)), *pad))
+
+
+PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",)}
+
+
+def hf_layout(cfg: ModelConfig, family: str) -> dict[str, Mapping]:
+    """Our parameter name -> where its rows come from in a Hugging Face checkpoint of `family` ('gpt2' or
+    'llama'), for the model `cfg` describes (as `model_config_from_hf` returns it). A tied head maps as the
+    embedding does."""
+    C, H = cfg.n_embd, cfg.ffn_hidden
+    out: dict[str, Mapping] = {}
+    if family == "gpt2":
+        out["wte.weight"], out["wpe.weight"] = _vocab("wte.weight", cfg), _whole("wpe.weight", (cfg.block_size, C))
+        linears = [("attn.c_attn", "attn.qkv", 3 * C, C), ("attn.c_proj", "attn.proj", C, C),
+                   ("mlp.c_fc", "mlp.up", H, C), ("mlp.c_proj", "mlp.down", C, H)]
+        for i in range(cfg.n_layer):
+            h, o = f"h.{i}", f"blocks.{i}"
+            for norm in ("ln_1", "ln_2"):
+                out[f"{o}.{norm}.weight"], out[f"{o}.{norm}.bias"] = (_whole(f"{h}.{norm}.{k}", (C,)) for k in ("weight", "bias"))
+            for theirs, ours, rows, cols in linears:  # Conv1D: (in, out) in the file
+                out[f"{o}.{ours}.weight"] = _whole(f"{h}.{theirs}.weight", (rows, cols), transposed=True)
+                out[f"{o}.{ours}.bias"] = _whole(f"{h}.{theirs}.bias", (rows,))
+        out["ln_f.weight"], out["ln_f.bias"] = _whole("ln_f.weight", (C,)), _whole("ln_f.bias", (C,))
+    else:
+        q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        out["wte.weight"] = _vocab("embed_tokens.weight", cfg)
+        linears = [("self_attn.o_proj", "attn.proj", C, q), ("mlp.gate_proj", "mlp.gate", H, C),
+                   ("mlp.up_proj", "mlp.up", H, C), ("mlp.down_proj", "mlp.down", C, H)]
+        for i in range(cfg.n_layer):
+            h, o = f"layers.{i}", f"blocks.{i}"
+            out[f"{o}.ln_1.weight"] = _whole(f"{h}.input_layernorm.weight", (C,))
+            out[f"{o}.ln_2.weight"] = _whole(f"{h}.post_attention_layernorm.weight", (C,))
+            qkv = [(f"{h}.self_attn.{p}_proj.weight", n) for p, n in (("q", q), ("k", kv), ("v", kv))]
+            out[f"{o}.attn.qkv.weight"] = _stacked(qkv, C)  # rotate_half layout on both sides: rows as they are
+            if cfg.bias:  # Hugging Face leaves out the biases a family does not have: zero in a model.bias=true GPT
+                out[f"{o}.attn.qkv.bias"] = _stacked([(n.replace(".weight", ".bias"), r) for n, r in qkv], optional=True)
+            for theirs, ours, rows, cols in linears:
+                out[f"{o}.{ours}.weight"] = _whole(f"{h}.{theirs}.weight", (rows, cols))
+                if cfg.bias:
+                    out[f"{o}.{ours}.bias"] = _whole(f"{h}.{theirs}.bias", (rows,), optional=True)
+        out["ln_f.weight"] = _whole("norm.weight", (C,))
+    out["lm_head.weight"] = out["wte.weight"] if cfg.tie_embeddings else _vocab("lm_head.weight", cfg)
     return out
 
 
-class _Source:
-    """The Hugging Face tensors, handed out once each by name, so leftovers can be reported."""
+# -- reading regions -----------------------------------------------------------------------------------------
+Rows = Sequence[tuple[int, int]]  # row ranges [a, b) of one of our tensors, in the order they are wanted
 
-    def __init__(self, tensors: dict[str, torch.Tensor], path: Path, prefixes: tuple[str, ...]) -> None:
-        self.path = path
-        self.tensors: dict[str, torch.Tensor] = {}
-        for name, t in tensors.items():
-            if _IGNORED.search(name):
-                continue
-            for prefix in prefixes:  # e.g. "transformer." / "model.": base-model checkpoints lack it
-                if name.startswith(prefix):
-                    name = name[len(prefix):]
-                    break
-            self.tensors[name] = t
-        self.used: set[str] = set()
 
-    def has(self, name: str) -> bool:
-        return name in self.tensors
+@dataclasses.dataclass
+class _Entry:
+    file: Path
+    key: str  # the name in the file (with its prefix)
+    shape: tuple[int, ...]
+    tensor: torch.Tensor | None = None  # pytorch_model.bin only: the (mapped) tensor
 
-    def take(self, name: str) -> torch.Tensor:
-        if name not in self.tensors:
-            raise ConfigError(f"{self.path}: missing tensor {name!r}")
-        self.used.add(name)
-        return self.tensors[name].float()
 
-    def finish(self) -> None:
-        left = sorted(set(self.tensors) - self.used)
+def _safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape from a safetensors file's JSON header (its first 8 + n bytes; no data read)."""
+    try:
+        with open(file, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if not 2 <= size <= file.stat().st_size - 8:
+                raise ValueError(f"header length {size} does not fit the file")
+            header = json.loads(f.read(size))
+        return {k: tuple(int(n) for n in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
+        raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
+
+
+class HFCheckpoint:
+    """The weights of a Hugging Face directory, read region by region under our names.
+
+    Only headers are read on opening (every file's, so every rank finds the same errors: a missing, unexpected
+    or misshapen tensor, one line naming the file and key). `read_into` then reads just the rows and columns
+    asked for with safetensors' lazy `safe_open(...).get_slice(key)[a:b, c:d]`, in the file's dtype, converted
+    to the destination's dtype tensor by tensor; a shard is opened the first time one of its tensors is read.
+    `pytorch_model.bin` (a legacy format) cannot be sliced lazily: it is mapped whole with torch.load(mmap=True)
+    (read whole where the file predates the zip format), and its slices are copied from there."""
+
+    def __init__(self, path: str | Path, cfg: ModelConfig) -> None:
+        self.path = Path(path).expanduser()
+        self.family = _family(read_hf_config(self.path), self.path / CONFIG_FILE)
+        self.cfg = cfg
+        self.layout = hf_layout(cfg, self.family)
+        self.entries: dict[str, _Entry] = {}
+        self._handles: dict[Path, Any] = {}
+        kind, files = _weight_files(self.path)
+        for file in files:
+            if kind == "safetensors":
+                found = {k: (shape, None) for k, shape in _safetensors_header(file).items()}
+            else:
+                found = {k: (tuple(t.shape), t) for k, t in _load_file(file, mmap=True).items()}
+            for key, (shape, tensor) in found.items():
+                if _IGNORED.search(key):
+                    continue
+                self.entries[self._strip(key)] = _Entry(file, key, shape, tensor)
+        self._check()
+
+    def _strip(self, key: str) -> str:
+        for prefix in PREFIXES[self.family]:  # base-model checkpoints lack it
+            if key.startswith(prefix):
+                return key[len(prefix):]
+        return key
+
+    def _check(self) -> None:
+        needed: dict[str, Piece] = {}
+        for mapping in self.layout.values():
+            needed.update({p.name: p for p in mapping.pieces if p.name is not None})
+        for name, piece in needed.items():
+            entry = self.entries.get(name)
+            if entry is None:
+                if piece.optional:
+                    continue
+                raise ConfigError(f"{self.path}: missing tensor {name!r}")
+            if entry.shape != piece.hf_shape:
+                raise ConfigError(f"{entry.file}: tensor {entry.key!r} has shape {entry.shape}, the config.json "
+                                  f"implies {piece.hf_shape}")
+        allowed = {"lm_head.weight"} if self.cfg.tie_embeddings else set()  # some tied checkpoints store the head too
+        left = sorted(set(self.entries) - set(needed) - allowed)
         if left:
             more = f" (and {len(left) - 1} more)" if len(left) > 1 else ""
-            raise ConfigError(f"{self.path}: unexpected tensor {left[0]!r}{more}: not a weight of this architecture")
+            raise ConfigError(f"{self.entries[left[0]].file}: unexpected tensor {left[0]!r}{more}: not a weight of "
+                              f"this architecture")
+
+    def _slice(self, entry: _Entry) -> Any:
+        if entry.tensor is not None:
+            return entry.tensor
+        if entry.file not in self._handles:
+            try:
+                self._handles[entry.file] = safe_open(str(entry.file), framework="pt", device="cpu")
+            except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
+                raise ConfigError(f"{entry.file}: cannot read weights ({e})") from None
+        return self._handles[entry.file].get_slice(entry.key)
+
+    def read_into(self, name: str, out: torch.Tensor, rows: Rows | None = None,
+                  cols: tuple[int, int] | None = None) -> torch.Tensor:
+        """Fill `out` with rows `rows` (default: all) x columns [cols) (default: all) of our tensor `name`, the
+        ranges stacked in order; each region read from the files alone and converted to out's dtype."""
+        mapping = self.layout[name]
+        rows = [(0, mapping.shape[0])] if rows is None else rows
+        c0, c1 = cols if cols is not None else (0, mapping.shape[1] if len(mapping.shape) > 1 else 0)
+        want = (sum(b - a for a, b in rows), *((c1 - c0,) if len(mapping.shape) > 1 else ()))
+        if tuple(out.shape) != want:
+            raise ValueError(f"{name}: destination of shape {tuple(out.shape)} for a region of shape {want}")
+        at = 0
+        for a, b in rows:
+            for p in mapping.pieces:
+                lo, hi = max(a, p.start), min(b, p.start + p.rows)
+                if lo >= hi:
+                    continue
+                dst = out[at + lo - a : at + hi - a]
+                entry = self.entries.get(p.name) if p.name is not None else None
+                if entry is None:  # padding, or a bias the checkpoint leaves out
+                    dst.zero_()
+                    continue
+                r0, r1 = lo - p.start, hi - p.start
+                src = self._slice(entry)
+                if len(mapping.shape) == 1:
+                    dst.copy_(src[r0:r1])
+                elif p.transposed:  # Conv1D (in, out): our rows are its columns
+                    dst.copy_(src[c0:c1, r0:r1].t())
+                else:
+                    dst.copy_(src[r0:r1, c0:c1])
+            at += b - a
+        return out
+
+    def read(self, name: str, rows: Rows | None = None, cols: tuple[int, int] | None = None,
+             dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A new tensor of `dtype` holding a region of our tensor `name` (see `read_into`)."""
+        shape = self.layout[name].shape
+        n = sum(b - a for a, b in rows) if rows is not None else shape[0]
+        width = ((cols[1] - cols[0]) if cols is not None else shape[1],) if len(shape) > 1 else ()
+        return self.read_into(name, torch.empty((n, *width), dtype=dtype), rows, cols)
+
+    def close(self) -> None:
+        self._handles.clear()  # safetensors unmaps a file when its handle goes
+
+    def __enter__(self) -> "HFCheckpoint":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 def load_hf_state_dict(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The Hugging Face weights of `path` under the GPT's parameter names, full (unsharded) fp32 tensors with
-    the vocabulary padded to cfg.padded_vocab by zero rows; `cfg` as `model_config_from_hf` returns it."""
-    path = Path(path).expanduser()
-    family = _family(read_hf_config(path), path / CONFIG_FILE)
-    tensors = read_hf_tensors(path)
-    if family == "gpt2":
-        src = _Source(tensors, path, ("transformer.",))
-        sd = _gpt2_to_ours(src, cfg)
-    else:
-        src = _Source(tensors, path, ("model.",))
-        sd = _llama_to_ours(src, cfg)
+    the vocabulary padded to cfg.padded_vocab by zero rows; `cfg` as `model_config_from_hf` returns it.
+    The whole model at once: for a conversion or a test; training loads slices (`HFCheckpoint`)."""
+    with HFCheckpoint(path, cfg) as src:
+        sd = {name: src.read(name) for name in src.layout if not (cfg.tie_embeddings and name == "lm_head.weight")}
     if cfg.tie_embeddings:
         sd["lm_head.weight"] = sd["wte.weight"]
-        if src.has("lm_head.weight"):
-            src.take("lm_head.weight")  # some tied checkpoints store the head too
-    else:
-        sd["lm_head.weight"] = _pad_rows(src.take("lm_head.weight"), cfg.padded_vocab)
-    src.finish()
     return sd
 
 
-def _gpt2_to_ours(src: _Source, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    sd = {"wte.weight": _pad_rows(src.take("wte.weight"), cfg.padded_vocab), "wpe.weight": src.take("wpe.weight")}
-    pairs = [("ln_1", "ln_1", False), ("attn.c_attn", "attn.qkv", True), ("attn.c_proj", "attn.proj", True),
-             ("ln_2", "ln_2", False), ("mlp.c_fc", "mlp.up", True), ("mlp.c_proj", "mlp.down", True)]
-    for i in range(cfg.n_layer):
-        for theirs, ours, conv1d in pairs:
-            w = src.take(f"h.{i}.{theirs}.weight")
-            sd[f"blocks.{i}.{ours}.weight"] = w.t().contiguous() if conv1d else w  # Conv1D stores (in, out)
-            sd[f"blocks.{i}.{ours}.bias"] = src.take(f"h.{i}.{theirs}.bias")
-    sd["ln_f.weight"], sd["ln_f.bias"] = src.take("ln_f.weight"), src.take("ln_f.bias")
-    return sd
-
-
-_LLAMA_LINEARS = [("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"),
-                  ("mlp.down_proj", "mlp.down")]
-
-
-def _llama_to_ours(src: _Source, cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    def bias(name: str, rows: int) -> torch.Tensor:
-        # Hugging Face leaves out the biases a family does not have; in a model.bias=true GPT they are zero
-        return src.take(name) if src.has(name) else torch.zeros(rows)
-
-    sd = {"wte.weight": _pad_rows(src.take("embed_tokens.weight"), cfg.padded_vocab)}
-    for i in range(cfg.n_layer):
-        h, o = f"layers.{i}", f"blocks.{i}"
-        sd[f"{o}.ln_1.weight"] = src.take(f"{h}.input_layernorm.weight")
-        sd[f"{o}.ln_2.weight"] = src.take(f"{h}.post_attention_layernorm.weight")
-        qkv = [src.take(f"{h}.self_attn.{p}_proj.weight") for p in "qkv"]
-        sd[f"{o}.attn.qkv.weight"] = torch.cat(qkv)  # rotate_half layout on both sides: rows as they are
-        if cfg.bias:
-            sd[f"{o}.attn.qkv.bias"] = torch.cat([bias(f"{h}.self_attn.{p}_proj.bias", w.shape[0])
-                                                  for p, w in zip("qkv", qkv)])
-        for theirs, ours in _LLAMA_LINEARS:
-            w = src.take(f"{h}.{theirs}.weight")
-            sd[f"{o}.{ours}.weight"] = w
-            if cfg.bias:
-                sd[f"{o}.{ours}.bias"] = bias(f"{h}.{theirs}.bias", w.shape[0])
-    sd["ln_f.weight"] = src.take("norm.weight")
-    return sd
-
-
+@torch.no_grad()
 def load_hf(path: str | Path, base: ModelConfig | None = None) -> GPT:
     """A GPT (fp32, on the CPU, in eval mode) holding the weights of a Hugging Face GPT-2 or Llama-family
     directory. `base` supplies the keys config.json does not decide (see `model_config_from_hf`)."""
     cfg = model_config_from_hf(path, base)
-    state = load_hf_state_dict(path, cfg)
-    with torch.device("meta"):  # no random init of weights that are overwritten next
-        model = GPT(cfg)
-    model.to_empty(device="cpu")
-    if cfg.tie_embeddings:  # to_empty makes a new tensor per module, which unties them
-        model.lm_head.weight = model.wte.weight
-    if model.rope is not None:
-        model.rope.reset_parameters()  # its tables are buffers, not weights
-    _load_exact(model, state, Path(path))
+    with HFCheckpoint(path, cfg) as src:
+        with torch.device("meta"):  # no random init of weights that are overwritten next
+            model = GPT(cfg)
+        model.to_empty(device="cpu")
+        if cfg.tie_embeddings:  # to_empty makes a new tensor per module, which unties them
+            model.lm_head.weight = model.wte.weight
+        if model.rope is not None:
+            model.rope.reset_parameters()  # its tables are buffers, not weights
+        for name, p in model.named_parameters():  # (a tied head is listed once, as wte.weight)
+            if tuple(p.shape) != src.layout[name].shape:  # pragma: no cover - a mapping bug
+                raise ConfigError(f"{src.path}: weight for {name} has shape {src.layout[name].shape}, the model "
+                                  f"wants {tuple(p.shape)}")
+            src.read_into(name, p)
     return model.eval()
 
 
-def _load_exact(model: GPT, state: dict[str, torch.Tensor], where: Path) -> None:
-    expected = model.state_dict()
-    for name, t in expected.items():
-        if name not in state:
-            raise ConfigError(f"{where}: no weight for {name}")  # pragma: no cover - a mapping bug
-        if tuple(state[name].shape) != tuple(t.shape):
-            raise ConfigError(f"{where}: weight for {name} has shape {tuple(state[name].shape)}, "
-                              f"the config.json implies {tuple(t.shape)}")
-    model.load_state_dict(state, strict=True)
+# (hf_state_dict's export order of the Llama linears besides q/k/v)
+_LLAMA_LINEARS = [("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate"), ("mlp.up_proj", "mlp.up"),
+                  ("mlp.down_proj", "mlp.down")]
 
 
 # -- writing -----------------------------------------------------------------------------------------------
@@ -574,6 +726,6 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
     return out
 
 
-__all__ = ["ARCH_KEYS", "FAMILIES", "convert_checkpoint_to_hf", "convert_hf_to_checkpoint", "export_family",
+__all__ = ["ARCH_KEYS", "FAMILIES", "HFCheckpoint", "Mapping", "Piece", "hf_layout", "convert_checkpoint_to_hf", "convert_hf_to_checkpoint", "export_family",
            "hf_config", "hf_state_dict", "load_checkpoint_model", "load_hf", "load_hf_state_dict",
            "model_config_from_hf", "read_hf_config", "read_hf_tensors", "save_hf"]

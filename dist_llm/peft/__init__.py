@@ -51,7 +51,7 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
                 layer = _get(block, path)
                 if isinstance(layer, nn.Linear):
                     _set(block, path, NF4Linear.from_linear(layer))
-                elif layer is not None:
+                elif layer is not None and not isinstance(layer, NF4Linear):  # (quantised as it was loaded)
                     raise ConfigError(f"peft.method: qlora needs plain linear layers, found {type(layer).__name__} "
                                       f"at {path}")
     with torch.random.fork_rng(devices=[]):

@@ -119,7 +119,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
     if layers.summary():
         log.info(layers.summary())
     if cfg.model.init_from:
-        load_initial_weights(model, cfg, TensorParallelState(model, ctx) if ctx.tp > 1 else None, ctx.tp_rank)
+        load_initial_weights(model, cfg, ctx)
     if cfg.peft.method != "none":
         apply_peft(model, cfg.peft, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
