@@ -107,7 +107,7 @@ def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corp
     samples (base rebuilt from init_from) and exports to Hugging Face as the merged model."""
     import transformers
 
-    from dist_llm.hf import convert_checkpoint_to_hf
+    from dist_llm.convert import convert_checkpoint_to_hf
     from dist_llm.sample import load_model
 
     train(0, 1, tmp_path / "run", corpus, {**LORA, "peft__method": method, "model__init_from": f"hf:{llama_dir}",
