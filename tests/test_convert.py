@@ -277,3 +277,24 @@ def test_each_module_imports_first_in_a_fresh_interpreter(first: str) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("base", ["random", "ckpt"])
+def test_peft_export_of_every_base_is_the_merged_model(tmp_path: Path, corpus: Path, base: str) -> None:  # noqa: F811
+    """A LoRA checkpoint over a random base (rebuilt from train.seed) or over a checkpoint (`ckpt:`, read
+    tensor by tensor): its streamed export is byte for byte what merging the whole model and saving it gives."""
+    from dist_llm.peft import merge_into_base
+    from tests.test_data_parallel import train
+    from tests.test_peft import LORA
+
+    extra: dict[str, Any] = {**LORA, "train__max_steps": 2, "model__bias": True}
+    if base == "ckpt":
+        train(0, 1, tmp_path / "base", corpus, {"train__max_steps": 2, "model__bias": True})
+        [start] = (tmp_path / "base" / "checkpoints").glob("step_*")
+        extra["model__init_from"] = f"ckpt:{start}"
+    train(0, 1, tmp_path / "run", corpus, extra)
+    model = convert.load_checkpoint_model(tmp_path / "run")
+    merge_into_base(model)
+    convert.save_hf(model, tmp_path / "whole")
+    convert.convert_checkpoint_to_hf(tmp_path / "run", tmp_path / "streamed")
+    assert files(tmp_path / "streamed") == files(tmp_path / "whole")
