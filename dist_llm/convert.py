@@ -5,9 +5,11 @@ runs) gives every tensor's full shape, so the output files and their headers are
 read; then one model tensor at a time is loaded through DCP (a one-key `dcp.load` with no process group:
 DCP reassembles it from whatever tp/pp/dp shards the saving layout wrote), cut into its Hugging Face
 tensors (Llama's q/k/v are row ranges of our fused qkv, the vocabulary padding is dropped, GPT-2's Conv1D
-weights transposed), and appended to the current safetensors file (`dist_llm.shards`). The peak is the
-largest model tensor (twice it where a transpose copies), never the model. Past `--max-shard-size` (default
-5GB) the output is sharded with an index, as transformers writes it.
+weights transposed), and appended to the current safetensors file (`dist_llm.shards`). The peak is set by
+the largest model tensor, never the model: about twice it, as DCP deserialises a stored chunk and then
+copies it into the tensor asked for (a 162M-parameter model, 649 MB of weights whose largest tensor is
+154 MB: 360 MB above an idle process, against 1.31 GB when the export built the model). Past
+`--max-shard-size` (default 5GB) the output is sharded with an index, as transformers writes it.
 
 A PEFT (LoRA/QLoRA) checkpoint holds only the adapters; its base is what `model.init_from` names. Each base
 tensor is read alone (a Hugging Face directory's tensors lazily by name, a checkpoint's through DCP), a
@@ -115,7 +117,8 @@ class HFWeights:
             index = self.path / index_name
             if index.is_file():
                 try:
-                    return {name: self.path / file for name, file in json.loads(index.read_text())["weight_map"].items()}
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                    return {name: self.path / file for name, file in weight_map.items()}
                 except (ValueError, KeyError, TypeError, AttributeError):
                     raise ConfigError(f"{index}: not a weight index (no weight_map)") from None
         if (self.path / TORCH_FILE).is_file():
@@ -195,7 +198,8 @@ class MergedPeft:
             self.base: Weights = HFWeights(base_dir, cfg.model)
         elif kind == "ckpt":
             if not ckpt.is_complete(base_dir):
-                raise ConfigError(f"model.init_from: {base_dir} is not a complete checkpoint (the base of {adapters.path})")
+                raise ConfigError(f"model.init_from: {base_dir} is not a complete checkpoint "
+                                  f"(the base of {adapters.path})")
             base = CheckpointWeights(base_dir)
             base.check(weight_shapes(cfg.model))
             self.base = base

@@ -531,5 +531,5 @@ def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
 
 
 __all__ = ["ARCH_KEYS", "FAMILIES", "HFTensor", "export_family", "export_plan", "hf_config", "hf_state_dict",
-           "hf_tensor", "load_hf", "plain_state", "load_hf_state_dict", "model_config_from_hf", "read_hf_config", "read_hf_tensors",
-           "weight_shapes"]
+           "hf_tensor", "load_hf", "load_hf_state_dict", "model_config_from_hf", "plain_state", "read_hf_config",
+           "read_hf_tensors", "weight_shapes"]

@@ -92,7 +92,8 @@ def _header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     for e in entries:
         if e.dtype not in _DTYPES:
             raise ConfigError(f"{e.name}: dtype {e.dtype} has no safetensors equivalent")
-        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
+        header[e.name] = {"dtype": _DTYPES[e.dtype], "shape": list(e.shape),
+                          "data_offsets": [offset, offset + e.nbytes]}
         offset += e.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data then starts 8-byte aligned
