@@ -128,7 +128,11 @@ class HFWeights:
 
     def _bin(self, file: Path) -> dict[str, torch.Tensor]:
         if file not in self._bins:  # mapped, not read: a tensor's pages are read when it is taken
-            self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            try:
+                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
+                reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
+                raise ConfigError(f"{file}: cannot read weights ({reason})") from None
         return self._bins[file]
 
     def _read(self, name: str) -> torch.Tensor | None:

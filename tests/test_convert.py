@@ -306,3 +306,24 @@ def test_peft_export_of_every_base_is_the_merged_model(tmp_path: Path, corpus: P
     convert.save_hf(model, tmp_path / "whole")
     convert.convert_checkpoint_to_hf(tmp_path / "run", tmp_path / "streamed")
     assert files(tmp_path / "streamed") == files(tmp_path / "whole")
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+@pytest.mark.parametrize("serialization", ["safetensors", "bin"])
+def test_hf_base_read_tensor_by_tensor_equals_the_whole_read(tmp_path: Path, family: str, serialization: str) -> None:
+    """A PEFT base read one tensor at a time (HFWeights, the inverse of export_plan) is what load_hf_state_dict
+    reads whole: Conv1D transposes, q/k/v into qkv, biases Hugging Face leaves out (qwen2's o_proj) zero, a
+    tied head, the vocabulary padded; from safetensors and from memory-mapped pytorch_model.bin."""
+    pytest.importorskip("transformers")
+    from dist_llm.config import ModelConfig
+    from dist_llm.hf import load_hf_state_dict, model_config_from_hf
+    from tests.test_hf import hf_gpt2, hf_llama
+
+    torch.manual_seed(6)
+    hf = hf_gpt2() if family == "gpt2" else hf_llama(family)
+    hf.save_pretrained(tmp_path, safe_serialization=serialization == "safetensors")
+    cfg = model_config_from_hf(tmp_path, ModelConfig(pad_vocab_to=128))
+    whole = load_hf_state_dict(tmp_path, cfg)
+    lazy = convert.HFWeights(tmp_path, cfg)
+    for name, t in whole.items():
+        assert torch.equal(lazy.get(name), t), name
