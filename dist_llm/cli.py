@@ -148,11 +148,15 @@ def add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--to-hf", type=Path, default=None, metavar="CKPT",
                    help="a dist_llm checkpoint (or run directory), written as a Hugging Face directory")
     p.add_argument("--to-full", type=Path, default=None, metavar="CKPT",
-                   help="a dist_llm checkpoint of any layout, written as one consolidated .safetensors file")
+                   help="a dist_llm checkpoint of any layout, written as full safetensors under our names (--out "
+                        "FILE.safetensors: one file; a directory: sharded past --max-shard-size)")
     p.add_argument("--out", type=Path, default=None,
                    help="the directory (file with --to-full) to write; it must not exist (a directory may be empty)")
     p.add_argument("--pad-vocab-to", type=int, default=128,
                    help="with --from-hf: model.pad_vocab_to of the checkpoint (padding rows are zero)")
+    p.add_argument("--max-shard-size", default="5GB",
+                   help="with --to-hf / --to-full: the largest safetensors file, e.g. 5GB, 500MB, 2GiB; a larger "
+                        "model is written as numbered shards with an index, as transformers does (default 5GB)")
 
 
 @guarded
@@ -162,19 +166,16 @@ def cmd_convert(args: argparse.Namespace) -> int:
         raise ConfigError("convert: give exactly one of --from-hf DIR, --to-hf CKPT or --to-full CKPT")
     if args.out is None:
         raise ConfigError("convert: --out is required")
-    from dist_llm import hf
+    from dist_llm import convert
 
     if args.to_full is not None:
-        from dist_llm.consolidate import save_full
-
-        print(save_full(args.to_full, args.out))
-        return 0
-    if args.from_hf is not None:
+        out = convert.save_full(args.to_full, args.out, max_shard_size=args.max_shard_size)
+    elif args.from_hf is not None:
         if args.pad_vocab_to < 1:
             raise ConfigError(f"--pad-vocab-to: must be positive, got {args.pad_vocab_to}")
-        out = hf.convert_hf_to_checkpoint(args.from_hf, args.out, pad_vocab_to=args.pad_vocab_to)
+        out = convert.convert_hf_to_checkpoint(args.from_hf, args.out, pad_vocab_to=args.pad_vocab_to)
     else:
-        out = hf.convert_checkpoint_to_hf(args.to_hf, args.out)
+        out = convert.convert_checkpoint_to_hf(args.to_hf, args.out, max_shard_size=args.max_shard_size)
     print(out)
     return 0
 

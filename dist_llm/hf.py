@@ -1,4 +1,6 @@
-"""Hugging Face interchange: read GPT-2 and Llama-family directories into a GPT, write a GPT back out.
+"""Hugging Face interchange: read GPT-2 and Llama-family directories into a GPT, and the mapping of a GPT's
+names and layouts onto theirs (`export_plan`). A pure mapping: this module imports only dist_llm.config and
+dist_llm.model; the commands that write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
 
 A Hugging Face model directory is `config.json` plus the weights (`model.safetensors`, a sharded
 `model.safetensors.index.json`, or the older `pytorch_model.bin` [.index.json]). Two families map onto the
@@ -27,15 +29,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 from safetensors import safe_open
 
-from dist_llm.config import Config, ConfigError, ModelConfig
-from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
+from dist_llm.config import ConfigError, ModelConfig
 from dist_llm.model import GPT
 
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
@@ -523,7 +523,7 @@ _LLAMA_LINEARS = [("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate
                   ("mlp.down_proj", "mlp.down")]
 
 
-# -- writing -----------------------------------------------------------------------------------------------
+# -- writing: the name and layout mapping (the files are written by dist_llm.convert) ------------------------
 def export_family(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama': the Hugging Face family a model of `cfg` is written as (ConfigError naming the key
     that makes it unexportable)."""
@@ -572,160 +572,116 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
             "attention_dropout": cfg.dropout, "pretraining_tp": 1}
 
 
-def _base_state(model: GPT) -> dict[str, torch.Tensor]:
+def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The plain (tp=1) GPT's state dict: name -> full shape, in the module order (built on meta: no memory)."""
+    with torch.device("meta"):
+        return {name: tuple(t.shape) for name, t in GPT(cfg).state_dict().items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class HFTensor:
+    """One tensor of a Hugging Face export: rows [rows[0], rows[1]) of our tensor `source` (all rows when
+    `rows` is None), transposed when `transpose` (GPT-2's Conv1D stores (in, out)); `source` None: zeros (a
+    bias GPT-2 always has and a bias-free GPT lacks)."""
+
+    name: str
+    shape: tuple[int, ...]
+    source: str | None
+    rows: tuple[int, int] | None = None
+    transpose: bool = False
+
+
+def export_plan(cfg: ModelConfig) -> list[HFTensor]:
+    """Every tensor of the Hugging Face export of a `cfg` model, by its Hugging Face name, in our module order
+    (the entries of one source are adjacent, so a streaming writer loads each source once). Vocabulary
+    padding is stripped; a tied head is written only as the embedding."""
+    family = export_family(cfg)
+    ours = weight_shapes(cfg)
+    V = cfg.vocab_size
+    plan: list[HFTensor] = []
+
+    def add(name: str, source: str | None, rows: tuple[int, int] | None = None, *, transpose: bool = False,
+            zeros: int = 0) -> None:
+        if source is None or source not in ours:
+            plan.append(HFTensor(name, (zeros,), None))
+            return
+        shape = list(ours[source])
+        if rows is not None:
+            shape[0] = rows[1] - rows[0]
+        plan.append(HFTensor(name, tuple(reversed(shape)) if transpose else tuple(shape), source, rows, transpose))
+
+    if family == "gpt2":
+        add("transformer.wte.weight", "wte.weight", (0, V))
+        add("transformer.wpe.weight", "wpe.weight")
+        pairs = [("ln_1", "ln_1", False), ("attn.c_attn", "attn.qkv", True), ("attn.c_proj", "attn.proj", True),
+                 ("ln_2", "ln_2", False), ("mlp.c_fc", "mlp.up", True), ("mlp.c_proj", "mlp.down", True)]
+        names = [(f"h.{i}.{theirs}", f"blocks.{i}.{mine}", conv1d) for i in range(cfg.n_layer)
+                 for theirs, mine, conv1d in pairs] + [("ln_f", "ln_f", False)]
+        for theirs, mine, conv1d in names:
+            add(f"transformer.{theirs}.weight", f"{mine}.weight", transpose=conv1d)
+            rows = ours[f"{mine}.weight"][0]
+            add(f"transformer.{theirs}.bias", f"{mine}.bias", zeros=rows)  # GPT-2 always has biases
+    else:
+        add("model.embed_tokens.weight", "wte.weight", (0, V))
+        q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        qkv_rows = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
+        for i in range(cfg.n_layer):
+            h, o = f"model.layers.{i}", f"blocks.{i}"
+            add(f"{h}.input_layernorm.weight", f"{o}.ln_1.weight")
+            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                for p in "qkv":  # rotate_half layout on both sides: q and k rows as they are
+                    add(f"{h}.self_attn.{p}_proj.{kind}", f"{o}.attn.qkv.{kind}", qkv_rows[p])
+            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                add(f"{h}.self_attn.o_proj.{kind}", f"{o}.attn.proj.{kind}")
+            add(f"{h}.post_attention_layernorm.weight", f"{o}.ln_2.weight")
+            for theirs, mine in _LLAMA_LINEARS[1:]:
+                for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                    add(f"{h}.{theirs}.{kind}", f"{o}.{mine}.{kind}")
+        add("model.norm.weight", "ln_f.weight")
+    if not cfg.tie_embeddings:
+        add("lm_head.weight", "lm_head.weight", (0, V))
+    return plan
+
+
+def hf_tensor(entry: HFTensor, source: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The tensor `entry` describes, cut from our full tensor `source` (None for a zeros entry), contiguous in
+    `dtype` (a view of `source` where it can be: a row range of a contiguous tensor copies nothing)."""
+    if entry.source is None:
+        return torch.zeros(entry.shape, dtype=dtype)
+    assert source is not None
+    t = source if entry.rows is None else source[entry.rows[0]:entry.rows[1]]
+    if entry.transpose:
+        t = t.t()
+    return t.to(dtype).contiguous()
+
+
+def plain_state(model: GPT) -> dict[str, torch.Tensor]:
+    """A GPT's weights by the plain GPT's names (compiled blocks' `_orig_mod` dropped), detached, on the CPU;
+    ConfigError if it is a tensor-parallel shard or carries weights the plain GPT has not (unmerged PEFT)."""
     if not isinstance(model, GPT):
         raise ConfigError(f"cannot export a {type(model).__name__}: expected a dist_llm GPT")
     if getattr(model.layers, "shards", 1) != 1:
         raise ConfigError("cannot export a tensor-parallel model shard: load the checkpoint into one process first")
     state = {k.replace("._orig_mod", ""): v.detach().cpu() for k, v in model.state_dict().items()}
-    with torch.device("meta"):
-        expected = GPT(model.cfg).state_dict()
+    expected = weight_shapes(model.cfg)
     extra = sorted(set(state) - set(expected))
     if extra:
         raise ConfigError(f"cannot export: {extra[0]} is not a weight of the plain GPT (merge or drop PEFT weights first)")
-    for name, t in expected.items():
-        if name not in state or tuple(state[name].shape) != tuple(t.shape):
-            raise ConfigError(f"cannot export: weight {name} is missing or not of the full shape {tuple(t.shape)}")
+    for name, shape in expected.items():
+        if name not in state or tuple(state[name].shape) != shape:
+            raise ConfigError(f"cannot export: weight {name} is missing or not of the full shape {shape}")
     return state
 
 
 def hf_state_dict(model: GPT) -> dict[str, torch.Tensor]:
     """The model's weights under Hugging Face names and layouts (vocabulary padding stripped; a tied head
-    only as the embedding), each a contiguous tensor of its own."""
-    cfg = model.cfg
-    family = export_family(cfg)
-    sd = _base_state(model)
-    V = cfg.vocab_size
-    out: dict[str, torch.Tensor] = {}
-    if family == "gpt2":
-        def zeros_like_bias(name: str, rows: int) -> torch.Tensor:
-            return sd[name] if name in sd else torch.zeros(rows, dtype=sd["wte.weight"].dtype)
-
-        out["transformer.wte.weight"] = sd["wte.weight"][:V]
-        out["transformer.wpe.weight"] = sd["wpe.weight"]
-        pairs = [("ln_1", "ln_1", False), ("attn.c_attn", "attn.qkv", True), ("attn.c_proj", "attn.proj", True),
-                 ("ln_2", "ln_2", False), ("mlp.c_fc", "mlp.up", True), ("mlp.c_proj", "mlp.down", True)]
-        names = [(f"h.{i}.{theirs}", f"blocks.{i}.{ours}", conv1d) for i in range(cfg.n_layer)
-                 for theirs, ours, conv1d in pairs] + [("ln_f", "ln_f", False)]
-        for theirs, ours, conv1d in names:
-            w = sd[f"{ours}.weight"]
-            out[f"transformer.{theirs}.weight"] = w.t() if conv1d else w
-            out[f"transformer.{theirs}.bias"] = zeros_like_bias(f"{ours}.bias", w.shape[0])  # GPT-2 always has biases
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = sd["lm_head.weight"][:V]
-    else:
-        out["model.embed_tokens.weight"] = sd["wte.weight"][:V]
-        q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        for i in range(cfg.n_layer):
-            h, o = f"model.layers.{i}", f"blocks.{i}"
-            out[f"{h}.input_layernorm.weight"] = sd[f"{o}.ln_1.weight"]
-            out[f"{h}.post_attention_layernorm.weight"] = sd[f"{o}.ln_2.weight"]
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
-                q, k, v = sd[f"{o}.attn.qkv.{kind}"].split([q_rows, kv_rows, kv_rows])
-                out[f"{h}.self_attn.q_proj.{kind}"] = q
-                out[f"{h}.self_attn.k_proj.{kind}"] = k
-                out[f"{h}.self_attn.v_proj.{kind}"] = v
-                for theirs, ours in _LLAMA_LINEARS:
-                    out[f"{h}.{theirs}.{kind}"] = sd[f"{o}.{ours}.{kind}"]
-        out["model.norm.weight"] = sd["ln_f.weight"]
-        if not cfg.tie_embeddings:
-            out["lm_head.weight"] = sd["lm_head.weight"][:V]
-    # safetensors refuses tensors that share storage (slices of qkv, the tied embedding): give each its own
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    only as the embedding), each a contiguous tensor of its own (safetensors refuses shared storage)."""
+    plan = export_plan(model.cfg)
+    sd = plain_state(model)
+    dtype = sd["wte.weight"].dtype
+    return {e.name: hf_tensor(e, None if e.source is None else sd[e.source], dtype).clone() for e in plan}
 
 
-def save_hf(model: GPT, path: str | Path) -> Path:
-    """Write `config.json` and `model.safetensors` that transformers' AutoModelForCausalLM loads: GPT-2 for
-    learned positions + layernorm + gelu, Llama for rope + rmsnorm + swiglu (ConfigError otherwise)."""
-    from safetensors.torch import save_file
-
-    tensors = hf_state_dict(model)  # raises before anything is written
-    path = Path(path).expanduser()
-    path.mkdir(parents=True, exist_ok=True)
-    dtype = next(iter(tensors.values())).dtype
-    # each file whole or not at all; the weights first, so a config.json never describes weights not there
-    with atomic_path(path / SAFETENSORS_FILE) as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write_text(path / CONFIG_FILE, json.dumps(hf_config(model.cfg, dtype), indent=2) + "\n")
-    return path
-
-
-# -- conversions between directories (`dist-llm convert`) ---------------------------------------------------
-def _empty_out(out: Path) -> Path:
-    out = Path(out).expanduser()
-    if out.exists() and (not out.is_dir() or any(out.iterdir())):
-        raise ConfigError(f"--out: {out} already exists and is not an empty directory")
-    return out
-
-
-def load_checkpoint_model(path: str | Path) -> GPT:
-    """The GPT of a dist_llm checkpoint (a checkpoint directory or a run directory: its newest one), on the CPU."""
-    from dist_llm.sample import load_model
-
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        raise ConfigError(f"--to-hf: checkpoint directory not found: {path}")
-    model, _ = load_model(path, torch.device("cpu"))
-    return model
-
-
-def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path) -> Path:
-    """A dist_llm checkpoint -> a Hugging Face directory (config.json, model.safetensors, and the checkpoint's
-    tokenizer.json when it has one), built in a temporary folder beside `out` and renamed to it at the end."""
-    from dist_llm.sample import resolve_checkpoint
-
-    out = _empty_out(Path(out))
-    model = load_checkpoint_model(checkpoint)
-    from dist_llm.peft import merge_into_base
-
-    merge_into_base(model)  # a LoRA/QLoRA checkpoint exports as its merged model
-    export_family(model.cfg)  # fail before creating anything
-    tok = resolve_checkpoint(Path(checkpoint).expanduser()) / "tokenizer.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # built beside `out` and renamed into place: `out` is a complete export or absent (or left empty)
-    with atomic_folder(out) as building:
-        save_hf(model, building)
-        if tok.is_file():
-            shutil.copyfile(tok, building / "tokenizer.json")
-    return out
-
-
-def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_to: int = 128) -> Path:
-    """A Hugging Face directory -> a complete dist_llm checkpoint at `out` (step 0, empty optimizer state, the
-    directory's tokenizer.json copied in when it has one), which `dist-llm sample --checkpoint` and
-    `model.init_from=ckpt:` read. `train.resume` reads it too, but its data-order state is that of the default
-    train.seed and train.global_batch_size, which a resume then insists on: init_from is the way to fine-tune."""
-    import os
-
-    from dist_llm.data.sampler import TRAIN_STREAM
-    from dist_llm.parallel.context import ParallelContext
-    from dist_llm.parallel.data.base import DataParallel
-    from dist_llm.train import checkpoint as ckpt
-    from dist_llm.precision import LossScaler
-
-    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
-        raise ConfigError("convert runs as one process: do not start it under torchrun")
-    hf_dir = Path(hf_dir).expanduser()
-    out = _empty_out(Path(out))
-    model = load_hf(hf_dir, ModelConfig(pad_vocab_to=pad_vocab_to))
-    tok = hf_dir / "tokenizer.json"
-    cfg = Config(model=model.cfg, name=f"hf-{hf_dir.resolve().name}")
-    cfg.data.tokenizer = str(tok.resolve()) if tok.is_file() else "byte"
-    cfg.train.device = "cpu"
-    ctx = ParallelContext.from_config(cfg)
-    dp = DataParallel(model, cfg, ctx)
-    t = cfg.train
-    train_state = {
-        "step": 0, "tokens_seen": 0, "elapsed_s": 0.0,
-        "sampler": {"step": 0, "seed": t.seed, "global_batch_size": t.global_batch_size, "stream": TRAIN_STREAM},
-        "scaler": LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init).state_dict(),
-        "converted_from": str(hf_dir.resolve()),
-    }
-    ckpt.save_checkpoint(out, state=dp.checkpoint_state(), train_state=train_state, cfg=cfg, ctx=ctx,
-                         extra_files={"tokenizer.json": tok} if tok.is_file() else None)
-    return out
-
-
-__all__ = ["ARCH_KEYS", "FAMILIES", "HFCheckpoint", "Mapping", "Piece", "hf_layout", "convert_checkpoint_to_hf", "convert_hf_to_checkpoint", "export_family",
-           "hf_config", "hf_state_dict", "load_checkpoint_model", "load_hf", "load_hf_state_dict",
-           "model_config_from_hf", "read_hf_config", "read_hf_tensors", "save_hf"]
+__all__ = ["ARCH_KEYS", "FAMILIES", "HFCheckpoint", "HFTensor", "Mapping", "Piece", "export_family", "export_plan",
+           "hf_config", "hf_layout", "hf_state_dict", "hf_tensor", "load_hf", "load_hf_state_dict",
+           "model_config_from_hf", "plain_state", "read_hf_config", "read_hf_tensors", "weight_shapes"]

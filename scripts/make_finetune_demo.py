@@ -3,7 +3,7 @@
     python scripts/make_finetune_demo.py [--out runs/finetune-demo] [--records 4000]
 
   OUT/hf-base/     a small Llama-family model (RoPE, RMSNorm, SwiGLU, GQA, untied head; byte vocabulary) saved
-                   in Hugging Face format by dist_llm.hf.save_hf, from a seeded random init: the stand-in for a
+                   in Hugging Face format by dist_llm.convert.save_hf, from a seeded random init: the stand-in for a
                    pretrained model someone would download
   OUT/train.jsonl  prompt/completion records of small sums ("Q: 12+7= A:" -> " 19"), generated from a seed
 
@@ -27,7 +27,7 @@ def make(out: Path, records: int, seed: int = 0) -> tuple[Path, Path]:
     import torch
 
     from dist_llm.config import ModelConfig
-    from dist_llm.hf import save_hf
+    from dist_llm.convert import save_hf
     from dist_llm.model import GPT
 
     out.mkdir(parents=True, exist_ok=True)

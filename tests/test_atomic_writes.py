@@ -23,9 +23,9 @@ from typing import Any
 import pytest
 import torch
 
-from dist_llm import hf
+from dist_llm import convert as hf
 from dist_llm.config import Config, load_config
-from dist_llm.consolidate import save_full
+from dist_llm.convert import save_full
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.model import GPT
 from dist_llm.peft import apply_peft, save_adapter
@@ -54,6 +54,16 @@ def failing_save_file(tensors: dict[str, torch.Tensor], filename: str, metadata:
     with open(filename, "wb") as f:
         f.write(b"\x00" * 100)
     raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def failing_write_file(path: Path, *args: Any, **kwargs: Any) -> None:
+    """dist_llm's streaming safetensors writer dying halfway, as failing_save_file does."""
+    failing_save_file({}, str(path))
+
+
+def fail_export_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("dist_llm.safetensors_shards.write_file", failing_write_file)
+    monkeypatch.setattr("dist_llm.convert.write_file", failing_write_file)
 
 
 @pytest.fixture
@@ -96,7 +106,7 @@ def test_hf_export_failing_midway_keeps_the_previous_export(tmp_path: Path, monk
     before = snapshot(out)
     with torch.no_grad():
         model.wte.weight.add_(1.0)  # a different export, so a partial one would show
-    monkeypatch.setattr("safetensors.torch.save_file", failing_save_file)
+    fail_export_writes(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         hf.save_hf(model, out)
     assert snapshot(out) == before
@@ -111,7 +121,7 @@ def test_convert_to_hf_failing_midway_leaves_no_folder(tmp_path: Path, checkpoin
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     parent = tmp_path / "exports"
     parent.mkdir()
-    monkeypatch.setattr("safetensors.torch.save_file", failing_save_file)
+    fail_export_writes(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         hf.convert_checkpoint_to_hf(checkpoint, parent / "hf")
     assert snapshot(parent) == {}  # neither the target nor the folder it was built in
@@ -146,7 +156,7 @@ def test_consolidated_file_failing_midway_leaves_nothing(tmp_path: Path, checkpo
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     parent = tmp_path / "full"
     parent.mkdir()
-    monkeypatch.setattr("dist_llm.consolidate.save_file", failing_save_file)
+    fail_export_writes(monkeypatch)
     with pytest.raises(OSError, match="No space left"):
         save_full(checkpoint, parent / "model.safetensors")
     assert snapshot(parent) == {}

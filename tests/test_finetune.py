@@ -102,12 +102,14 @@ def test_bad_records_name_the_line(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
-def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corpus: Path, method: str) -> None:  # noqa: F811
+def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corpus: Path, method: str,  # noqa: F811
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A LoRA (or QLoRA) fine-tune of a Hugging Face model: its checkpoint holds the adapter only, yet it
-    samples (base rebuilt from init_from) and exports to Hugging Face as the merged model."""
+    samples (base rebuilt from init_from) and exports to Hugging Face as the merged model, merged tensor by
+    tensor (the export builds no model)."""
     import transformers
 
-    from dist_llm.hf import convert_checkpoint_to_hf
+    from dist_llm.convert import convert_checkpoint_to_hf
     from dist_llm.sample import load_model
 
     train(0, 1, tmp_path / "run", corpus, {**LORA, "peft__method": method, "model__init_from": f"hf:{llama_dir}",
@@ -118,7 +120,13 @@ def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corp
         adapted = model(tokens)
     before = transformers.AutoModelForCausalLM.from_pretrained(llama_dir).eval()
     assert (adapted - hf_logits(before, tokens)).abs().max() > 1e-3  # training moved it
-    out = convert_checkpoint_to_hf(tmp_path / "run", tmp_path / "hf")
+    def no_whole_model(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the export built the whole model")
+
+    monkeypatch.setattr("dist_llm.train.trainer.build_model", no_whole_model)
+    monkeypatch.setattr("dist_llm.sample.load_model", no_whole_model)
+    out = convert_checkpoint_to_hf(tmp_path / "run", tmp_path / "hf", max_shard_size="100KB")
+    assert (out / "model.safetensors.index.json").is_file()  # sharded, and still the same model
     exported = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
     torch.testing.assert_close(hf_logits(exported, tokens), adapted, rtol=1e-4, atol=1e-4)
 

@@ -19,7 +19,8 @@ transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file
 
 from dist_llm.config import ConfigError, ModelConfig
-from dist_llm.hf import ARCH_KEYS, load_hf, load_hf_state_dict, model_config_from_hf, read_hf_tensors, save_hf
+from dist_llm.convert import save_hf
+from dist_llm.hf import ARCH_KEYS, load_hf, load_hf_state_dict, model_config_from_hf, read_hf_tensors
 from dist_llm.model import GPT
 from tests.conftest import REPO
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from dist_llm.config import ConfigError, load_config
-from dist_llm.consolidate import load_full, save_full
+from dist_llm.convert import load_full, save_full
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.sample import load_model
 from dist_llm.train import checkpoint as ckpt

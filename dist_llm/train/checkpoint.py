@@ -45,7 +45,6 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, cast
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
