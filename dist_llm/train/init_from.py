@@ -16,6 +16,7 @@ import yaml
 
 from dist_llm.config import Config, ConfigError, config_from_dict
 from dist_llm.model import GPT
+from dist_llm.model.init import local_shard
 
 log = logging.getLogger("dist_llm")
 
@@ -75,5 +76,8 @@ def load_initial_weights(model: GPT, cfg: Config, tp_state: object | None, tp_ra
         if full[name].shape != t.shape:
             raise ConfigError(f"model.init_from: weight {name} has shape {tuple(full[name].shape)}, this model "
                               f"wants {tuple(t.shape)}")
-        t.copy_(full[name])
+        if hasattr(t, "device_mesh") and not hasattr(full[name], "device_mesh"):  # an FSDP2 shard: its part only
+            t.to_local().copy_(local_shard(full[name], t))
+        else:
+            t.copy_(full[name])
     log.info("initialised from %s", cfg.model.init_from)
