@@ -183,6 +183,8 @@ class GPT(nn.Module):
         """'full' recomputes each block in backward; 'selective' only the attention core. Parameter names
         do not change, so checkpoints move between runs with and without it."""
         for block in self.blocks:
+            if not isinstance(block, Block):  # a placeholder for a block another pipeline stage holds
+                continue
             block.recompute = mode == "full"
             block.attn.checkpoint_core = mode == "selective"
 
