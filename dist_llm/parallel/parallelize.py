@@ -57,17 +57,32 @@ def meta_model(cfg: Config, ctx: ParallelContext) -> GPT:
     return model
 
 
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`, allocating a tensor shared by several modules (the tied embedding) once:
+    to_empty visits each module's parameters apart and would allocate it twice."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept alive so that its
+    # id is not reused by a new tensor while this runs; its replacement)
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = (t, torch.empty_like(t, device=device))
+        return made[id(t)][1]
+
+    model._apply(empty)  # (what Module.to_empty does, with the sharing kept)
+
+
 def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader | None = None) -> None:
     """Allocate this rank's parameters and buffers on ctx.device (uninitialised), recompute the buffers, re-tie
     the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
     # to_empty gives meta parameters new Parameter objects: carry their marks (tp_partition_dim, ...) across
     marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
-    model.to_empty(device=ctx.device)
+    _to_empty(model, ctx.device)
+    model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, attrs in marks.items():
         for attr, value in attrs.items():
             setattr(params[name], attr, value)
-    model.tie_weights()
+    del params
     model.reset_buffers()
     if cfg.model.init_from:
         if load is None:
