@@ -29,7 +29,7 @@ SMALL = {"model__n_layer": 4, "model__bias": True}
 
 def _initial(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
     """This rank's parameters right after the build (wrapped for data parallelism), at full shape."""
-    cfg = load_config(None, tiny_overrides(out_dir, **{**SMALL, **extra}))
+    cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, **{**SMALL, **extra})))
     ctx = ParallelContext.from_config(cfg)
     try:
         model = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp.module
@@ -140,3 +140,16 @@ def test_init_from_draws_nothing_random(tmp_path: Path, llama_dir: Path, monkeyp
     model = build_model(cfg, ParallelContext.from_config(cfg))
     for name, t in model.state_dict().items():
         assert torch.equal(t, expected[name]), name
+
+
+@pytest.mark.parametrize("layout", ["zero3-dp2", "tp2"])
+def test_init_from_loads_into_each_layout(tmp_path: Path, llama_dir: Path, layout: str) -> None:  # noqa: F811
+    """model.init_from=hf: into FSDP2's shards of a meta-built model, and into tensor-parallel slices."""
+    world_size, extra = LAYOUTS[layout]
+    start = {"model__init_from": f"hf:{llama_dir}"}
+    one = _initial(0, 1, tmp_path / "one", start)
+    ranks = run_distributed(_initial, world_size, tmp_path / "many", {**start, **extra}, init_group=False)
+    for params in ranks:
+        assert params.keys() == one.keys()
+        for name, p in one.items():
+            assert torch.equal(params[name], p), f"{layout}: {name}"
