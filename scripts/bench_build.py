@@ -55,21 +55,25 @@ def rank_main(layout: str, out_dir: str) -> None:
     overrides = {**MODEL, **LAYOUTS[layout][1], "train.out_dir": out_dir}
     cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
     ctx = ParallelContext.from_config(cfg)
+    # everything imported before the measurement: the build's own cost, not the modules'
+    from dist_llm.parallel.data import build_data_parallel
+    from dist_llm.parallel.data.fsdp import FSDPDataParallel  # noqa: F401
+    from dist_llm.parallel.pipeline.stage import cut_to_stage
+    from dist_llm.train.init_from import load_initial_weights
+    from dist_llm.train.trainer import build_model
+
+    try:
+        from dist_llm.parallel.parallelize import meta_model, parallelize
+    except ImportError:  # the code before the meta-device build
+        parallelize = None
     ctx.barrier()
     rss_before = _status("VmRSS")
     exact = _reset_peak()
     start = time.perf_counter()
-    try:
-        from dist_llm.parallel.parallelize import meta_model, parallelize
-        from dist_llm.train.init_from import load_initial_weights
-
+    if parallelize is not None:
         impl = "parallelize"
         module = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp.module
-    except ImportError:  # the code before the meta-device build
-        from dist_llm.parallel.data import build_data_parallel
-        from dist_llm.parallel.pipeline.stage import cut_to_stage
-        from dist_llm.train.trainer import build_model
-
+    else:
         impl = "build_model"
         model = build_model(cfg, ctx)
         if ctx.pp > 1:
