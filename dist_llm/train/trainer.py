@@ -32,7 +32,7 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, run_schedule
 from dist_llm.parallel.pipeline.schedule import build_plans
-from dist_llm.parallel.parallelize import meta_model, parallelize
+from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
 from dist_llm.parallel.tensor import sync_sequence_parallel_grads
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
