@@ -92,9 +92,10 @@ def test_with_data_parallel(tmp_path: Path, tmp_path_factory: pytest.TempPathFac
     extra = {**LAYERS, "parallel__pp": 2, "parallel__zero_stage": zero_stage, "train__micro_batch_size": 1,
              "parallel__bucket_mb": 0.01}
     results = run_distributed(train, 4, tmp_path, corpus, extra, init_group=False)
-    # atol 1e-6: the tied embedding's two contributions and the dp mean are summed in another order than at
-    # pp=1, and Adam turns that rounding into differences of that size on near-zero gradients
-    assert_matches(results, reference(tmp_path_factory, corpus, **LAYERS), atol=1e-6)
+    # atol 3e-6 (0.1% of one Adam step at lr 3e-3): the tied embedding's two contributions and the dp mean are
+    # summed in another order than at pp=1, and Adam turns that rounding into differences of that size on
+    # near-zero gradients (one element of 4096 reaches 1.5e-6 with the per-parameter-seeded initialisation)
+    assert_matches(results, reference(tmp_path_factory, corpus, **LAYERS), atol=3e-6)
     assert {r["dp"] for r in results} == {["ddp-flat", "zero1", "zero2"][zero_stage]}
 
 

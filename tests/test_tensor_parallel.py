@@ -125,10 +125,8 @@ def _whole_model(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any
     cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size, **extra))
     ctx = ParallelContext.from_config(cfg)
     model = build_model(cfg, ctx)
-    torch.manual_seed(cfg.train.seed)
     ref = GPT(cfg.model)
-    torch.manual_seed(cfg.train.seed)
-    ref.reset_parameters()
+    ref.reset_parameters(cfg.train.seed)  # the initialisation every layout builds
     idx = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
     tgt = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.block_size), generator=torch.Generator().manual_seed(1))
     model.train(), ref.train()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Literal
+from typing import Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from dist_llm.config import ModelConfig
+from dist_llm.model import init as model_init
 from dist_llm.model.factory import LayerFactory, Reduction
 from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
 
@@ -44,12 +45,20 @@ class Attention(nn.Module):
         self.resid_dropout = layers.dropout(cfg.dropout)
         self.rope = rope
         if cfg.pos_emb == "alibi":
-            first = layers.first_head(cfg.n_head)  # a tensor-parallel rank holds a contiguous range of heads
-            slopes = alibi_slopes(cfg.n_head)[first : first + self.n_head]
-            self.register_buffer("alibi_slopes", slopes, persistent=False)
+            self.first_head = layers.first_head(cfg.n_head)  # a tensor-parallel rank holds a contiguous range of heads
+            self.register_buffer("alibi_slopes", self._slopes(cfg.n_head), persistent=False)
         else:
             self.alibi_slopes = None
+        self.total_heads = cfg.n_head
         self.checkpoint_core = False  # selective activation checkpointing recomputes only `core`
+
+    def _slopes(self, n_head: int) -> torch.Tensor:
+        return alibi_slopes(n_head)[self.first_head : self.first_head + self.n_head]
+
+    def reset_buffers(self) -> None:
+        """Recompute the ALiBi slopes (after a model built on the meta device is materialised)."""
+        if self.alibi_slopes is not None:
+            self.alibi_slopes.copy_(self._slopes(self.total_heads).to(self.alibi_slopes.device))
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Scaled dot-product attention over (B, nh, T, hs) queries and (B, nkv, T, hs) keys/values."""
@@ -134,34 +143,48 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, layers, rope) for _ in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, layers)
         self.lm_head = layers.linear(cfg.n_embd, cfg.padded_vocab, bias=False, role="lm_head")
-        if cfg.tie_embeddings:
-            self.lm_head.weight = self.wte.weight
-        self.reset_parameters()
+        self.tie_weights()
+        if not self.wte.weight.is_meta:  # built on the meta device: parallelize() materialises and initialises
+            self.reset_parameters()
 
     # -- initialisation ---------------------------------------------------------------------------------
-    def reset_parameters(self) -> None:
-        """GPT-2 init: N(0, init_std) everywhere, residual projections scaled by 1/sqrt(2*n_layer)."""
+    def tie_weights(self) -> None:
+        """The LM head shares the token embedding (again after `to_empty`, which gives each module a new tensor)."""
+        if self.cfg.tie_embeddings and self.wte is not None and self.lm_head is not None:
+            self.lm_head.weight = self.wte.weight
+
+    def _init_rule(self, mod_name: str, module: nn.Module, pname: str) -> model_init.Fill:
+        """GPT-2 init: N(0, init_std) for weights, residual projections scaled by 1/sqrt(2*n_layer); zero biases;
+        norms at one."""
+        if pname == "bias":
+            return model_init.zeros
+        if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            return model_init.ones
         std = self.cfg.init_std
-        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
-        for name, module in self.named_modules():
-            sd = residual_std if name.endswith(("attn.proj", "mlp.down")) else std
-            if hasattr(module, "init_from_full"):  # a sharded layer: initialise the full weight, keep its slice
-                module.init_from_full(lambda t, sd=sd: nn.init.normal_(t, mean=0.0, std=sd))
-            elif isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, mean=0.0, std=sd)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
-                module.reset_parameters()
-        if self.rope is not None:
-            self.rope.reset_parameters()
+        if mod_name.endswith(("attn.proj", "mlp.down")):
+            std = std / math.sqrt(2 * self.cfg.n_layer)
+        return model_init.normal(std)
+
+    def reset_parameters(self, seed: int | None = None, *, only: Iterable[str] | None = None) -> None:
+        """Initialise every parameter (those named in `only`, if given) from its own generator, seeded by (seed,
+        its name): the same values at every parallel layout (see model/init.py). Without a seed one is drawn
+        from the global stream, so `torch.manual_seed(s)` before fixes the result. Buffers are recomputed too."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
+        model_init.init_parameters(self, seed, self._init_rule, only=only)
+        if only is None:
+            self.reset_buffers()
+
+    def reset_buffers(self) -> None:
+        """Recompute the non-persistent buffers (RoPE tables, ALiBi slopes, tensor-parallel row indices)."""
+        model_init.reset_buffers(self)
 
     def set_activation_checkpointing(self, mode: Checkpointing) -> None:
         """'full' recomputes each block in backward; 'selective' only the attention core. Parameter names
         do not change, so checkpoints move between runs with and without it."""
         for block in self.blocks:
+            if not isinstance(block, Block):  # a placeholder for a block another pipeline stage holds
+                continue
             block.recompute = mode == "full"
             block.attn.checkpoint_core = mode == "selective"
 

@@ -33,6 +33,8 @@ class RotaryEmbedding(nn.Module):
         self.cos.copy_(cos.to(self.cos.device))
         self.sin.copy_(sin.to(self.sin.device))
 
+    reset_buffers = reset_parameters  # (the name model/init.py looks for)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs); computed in fp32, returned in the input dtype."""
         T = q.shape[-2]

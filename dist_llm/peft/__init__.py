@@ -27,8 +27,13 @@ BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.gate", "mlp.down")
 
 
 def _get(block: nn.Module, path: str) -> nn.Module | None:
+    """The layer at `path` in a block; None where it has none (SwiGLU's gate in a GELU MLP, or a block that
+    another pipeline stage holds)."""
     parent, _, name = path.rpartition(".")
-    return getattr(block.get_submodule(parent), name, None)
+    try:
+        return getattr(block.get_submodule(parent), name, None)
+    except AttributeError:
+        return None
 
 
 def _set(block: nn.Module, path: str, module: nn.Module) -> None:
@@ -37,8 +42,8 @@ def _set(block: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_parallel: bool = False) -> None:
-    """Freeze `model` and add the `peft.method` modules to each block, their initial values drawn from `seed`
-    (the same at every parallel layout)."""
+    """Freeze `model` and add the `peft.method` modules to each block it holds, each tensor's initial values
+    drawn from (seed + 1, its name): the same at every parallel layout, whichever blocks this rank holds."""
     if cfg.method == "none":
         return
     for p in model.parameters():
@@ -54,19 +59,20 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
                 elif layer is not None and not isinstance(layer, NF4Linear):  # (quantised as it was loaded)
                     raise ConfigError(f"peft.method: qlora needs plain linear layers, found {type(layer).__name__} "
                                       f"at {path}")
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed + 1)
-        for block in model.blocks:
+    with torch.random.fork_rng(devices=[]):  # (constructing nn.Linear draws from the global stream: not ours)
+        for i, block in enumerate(model.blocks):
             if cfg.method == "adapter":
-                width = model.cfg.n_embd
-                add_adapter(block.attn, width, cfg.rank, sequence_parallel=sequence_parallel)
-                add_adapter(block.mlp, width, cfg.rank, sequence_parallel=sequence_parallel)
+                if hasattr(block, "attn"):  # (not a block another pipeline stage holds)
+                    width = model.cfg.n_embd
+                    for part in ("attn", "mlp"):
+                        add_adapter(getattr(block, part), width, cfg.rank, sequence_parallel=sequence_parallel,
+                                    seed=seed + 1, name=f"blocks.{i}.{part}")
                 continue
             for target in cfg.targets:
                 for path in TARGETS[target]:
                     layer = _get(block, path)
                     if layer is not None:
-                        add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout)
+                        add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1, name=f"blocks.{i}.{path}")
 
 
 @torch.no_grad()

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_llm.model import init as model_init
+
 
 class Adapter(nn.Module):
     def __init__(self, width: int, bottleneck: int, *, sequence_parallel: bool = False) -> None:
@@ -25,10 +27,13 @@ class Adapter(nn.Module):
             p.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
 
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        self.down.reset_parameters()
-        nn.init.zeros_(self.up.weight)
-        nn.init.zeros_(self.up.bias)
+    def reset_parameters(self, seed: int, prefix: str) -> None:
+        """`down` as nn.Linear's default init, `up` zero; each tensor from (seed, its name `prefix`.down.weight, ...)."""
+        fills = {"down.weight": model_init.kaiming_uniform, "down.bias": model_init.fan_in_uniform(self.down.in_features),
+                 "up.weight": model_init.zeros, "up.bias": model_init.zeros}
+        for name, fill in fills.items():
+            owner, _, pname = name.partition(".")
+            model_init.fill_parameter(getattr(self, owner), pname, f"{prefix}.{name}", fill, seed)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h + self.up(F.gelu(self.down(h)))
@@ -38,10 +43,12 @@ def _adapt(module: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor) -> 
     return module.adapter(output)
 
 
-def add_adapter(module: nn.Module, width: int, bottleneck: int, *, sequence_parallel: bool = False) -> Adapter:
-    """Put an adapter on `module`'s output (a block's attention or MLP)."""
-    module.adapter = Adapter(width, bottleneck, sequence_parallel=sequence_parallel).to(
-        next(module.parameters()).device)
-    module.adapter.reset_parameters()
+def add_adapter(module: nn.Module, width: int, bottleneck: int, *, sequence_parallel: bool = False, seed: int = 0,
+                name: str = "") -> Adapter:
+    """Put an adapter on `module`'s output (a block's attention or MLP) called `name` in the whole model; its
+    values are drawn from (seed, name), the same at every parallel layout."""
+    with torch.device(next(module.parameters()).device):
+        module.adapter = Adapter(width, bottleneck, sequence_parallel=sequence_parallel)
+    module.adapter.reset_parameters(seed, f"{name}.adapter" if name else "adapter")
     module.register_forward_hook(_adapt)
     return module.adapter

@@ -17,13 +17,13 @@ so its gradient is all-reduced over tp.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_llm.model import init as model_init
 from dist_llm.parallel.tensor import mappings as tpc
 from dist_llm.parallel.tensor.layers import ColumnParallelLinear, RankLocalDropout, RowParallelLinear
 
@@ -59,7 +59,8 @@ class LoRA(nn.Module):
         self.A = nn.Parameter(torch.zeros(rank, a_cols, device=device))
         self.B = nn.Parameter(torch.zeros(b_rows, rank, device=device))
         if self.kind == "column":
-            self.register_buffer("rows", layer.rows, persistent=False)  # read by TensorParallelState
+            self.rows_host = layer.rows_host
+            self.register_buffer("rows", layer.rows.clone(), persistent=False)  # read by TensorParallelState
             self.B.tp_partition_dim = 0  # type: ignore[attr-defined]
             if hasattr(layer.weight, "tp_replicated_rows"):
                 self.B.tp_replicated_rows = layer.weight.tp_replicated_rows  # type: ignore[attr-defined]
@@ -71,14 +72,28 @@ class LoRA(nn.Module):
             self.B.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
         self.merged = False
 
+    # -- initialisation (model/init.py draws each tensor whole from its own generator, then keeps this rank's part)
+    def init_rule(self, pname: str) -> model_init.Fill:
+        """A ~ Kaiming-uniform over the full input width, B = 0: the update starts at zero."""
+        return model_init.kaiming_uniform if pname == "A" else model_init.zeros
+
+    def full_shape(self, pname: str) -> tuple[int, ...]:
+        return (self.rank, self.in_features) if pname == "A" else (self.out_features, self.rank)
+
+    def local_part(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        if pname == "A":
+            return full[:, self.cols] if self.kind == "row" else full
+        return full[self.rows.to(full.device)] if self.kind == "column" else full
+
+    def reset_buffers(self) -> None:
+        if self.kind == "column":
+            self.rows.copy_(self.rows_host)
+
     @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """A ~ Kaiming-uniform over the full input width (drawn whole, so every tp layout draws the same A),
-        B = 0: the update starts at zero."""
-        full = torch.empty(self.rank, self.in_features, device=self.A.device)
-        nn.init.kaiming_uniform_(full, a=math.sqrt(5))
-        self.A.copy_(full[:, self.cols] if self.kind == "row" else full)
-        self.B.zero_()
+    def reset_parameters(self, seed: int, prefix: str) -> None:
+        """Draw A and B from `seed` as this LoRA's tensors named `prefix`.A and `prefix`.B."""
+        for pname in ("A", "B"):
+            model_init.fill_parameter(self, pname, f"{prefix}.{pname}", self.init_rule(pname), seed)
 
     def _b(self) -> torch.Tensor:
         return self.layer_sync(self.B) if self.kind == "column" else self.B
@@ -119,10 +134,11 @@ def _add_update(layer: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor)
     return output + lora(inputs[0]).to(output.dtype)
 
 
-def add_lora(layer: nn.Module, rank: int, alpha: float, dropout: float) -> LoRA:
-    """Attach a LoRA update to `layer` (nn.Linear, a tensor-parallel linear or a 4-bit one)."""
+def add_lora(layer: nn.Module, rank: int, alpha: float, dropout: float, *, seed: int = 0, name: str = "") -> LoRA:
+    """Attach a LoRA update to `layer` (nn.Linear, a tensor-parallel linear or a 4-bit one) called `name` in the
+    whole model; its A is drawn from (seed, name), the same at every parallel layout."""
     layer.lora = LoRA(layer, rank, alpha, dropout)
-    layer.lora.reset_parameters()
+    layer.lora.reset_parameters(seed, f"{name}.lora" if name else "lora")
     layer.lora.hook = layer.register_forward_hook(_add_update)
     return layer.lora
 

@@ -26,22 +26,21 @@ from dist_llm.config import Config, ConfigError, parse_steps, validate
 from dist_llm import perf
 from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepare_data, to_device, val_sampler
 from dist_llm.data.sampler import IGNORE_INDEX
-from dist_llm.model import GPT, LayerFactory
+from dist_llm.model import GPT
 from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.data import build_data_parallel
 from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, run_schedule
 from dist_llm.parallel.pipeline.schedule import build_plans
-from dist_llm.parallel.pipeline.stage import cut_to_stage
-from dist_llm.parallel.tensor import TensorParallelFactory, sync_sequence_parallel_grads
+from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
+from dist_llm.parallel.tensor import sync_sequence_parallel_grads
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train import run_lock
 from dist_llm.train.metrics import MetricsLog, plot_losses
 from dist_llm.train.run_lock import RUN_LOCK
 from dist_llm.train.report import write_report
-from dist_llm.peft import apply_peft, trainable_names
+from dist_llm.peft import trainable_names
 from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.optim import lr_at
@@ -105,38 +104,12 @@ class StepOutput:
     skipped: torch.Tensor  # bool, 0-dim: the gradients were not finite, so the optimizer left everything as it was
 
 
-PP_SEED_STRIDE = 100  # the RNG seed of pipeline stage k is train.seed + 100 k
-
-
 def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
-    """The GPT for `cfg` (its layers tensor-parallel when parallel.tp > 1), initialised from `train.seed`
-    identically at every tp, with checkpointing and compilation as configured."""
-    layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
-    model = GPT(cfg.model, layers)
-    torch.manual_seed(cfg.train.seed)  # after construction, whose own RNG use differs between layouts
-    model.reset_parameters()
-    model = model.to(ctx.device)
-    if layers.summary():
-        log.info(layers.summary())
-    if cfg.model.init_from:
-        load_initial_weights(model, cfg, ctx)
-    if cfg.peft.method != "none":
-        apply_peft(model, cfg.peft, seed=cfg.train.seed, sequence_parallel=cfg.parallel.sequence_parallel)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        log.info("peft %s: %d trainable parameters of %d (%.3f%%), the base frozen", cfg.peft.method, trainable,
-                 sum(p.numel() for p in model.parameters()),
-                 100 * trainable / max(1, sum(p.numel() for p in model.parameters())))
-    if cfg.train.activation_checkpointing != "none":
-        model.set_activation_checkpointing(cfg.train.activation_checkpointing)
-    if cfg.train.compile:
-        for block in model.blocks:
-            block.compile()  # in place, so parameter names (and checkpoints) do not change
-    if ctx.pp_rank > 0:
-        # Dropout draws from this stream. One process draws layer after layer from one stream; with the same
-        # stream, stage k's first block would replay stage 0's first block's masks (Megatron offsets likewise).
-        # Stage 0 keeps the one-process stream; the weights above were drawn before this.
-        torch.manual_seed(cfg.train.seed + PP_SEED_STRIDE * ctx.pp_rank)
-    return model
+    """The GPT for `cfg` on ctx.device, whole along the pipeline (no stage cut) and not wrapped for data
+    parallelism: its layers tensor-parallel when parallel.tp > 1, built on the meta device and initialised from
+    `train.seed` identically at every layout (or loaded from `model.init_from`), with PEFT, checkpointing and
+    compilation as configured."""
+    return parallelize(meta_model(cfg, ctx), cfg, ctx, cut=False, wrap=False, load=load_initial_weights).model
 
 
 class Trainer:
@@ -161,15 +134,15 @@ class Trainer:
         self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
 
-        model = build_model(cfg, ctx)
+        # this rank's part of the model only: built on the meta device, cut, sharded, then materialised
+        built = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
+        model = built.model
         self.stage: StageModel | None = None
-        if ctx.pp > 1:  # keep this pipeline stage's part of the model, and its neighbours' addresses
-            layers, first, last = cut_to_stage(model, cfg, ctx.pp, ctx.pp_rank)
-            self.stage = StageModel(model, layers, first, last)
+        if built.stage is not None:  # this pipeline stage's part of the model, and its neighbours' addresses
+            self.stage = StageModel(model, *built.stage)
             self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
-            log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, layers.start, layers.stop - 1,
-                     ", embedding" if first else "", ", head and loss" if last else "")
-        self.dp = build_data_parallel(model, cfg, ctx)
+        assert built.dp is not None
+        self.dp = built.dp
         with torch.device("meta"):  # the whole model's count, whatever part of it this rank holds
             self.n_params = GPT(cfg.model).num_params()
         self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)

@@ -3,6 +3,8 @@ or `parallel.backend=deepspeed`."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from torch import nn
 
 from dist_llm.config import Config
@@ -10,20 +12,32 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
 
 
-def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext) -> DataParallel:
+def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
+    """Whether the data-parallel form is FSDP2: ZeRO-3 on the native backend, with a dp mesh to shard over."""
+    return cfg.parallel.backend == "native" and cfg.parallel.zero_stage == 3 and not (ctx.dp == 1 and ctx.mesh is None)
+
+
+def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
+                        materialize: Callable[[nn.Module], None] | None = None) -> DataParallel:
     """Wrap `model` for `parallel.zero_stage` over the context's dp group (the plain form at dp=1; stage 3
-    still wraps in FSDP2 over a 1-rank dp dim when tp/pp ranks exist, so the code path stays the same)."""
+    still wraps in FSDP2 over a 1-rank dp dim when tp/pp ranks exist, so the code path stays the same).
+
+    `materialize(model)` allocates and initialises a model built on the meta device: FSDP2 calls it between
+    `fully_shard` and building the optimizer (so only shards are allocated); the other forms, which hold
+    the parameters whole, call it before wrapping."""
     stage = cfg.parallel.zero_stage
+    if uses_fsdp(cfg, ctx):
+        from dist_llm.parallel.data.fsdp import FSDPDataParallel
+
+        return FSDPDataParallel(model, cfg, ctx, materialize=materialize)
+    if materialize is not None:
+        materialize(model)
     if cfg.parallel.backend == "deepspeed":
         from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
 
         return DeepSpeedDataParallel(model, cfg, ctx)
     if ctx.dp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over
         return DataParallel(model, cfg, ctx)
-    if stage == 3:
-        from dist_llm.parallel.data.fsdp import FSDPDataParallel
-
-        return FSDPDataParallel(model, cfg, ctx)
     if stage == 0:
         from dist_llm.parallel.data.ddp import DDPDataParallel, FlatAllReduceDataParallel
 
@@ -33,4 +47,4 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext) -> 
     return ZeroDataParallel(model, cfg, ctx, stage=stage)
 
 
-__all__ = ["DataParallel", "build_data_parallel"]
+__all__ = ["DataParallel", "build_data_parallel", "uses_fsdp"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -54,7 +55,8 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
 class FSDPDataParallel(DataParallel):
     name = "fsdp2"
 
-    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *,
+                 materialize: Callable[[nn.Module], None] | None = None) -> None:
         p, precision = cfg.parallel, cfg.train.precision
         # fp32 sharded parameters are the master weights; forward/backward run in param_dtype, grads reduce in fp32
         mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else DTYPES[precision],
@@ -73,6 +75,8 @@ class FSDPDataParallel(DataParallel):
             unit.set_custom_all_gather(CountedAllGather(ctx.comm))
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
         self.fsdp_units = [*blocks, model]
+        if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
+            materialize(model)
         for name, p in model.named_parameters():
             for attr, value in marks[name].items():
                 setattr(p, attr, value)

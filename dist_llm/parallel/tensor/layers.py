@@ -1,7 +1,8 @@
 """Megatron-style tensor-parallel layers, written here.
 
-Each layer holds only its rank's slice of the weight, taken from a full weight initialised exactly as the
-unsharded layer would be (`init_from_full`), so a model built at tp=N holds the slices of the tp=1 model.
+Each layer holds only its rank's slice of the weight and says which part of the full weight that is
+(`full_shape`, `local_part`): initialisation draws the full weight exactly as the unsharded layer would and
+keeps the slice (model/init.py), so a model built at tp=N holds the slices of the tp=1 model.
 Sharded parameters carry `tp_partition_dim`; parameters that are replicated across tp ranks but see only
 a slice of the sequence (sequence parallelism) carry `sequence_parallel = True`, so the trainer can
 all-reduce their gradients over tp.
@@ -115,10 +116,11 @@ class ColumnParallelLinear(nn.Module):
         if rows is None:
             if out_features % tp:
                 raise ValueError(f"{out_features} output features do not split over {tp} tensor-parallel ranks")
-            rows = torch.arange(rank * out_features // tp, (rank + 1) * out_features // tp)
+            rows = torch.arange(rank * out_features // tp, (rank + 1) * out_features // tp, device="cpu")
         self.in_features, self.out_features = in_features, out_features
         self.group, self.stats = group, stats
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
+        self.rows_host = rows.cpu().clone()  # kept off the module's buffers: what reset_buffers restores
         self.register_buffer("rows", rows, persistent=False)
         self.weight = _mark(nn.Parameter(torch.empty(len(rows), in_features)), dim=0)
         self.bias = _mark(nn.Parameter(torch.zeros(len(rows))), dim=0) if bias else None
@@ -133,9 +135,18 @@ class ColumnParallelLinear(nn.Module):
     def init_from_full(self, init: Init) -> None:
         full = torch.empty(self.out_features, self.in_features, device=self.weight.device)
         init(full)
-        self.weight.copy_(full[self.rows])
+        self.weight.copy_(self.local_part("weight", full))
         if self.bias is not None:
             self.bias.zero_()
+
+    def full_shape(self, pname: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features) if pname == "weight" else (self.out_features,)
+
+    def local_part(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        return full[self.rows.to(full.device)]
+
+    def reset_buffers(self) -> None:
+        self.rows.copy_(self.rows_host)
 
     def _synced(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None or self.replicated is None:
@@ -173,9 +184,15 @@ class RowParallelLinear(nn.Module):
     def init_from_full(self, init: Init) -> None:
         full = torch.empty(self.out_features, self.in_features, device=self.weight.device)
         init(full)
-        self.weight.copy_(full[:, self.cols])
+        self.weight.copy_(self.local_part("weight", full))
         if self.bias is not None:
             self.bias.zero_()
+
+    def full_shape(self, pname: str) -> tuple[int, ...]:
+        return (self.out_features, self.in_features) if pname == "weight" else (self.out_features,)
+
+    def local_part(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        return full[:, self.cols] if pname == "weight" else full  # the bias is held whole
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -209,7 +226,13 @@ class VocabParallelEmbedding(nn.Module):
     def init_from_full(self, init: Init) -> None:
         full = torch.empty(self.num_embeddings, self.dim, device=self.weight.device)
         init(full)
-        self.weight.copy_(full[self.vocab_start : self.vocab_end])
+        self.weight.copy_(self.local_part("weight", full))
+
+    def full_shape(self, pname: str) -> tuple[int, ...]:
+        return (self.num_embeddings, self.dim)
+
+    def local_part(self, pname: str, full: torch.Tensor) -> torch.Tensor:
+        return full[self.vocab_start : self.vocab_end]
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         outside = (idx < self.vocab_start) | (idx >= self.vocab_end)

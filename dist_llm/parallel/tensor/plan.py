@@ -46,7 +46,7 @@ def qkv_rows(cfg: ModelConfig, tp: int, rank: int) -> tuple[torch.Tensor, tuple[
     first_kv, kv_heads = (rank * nkv // tp, nkv // tp) if nkv >= tp else ((rank * q_heads) // (nh // nkv), 1)
 
     def head_rows(offset: int, first: int, count: int) -> torch.Tensor:
-        return offset + torch.arange(first * hd, (first + count) * hd)
+        return offset + torch.arange(first * hd, (first + count) * hd, device="cpu")  # (also under a meta build)
 
     rows = torch.cat([head_rows(0, rank * q_heads, q_heads),
                       head_rows(nh * hd, first_kv, kv_heads),

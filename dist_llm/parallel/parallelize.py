@@ -1,0 +1,140 @@
+"""From a config to this rank's part of the model, without ever holding the whole of it.
+
+The GPT is built on the meta device (shapes, no storage), its layers already tensor-parallel when built
+through TensorParallelFactory. `parallelize` then, in this order:
+  1. cuts the pipeline stage (other stages' blocks are dropped while they are still meta);
+  2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated;
+  3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
+     embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
+     rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
+  4. PEFT (on real weights: QLoRA quantises them), activation checkpointing, compile;
+  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed
+     hold those in full by design).
+Peak memory of the build: this rank's parameters plus the largest single parameter at full size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from dist_llm.config import Config
+from dist_llm.model import GPT, LayerFactory
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
+from dist_llm.parallel.pipeline.stage import cut_to_stage
+from dist_llm.parallel.tensor import TensorParallelFactory
+from dist_llm.peft import apply_peft
+
+log = logging.getLogger("dist_llm")
+
+PP_SEED_STRIDE = 100  # the RNG seed of pipeline stage k is train.seed + 100 k
+
+#: loads `model.init_from` into a model whose parameters are allocated but not initialised (train/init_from.py)
+Loader = Callable[[GPT, Config, ParallelContext], None]
+
+
+@dataclass
+class Parallelized:
+    model: GPT  # this rank's part of the GPT (FSDP2 modules under ZeRO-3)
+    stage: tuple[range, bool, bool] | None  # (blocks, first, last) of this pipeline stage; None without pp
+    dp: DataParallel | None  # the data-parallel form (None when parallelize was asked not to wrap)
+
+
+def meta_model(cfg: Config, ctx: ParallelContext) -> GPT:
+    """The GPT for `cfg` on the meta device: every shape, no storage, nothing drawn. Its layers are this
+    rank's tensor-parallel ones when parallel.tp > 1."""
+    with torch.device("meta"):
+        layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
+        model = GPT(cfg.model, layers)
+    if layers.summary():
+        log.info(layers.summary())
+    return model
+
+
+def _to_empty(model: nn.Module, device: torch.device) -> None:
+    """`model.to_empty(device)`, allocating a tensor shared by several modules (the tied embedding) once:
+    to_empty visits each module's parameters apart and would allocate it twice."""
+    made: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (the meta tensor, kept alive so that its
+    # id is not reused by a new tensor while this runs; its replacement)
+
+    def empty(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in made:
+            made[id(t)] = (t, torch.empty_like(t, device=device))
+        return made[id(t)][1]
+
+    model._apply(empty)  # (what Module.to_empty does, with the sharing kept)
+
+
+def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader | None = None) -> None:
+    """Allocate this rank's parameters and buffers on ctx.device (uninitialised), recompute the buffers, re-tie
+    the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
+    # to_empty gives meta parameters new Parameter objects: carry their marks (tp_partition_dim, ...) across
+    marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
+    _to_empty(model, ctx.device)
+    model.tie_weights()
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, attrs in marks.items():
+        for attr, value in attrs.items():
+            setattr(params[name], attr, value)
+    del params
+    model.reset_buffers()
+    if cfg.model.init_from:
+        if load is None:
+            raise ValueError("model.init_from is set but parallelize() was given no loader")
+        load(model, cfg, ctx)
+    else:
+        model.reset_parameters(cfg.train.seed)
+
+
+def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = True, wrap: bool = True,
+                load: Loader | None = None) -> Parallelized:
+    """This rank's part of a meta-device GPT (from `meta_model`), materialised on ctx.device and initialised
+    identically at every layout; `cut=False` keeps every block (no stage cut), `wrap=False` skips the
+    data-parallel form."""
+    stage = None
+    if cut and ctx.pp > 1:  # keep this pipeline stage's part of the model, while nothing is allocated
+        stage = cut_to_stage(model, cfg, ctx.pp, ctx.pp_rank)
+        blocks, first, last = stage
+        log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, blocks.start, blocks.stop - 1,
+                 ", embedding" if first else "", ", head and loss" if last else "")
+    t = cfg.train
+    # PEFT needs real weights (QLoRA quantises them; init_from loads the base first), so FSDP2 shards a meta
+    # model only without it; with it, the tensor-parallel-local model is materialised first and sharded after.
+    shard_on_meta = wrap and uses_fsdp(cfg, ctx) and cfg.peft.method == "none"
+
+    def adapt_and_compile() -> None:
+        if cfg.peft.method != "none":
+            apply_peft(model, cfg.peft, seed=t.seed, sequence_parallel=cfg.parallel.sequence_parallel)
+            n = sum(p.numel() for p in model.parameters())
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            log.info("peft %s: %d trainable parameters of %d (%.3f%%), the base frozen", cfg.peft.method, trainable,
+                     n, 100 * trainable / max(1, n))
+        if t.activation_checkpointing != "none":
+            model.set_activation_checkpointing(t.activation_checkpointing)
+        if t.compile:
+            for block in model.blocks:
+                if any(True for _ in block.parameters()):  # (not a block another pipeline stage holds)
+                    block.compile()  # in place, so parameter names (and checkpoints) do not change
+
+    dp = None
+    if shard_on_meta:  # fully_shard the meta model, then materialise straight into this rank's shards
+        adapt_and_compile()
+        dp = build_data_parallel(model, cfg, ctx, materialize=lambda _: materialize(model, cfg, ctx, load=load))
+    else:
+        materialize(model, cfg, ctx, load=load)
+        adapt_and_compile()
+        if wrap:
+            dp = build_data_parallel(model, cfg, ctx)
+    if ctx.pp_rank > 0:
+        # Dropout draws from this stream. One process draws layer after layer from one stream; with the same
+        # stream, stage k's first block would replay stage 0's first block's masks (Megatron offsets likewise).
+        # Stage 0 keeps the one-process stream.
+        torch.manual_seed(t.seed + PP_SEED_STRIDE * ctx.pp_rank)
+    else:
+        torch.manual_seed(t.seed)
+    return Parallelized(model=model, stage=stage, dp=dp)

@@ -1,0 +1,155 @@
+"""The build (parallel/parallelize.py): initial values equal one process bit for bit at every layout; a rank
+allocates only what it owns; with model.init_from nothing random is drawn."""
+
+from __future__ import annotations
+
+import weakref
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dist_llm.config import load_config
+from dist_llm.model import GPT
+from dist_llm.model import init as model_init
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.parallelize import meta_model, parallelize
+from dist_llm.parallel.tensor.checkpoint import TensorParallelState
+from dist_llm.train.init_from import load_initial_weights, resolve_architecture
+from dist_llm.train.trainer import build_model
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_finetune import llama_dir  # noqa: F401
+from tests.test_peft import LORA
+
+SMALL = {"model__n_layer": 4, "model__bias": True}
+
+
+def _initial(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """This rank's parameters right after the build (wrapped for data parallelism), at full shape."""
+    cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, **{**SMALL, **extra})))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        model = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp.module
+        params = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+                  for n, p in model.named_parameters()}
+        if ctx.tp > 1:
+            params = TensorParallelState(model, ctx).to_full({"model": params, "optim": {"state": {}}})["model"]
+        return params
+    finally:
+        ctx.destroy()
+
+
+LAYOUTS = {
+    "tp2": (2, {"parallel__tp": 2}),
+    "tp2-gqa-untied": (2, {"parallel__tp": 2, "model__n_kv_head": 2, "model__pos_emb": "rope",
+                           "model__tie_embeddings": False}),
+    "pp2": (2, {"parallel__pp": 2}),
+    "zero3-dp2": (2, {"parallel__dp": 2, "parallel__zero_stage": 3}),
+    "zero3-dp2-tp2": (4, {"parallel__dp": 2, "parallel__tp": 2, "parallel__zero_stage": 3}),
+    "lora-tp2": (2, {**LORA, "parallel__tp": 2}),
+    "lora-pp2": (2, {**LORA, "parallel__pp": 2}),
+    "adapter-pp2": (2, {"peft__method": "adapter", "peft__rank": 4, "parallel__pp": 2}),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_initial_weights_equal_one_process_bit_for_bit(tmp_path: Path, layout: str) -> None:
+    world_size, extra = LAYOUTS[layout]
+    one = _initial(0, 1, tmp_path / "one", {k: v for k, v in extra.items() if not k.startswith("parallel__")})
+    ranks = run_distributed(_initial, world_size, tmp_path / "many", extra, init_group=False)
+    merged: dict[str, torch.Tensor] = {}
+    for params in ranks:  # pipeline stages each hold their own blocks; the others hold everything
+        for name, p in params.items():
+            assert torch.equal(p, merged.setdefault(name, p)), f"{name} differs between ranks"
+    assert merged.keys() == one.keys()
+    for name, p in one.items():
+        assert torch.equal(merged[name], p), f"{layout}: {name} differs from one process"
+
+
+class LiveBytes(TorchDispatchMode):
+    """The peak of the bytes of all live CPU storages created while it is on (each storage counted once,
+    from its creation until it is freed)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                storage = t.untyped_storage()
+                if id(storage) not in self.seen:
+                    self.seen.add(id(storage))
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._freed, id(storage), storage.nbytes())
+        return out
+
+
+def _build_peak(rank: int, world_size: int, out_dir: Path) -> dict[str, int]:
+    cfg = load_config(None, tiny_overrides(out_dir, parallel__pp=world_size, model__n_layer=4, model__n_embd=64))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        with torch.device("meta"):
+            whole = GPT(cfg.model)
+        with LiveBytes() as meter:
+            model = parallelize(meta_model(cfg, ctx), cfg, ctx, wrap=False).model
+        own = sum(p.numel() * p.element_size() for p in model.parameters())
+        return {"peak": meter.peak, "own": own, "buffers": sum(b.nbytes for b in model.buffers()),
+                "whole": sum(p.numel() * p.element_size() for p in whole.parameters()),
+                "largest": max(p.numel() * p.element_size() for p in whole.parameters()),
+                "blocks": sum(1 for b in model.blocks if any(True for _ in b.parameters()))}
+    finally:
+        ctx.destroy()
+
+
+def test_a_pipeline_stage_never_allocates_the_other_stages_blocks(tmp_path: Path) -> None:
+    """At pp=2 each stage's build peaks at its own parameters plus one parameter drawn at full size (and the
+    small buffers): the other stage's blocks are never allocated, so the peak stays under the whole model."""
+    for stage in run_distributed(_build_peak, 2, tmp_path, init_group=False):
+        assert stage["blocks"] == 2
+        assert stage["own"] < 0.75 * stage["whole"]
+        assert stage["peak"] <= stage["own"] + stage["largest"] + stage["buffers"], stage
+        assert stage["peak"] < stage["whole"]
+    one = _build_peak(0, 1, tmp_path / "one")  # the meter sees a whole build whole
+    assert one["peak"] >= one["whole"]
+
+
+def test_init_from_draws_nothing_random(tmp_path: Path, llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
+    """With model.init_from the weights are loaded into the materialised, uninitialised model: no parameter is
+    drawn first and then overwritten."""
+    from dist_llm.hf import load_hf
+
+    cfg = resolve_architecture(load_config(None, tiny_overrides(tmp_path, model__init_from=f"hf:{llama_dir}")))
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("a parameter was randomly initialised before the load")
+
+    expected = load_hf(llama_dir, cfg.model).state_dict()
+    monkeypatch.setattr(model_init, "fill_parameter", refuse)
+    monkeypatch.setattr(GPT, "reset_parameters", refuse)
+    model = build_model(cfg, ParallelContext.from_config(cfg))
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, expected[name]), name
+
+
+@pytest.mark.parametrize("layout", ["zero3-dp2", "tp2"])
+def test_init_from_loads_into_each_layout(tmp_path: Path, llama_dir: Path, layout: str) -> None:  # noqa: F811
+    """model.init_from=hf: into FSDP2's shards of a meta-built model, and into tensor-parallel slices."""
+    world_size, extra = LAYOUTS[layout]
+    start = {"model__init_from": f"hf:{llama_dir}"}
+    one = _initial(0, 1, tmp_path / "one", start)
+    ranks = run_distributed(_initial, world_size, tmp_path / "many", {**start, **extra}, init_group=False)
+    for params in ranks:
+        assert params.keys() == one.keys()
+        for name, p in one.items():
+            assert torch.equal(params[name], p), f"{layout}: {name}"
