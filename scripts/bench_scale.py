@@ -233,7 +233,8 @@ def convert_row(ckpt_run: Path, work: Path, base: dict[str, Any], overrides: dic
                      timeout, log)
     if code:
         raise RuntimeError(f"exit {code}: {_tail(log)} (log {log})")
-    cfg = resolved_config({**base, **overrides})
+    one = {k: v for k, v in {**base, **overrides}.items() if not k.startswith("parallel.")}  # one process
+    cfg = resolved_config(one)
     est = memory.predict(cfg, 1)
     with torch.device("meta"):
         n_params = Model(cfg.model).num_params()
@@ -283,6 +284,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="~19M Llama and ~13M GPT (while developing)")
     ap.add_argument("--cases", default="1,2,3,convert", help="comma-separated: 1, 2, 3, convert")
+    ap.add_argument("--only", default="", help="only the layouts whose label holds this text, e.g. 'tp=4'")
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "bench_scale", help="runs and the made inputs")
     ap.add_argument("--buffer-mb", type=float, default=256, help="the target's fixed buffer, MiB")
     ap.add_argument("--run-timeout", type=float, default=900, help="seconds per launch before it is killed")
@@ -301,7 +303,7 @@ def main() -> int:
     corpus = make_corpus(work)
     base = {**TRAIN, "data.source": str(corpus), "data.cache_dir": str(work / "data-cache")}
     idle = idle_rss()
-    todo = [c for c in cases() if c.case in wanted]
+    todo = [c for c in cases() if c.case in wanted and args.only in c.label]
     if any(c.lora for c in todo):
         llama = make_llama(args.work, size)
         for c in todo:
