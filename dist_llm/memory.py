@@ -64,6 +64,13 @@ class Estimate:
     temporary_bytes: int = 0
     offloaded: bool = False
     """Model states live in host memory (parallel.offload=cpu): not part of the device's peak."""
+    init_transient_bytes: int = 0
+    """Building the model: one full fp32 parameter (the largest) made whole before a rank keeps its part."""
+    load_transient_bytes: int = 0
+    """Loading weights (model.init_from, resume): the largest full tensor read in its source dtype and its fp32
+    copy."""
+    export_transient_bytes: int = 0
+    """`convert --to-hf`/`--to-full`: the largest full tensor read from the checkpoint (fp32) and the copy written."""
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -79,7 +86,9 @@ class Estimate:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes, "master_bytes": self.master_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
                 "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
-                "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0}
+                "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0,
+                "init_transient_bytes": self.init_transient_bytes, "load_transient_bytes": self.load_transient_bytes,
+                "export_transient_bytes": self.export_transient_bytes}
 
 
 # -- the ZeRO paper ---------------------------------------------------------------------------------------
@@ -383,6 +392,42 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
     return max(candidates)
 
 
+_DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8}
+
+
+def largest_tensor_numel(cfg: Config) -> int:
+    """Elements of the model's largest single parameter, whole (often the embedding: padded_vocab x n_embd; the
+    MLP's matrices where n_embd x ffn_hidden is larger). PEFT's adapters are small and left out."""
+    from dist_llm.model import GPT
+
+    with torch.device("meta"):
+        return max(p.numel() for p in GPT(cfg.model).parameters())
+
+
+def _source_bytes(cfg: Config) -> int:
+    """Bytes per element of the weights `model.init_from` reads: an `hf:` directory's config.json dtype
+    (`torch_dtype`, or `dtype` in newer transformers), else fp32 (our checkpoints)."""
+    spec = cfg.model.init_from
+    if not spec.startswith("hf:"):
+        return 4
+    from dist_llm.hf import read_hf_config
+
+    try:
+        config = read_hf_config(spec.partition(":")[2])
+    except ConfigError:  # not there yet (planning a run): assume fp32, the larger
+        return 4
+    name = config.get("torch_dtype") or config.get("dtype") or "float32"
+    return _DTYPE_BYTES.get(str(name).removeprefix("torch."), 4)
+
+
+def transient_bytes(cfg: Config) -> tuple[int, int, int]:
+    """(init, load, export) transients: what holding the largest full tensor costs while building the model,
+    loading weights and exporting a checkpoint. The bound a shard-by-shard implementation keeps to (issue 17);
+    beyond a rank's own shards, which the model states count."""
+    largest = largest_tensor_numel(cfg)
+    return 4 * largest, largest * (_source_bytes(cfg) + 4), 8 * largest
+
+
 def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None = None) -> Estimate:
     """Per-rank bytes for `cfg` at `world_size` ranks (default: dp*tp*pp with dp=1 when parallel.dp is 0).
     With a pipeline, the stage that needs the most (or `pp_rank`)."""
@@ -405,6 +450,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         if best is None or est.peak_bytes > best.peak_bytes:
             best = est
     assert best is not None
+    best.init_transient_bytes, best.load_transient_bytes, best.export_transient_bytes = transient_bytes(cfg)
     return best
 
 
@@ -412,10 +458,15 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
 def table(est: Estimate, title: str) -> str:
     rows = [("parameters", est.params_bytes), ("gradients", est.grads_bytes), ("fp32 master weights", est.master_bytes),
             ("optimizer states", est.optimizer_bytes), ("model states", est.model_states_bytes),
-            ("activations", est.activation_bytes), ("largest temporary", est.temporary_bytes), ("peak", est.peak_bytes)]
+            ("activations", est.activation_bytes), ("largest temporary", est.temporary_bytes), ("peak", est.peak_bytes),
+            ("init transient", est.init_transient_bytes), ("load transient", est.load_transient_bytes),
+            ("export transient", est.export_transient_bytes)]
     lines = [title, f"{'per rank':<22}{'GB':>12}{'GiB':>12}", "-" * 46]
     for label, value in rows:
         lines.append(f"{label:<22}{value / GB:>12.3f}{value / GiB:>12.3f}")
+    if est.init_transient_bytes or est.load_transient_bytes or est.export_transient_bytes:
+        lines.append("transients: the largest whole tensor while building, loading weights and exporting (besides "
+                     "the model states; not in the training peak)")
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines)
 

@@ -85,20 +85,22 @@ def peak_memory_bytes(device: torch.device) -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # (bytes on macOS, KiB elsewhere)
 
 
-def reset_peak_memory(device: torch.device) -> None:
+def reset_peak_memory(device: torch.device) -> bool:
     """Start a new peak: CUDA's allocator statistics; on the CPU, Linux's VmHWM (writing 5 to
     /proc/self/clear_refs), after handing the heap's free pages back to the system (glibc's malloc_trim).
     Without the trim, tensors freed before would leave pages resident that later ones reuse unseen, and a peak
-    measured after another workload in the same process would miss them."""
+    measured after another workload in the same process would miss them. False where the host's peak could
+    not be reset (no writable /proc/self/clear_refs): a later peak then covers the whole process."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-        return
+        return True
     _trim_heap()
     try:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
     except OSError:  # not Linux: ru_maxrss cannot be reset, the peak then covers the whole process
-        pass
+        return False
+    return True
 
 
 def _trim_heap() -> None:

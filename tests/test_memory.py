@@ -320,3 +320,25 @@ def test_fsdp2_holds_sharded_gradients_between_micro_steps(tmp_path: Path) -> No
     held = run_distributed(_held_between_micro_steps, 2, tmp_path, extra, init_group=False)[0]
     est = memory.predict(load_config(None, tiny_overrides(tmp_path, **extra)), 2)
     assert est.grads_bytes <= held <= est.grads_bytes + 4096, (held, est.grads_bytes)
+
+
+def test_transients_are_the_largest_whole_tensor(tmp_path: Path) -> None:
+    """init: one fp32 tensor; load: read in the source dtype plus its fp32 copy; export: read and written fp32."""
+    # vocabulary 256 (a multiple of pad_vocab_to=128) x 32 = 8192 elements: larger than the MLP's 4*32 x 32 = 4096
+    cfg = load_config(None, tiny_overrides(tmp_path, model__vocab_size=256, model__n_embd=32, model__mlp="gelu"))
+    est = memory.predict(cfg, 1)
+    assert (est.init_transient_bytes, est.load_transient_bytes, est.export_transient_bytes) == (
+        8192 * 4, 8192 * (4 + 4), 8192 * 8)
+    # vocabulary 300, padded to 384 rows (what a rank holds) x 128 = 49152 < the MLP's 512 x 128 = 65536
+    cfg = load_config(None, tiny_overrides(tmp_path, model__vocab_size=300, model__n_embd=128, model__mlp="gelu"))
+    assert memory.largest_tensor_numel(cfg) == 65536
+    # an hf: start reads the directory's dtype: bf16 is 2 bytes a element, then 4 for the fp32 copy
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"torch_dtype": "bfloat16"}))
+    cfg.model.init_from = f"hf:{hf_dir}"
+    assert memory.transient_bytes(cfg) == (65536 * 4, 65536 * (2 + 4), 65536 * 8)
+    out = cli("--config", str(REPO / "configs" / "tiny.yaml"), "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)  # tiny.yaml: vocabulary 256 x 128 wide, tied; the MLP 512 x 128
+    assert got["init_transient_bytes"] == 512 * 128 * 4 and got["export_transient_bytes"] == 512 * 128 * 8

@@ -43,6 +43,7 @@ from dist_llm.train.report import write_report
 from dist_llm.peft import trainable_names
 from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
+from dist_llm.train.memory_phases import PhaseMeter
 from dist_llm.optim import lr_at
 from dist_llm.precision import DTYPES, LossScaler, autocast
 from dist_llm.train.saved_tensors import SavedTensorMeter
@@ -114,6 +115,7 @@ def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext) -> None:
+        self.phases = PhaseMeter(ctx.device)  # peak memory per phase of the run (memory_phases.py)
         cfg = resolve_architecture(cfg)
         validate(cfg)  # again: an hf: start brings its own architecture
         self.cfg, self.ctx = cfg, ctx
@@ -179,9 +181,11 @@ class Trainer:
             seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s, **self._state_shards())))
             if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
+        self.phases.end("startup")
         self._take_run_lock()
         try:
             self.resumed_from = self._resume()
+            self.phases.end("resume", keep=self.resumed_from is not None)
             fresh = self.resumed_from is None
             if fresh:
                 self._set_aside_previous_run()
@@ -618,7 +622,7 @@ class Trainer:
 
     def _peak_memory(self) -> list[int]:
         """Every rank's peak memory since training began (see perf.peak_memory_bytes), by rank."""
-        mine = torch.tensor([perf.peak_memory_bytes(self.device)], dtype=torch.int64)
+        mine = torch.tensor([self.phases.training_peak()], dtype=torch.int64)
         if self.ctx.world_size == 1:
             return mine.tolist()
         every = torch.zeros(self.ctx.world_size, dtype=torch.int64)
@@ -691,7 +695,8 @@ class Trainer:
         stop_flag = torch.zeros(1)  # on the host (see _agree_to_stop)
         peak_flops = self._peak_flops()
         flops_per_token = self._flops_per_token() if peak_flops else 0.0  # (builds a meta model: once, here)
-        perf.reset_peak_memory(self.device)  # the peak of training, not of preparing the data
+        self.phases.end("startup")  # fit's preparation too; from here the peak of training, not of preparing
+        self.phases.training_began()
         try:
             while self.step < stop:
                 with profiler.around(self.step + 1):
@@ -706,6 +711,7 @@ class Trainer:
                 bar.update(1)
                 if window_steps == 1 and self.step == start_step + 1:
                     self._log_accounting()
+                    self.phases.end("step1")
                 if self.step % t.log_interval == 0 or self.step == stop:
                     self.check_bad_steps()
                     now = time.perf_counter()
@@ -738,7 +744,9 @@ class Trainer:
                 preempted = self._agree_to_stop(preemption.requested, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self.elapsed_s = prior_elapsed + time.perf_counter() - run_start
+                    self.phases.end("train", keep=self.step > start_step + 1)
                     self.save_checkpoint()
+                    self.phases.end("save")
                 self._heartbeat()
                 window_start += time.perf_counter() - paused  # eval and saving are not training throughput
                 if preempted:
@@ -746,6 +754,8 @@ class Trainer:
                                 self.step)
                     break
             self.wait_for_save()
+            self.phases.end("save")  # (with train.async_checkpoint: the wait for the last write)
+            self.metrics.write(self.phases.event(self.ctx, self.step))
         except RuntimeError as e:
             message = comm.describe_failure(e, rank=self.ctx.rank, timeout_s=self.cfg.parallel.timeout_s,
                                             log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
