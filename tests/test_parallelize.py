@@ -52,6 +52,9 @@ LAYOUTS = {
     "lora-tp2": (2, {**LORA, "parallel__tp": 2}),
     "lora-pp2": (2, {**LORA, "parallel__pp": 2}),
     "adapter-pp2": (2, {"peft__method": "adapter", "peft__rank": 4, "parallel__pp": 2}),
+    # FSDP2 shards the meta model with its adapters; each rank allocates its shards and draws them after
+    "lora-zero3-dp2": (2, {**LORA, "parallel__dp": 2, "parallel__zero_stage": 3}),
+    "adapter-zero3-dp2": (2, {"peft__method": "adapter", "peft__rank": 4, "parallel__dp": 2, "parallel__zero_stage": 3}),
 }
 
 
@@ -85,6 +88,8 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         for t in out if isinstance(out, (tuple, list)) else [out]:
+            # a DTensor's own storage is a placeholder of its global size: its local shard holds the bytes
+            t = getattr(t, "_local_tensor", t)
             if isinstance(t, torch.Tensor) and t.device.type == "cpu":
                 storage = t.untyped_storage()
                 if id(storage) not in self.seen:
@@ -142,14 +147,40 @@ def test_init_from_draws_nothing_random(tmp_path: Path, llama_dir: Path, monkeyp
         assert torch.equal(t, expected[name]), name
 
 
-@pytest.mark.parametrize("layout", ["zero3-dp2", "tp2"])
+@pytest.mark.parametrize("layout", ["zero3-dp2", "tp2", "lora-zero3-dp2"])
 def test_init_from_loads_into_each_layout(tmp_path: Path, llama_dir: Path, layout: str) -> None:  # noqa: F811
     """model.init_from=hf: into FSDP2's shards of a meta-built model, and into tensor-parallel slices."""
     world_size, extra = LAYOUTS[layout]
     start = {"model__init_from": f"hf:{llama_dir}"}
-    one = _initial(0, 1, tmp_path / "one", start)
+    one = _initial(0, 1, tmp_path / "one", {**start, **{k: v for k, v in extra.items() if not k.startswith("parallel__")}})
     ranks = run_distributed(_initial, world_size, tmp_path / "many", {**start, **extra}, init_group=False)
     for params in ranks:
         assert params.keys() == one.keys()
         for name, p in one.items():
             assert torch.equal(params[name], p), f"{layout}: {name}"
+
+
+def _lora_zero3_peak(rank: int, world_size: int, out_dir: Path, hf_dir: Path) -> dict[str, int]:
+    cfg = resolve_architecture(load_config(None, tiny_overrides(
+        out_dir, model__init_from=f"hf:{hf_dir}", parallel__dp=world_size, parallel__zero_stage=3, **LORA)))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        with torch.device("meta"):
+            whole = GPT(cfg.model)
+        with LiveBytes() as meter:
+            model = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp.module
+        own = sum(p.to_local().nbytes if hasattr(p, "to_local") else p.nbytes for p in model.parameters())
+        return {"peak": meter.peak, "own": own, "whole": sum(p.nbytes for p in whole.parameters()),
+                "largest": max(p.nbytes for p in whole.parameters())}
+    finally:
+        ctx.destroy()
+
+
+def test_lora_at_zero3_from_hf_never_allocates_the_whole_base(tmp_path: Path, llama_dir: Path) -> None:  # noqa: F811
+    """LoRA at ZeRO-3 dp=2 from a Hugging Face directory: FSDP2 shards the meta model (adapters included) and
+    each rank reads its shards straight into them, so its build peaks at its own half plus one tensor read in
+    full at most (an embedding row block, a bias), never at the whole base as a materialise-then-shard would."""
+    for rank in run_distributed(_lora_zero3_peak, 2, tmp_path, llama_dir, init_group=False):
+        assert rank["own"] < 0.6 * rank["whole"], rank
+        assert rank["peak"] <= rank["own"] + rank["largest"], rank
+        assert rank["peak"] < 0.8 * rank["whole"], rank

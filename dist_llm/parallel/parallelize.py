@@ -28,7 +28,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
-from dist_llm.peft import apply_peft
+from dist_llm.peft import apply_peft, peft_parameter_names, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")
 
@@ -83,12 +83,15 @@ def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader |
             setattr(params[name], attr, value)
     del params
     model.reset_buffers()
+    adapters = peft_parameter_names(model)  # LoRA/adapters added on the meta device (ZeRO-3 shards them there)
     if cfg.model.init_from:
         if load is None:
             raise ValueError("model.init_from is set but parallelize() was given no loader")
-        load(model, cfg, ctx)
+        load(model, cfg, ctx)  # (the base only: the loaders pass over the adapters' tensors)
     else:
-        model.reset_parameters(cfg.train.seed)
+        model.reset_parameters(cfg.train.seed, only=[n for n, _ in model.named_parameters() if n not in adapters])
+    if adapters:
+        reset_peft_parameters(model, cfg.train.seed)  # the values apply_peft draws on a materialised model
 
 
 def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = True, wrap: bool = True,
@@ -103,9 +106,10 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
         log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, blocks.start, blocks.stop - 1,
                  ", embedding" if first else "", ", head and loss" if last else "")
     t = cfg.train
-    # PEFT needs real weights (QLoRA quantises them; init_from loads the base first), so FSDP2 shards a meta
-    # model only without it; with it, the tensor-parallel-local model is materialised first and sharded after.
-    shard_on_meta = wrap and uses_fsdp(cfg, ctx) and cfg.peft.method == "none"
+    # FSDP2 shards the meta model and each rank then allocates only its shards; LoRA and adapters are added on
+    # the meta device too and drawn once allocated. QLoRA quantises real weights, so under it the
+    # tensor-parallel-local model is materialised first and sharded after.
+    shard_on_meta = wrap and uses_fsdp(cfg, ctx) and cfg.peft.method != "qlora"
 
     def adapt_and_compile() -> None:
         if cfg.peft.method != "none":

@@ -75,6 +75,23 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
                         add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1, name=f"blocks.{i}.{path}")
 
 
+def peft_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """(name in the whole model, module) of every LoRA and adapter module of `model`."""
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRA, Adapter))]
+
+
+def peft_parameter_names(model: nn.Module) -> set[str]:
+    """The names of the parameters `apply_peft` added (none of them is in a base model's weights)."""
+    return {f"{name}.{p_name}" for name, m in peft_modules(model) for p_name, _ in m.named_parameters()}
+
+
+def reset_peft_parameters(model: nn.Module, seed: int) -> None:
+    """Draw every LoRA and adapter tensor from (seed + 1, its name), as `apply_peft` does: for modules added to
+    a model on the meta device (nothing drawn then) and allocated afterwards."""
+    for name, module in peft_modules(model):
+        module.reset_parameters(seed + 1, name)
+
+
 @torch.no_grad()
 def merge_into_base(model: nn.Module) -> None:
     """Fold every LoRA update into its base weight and drop the LoRA modules, dequantising a QLoRA base to
@@ -142,4 +159,5 @@ def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
 
 
 __all__ = ["Adapter", "LoRA", "TARGETS", "adapter_state", "add_adapter", "add_lora", "apply_peft", "load_adapter",
-           "lora_modules", "merge", "merge_into_base", "save_adapter", "trainable_names", "unmerge"]
+           "lora_modules", "merge", "merge_into_base", "peft_modules", "peft_parameter_names",
+           "reset_peft_parameters", "save_adapter", "trainable_names", "unmerge"]

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from dist_llm.config import Config, ConfigError, config_from_dict
 from dist_llm.model import GPT
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.peft import peft_parameter_names
 
 log = logging.getLogger("dist_llm")
 
@@ -83,7 +84,8 @@ def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None) ->
     from dist_llm.train import checkpoint as ckpt
 
     where = _checked_checkpoint(cfg)
-    current = model.state_dict()  # (detached views of the parameters: the load writes into them)
+    adapters = peft_parameter_names(model)  # (drawn by parallelize: a base checkpoint has none)
+    current = {k: v for k, v in model.state_dict().items() if k not in adapters}  # views: the load writes into them
     index = ckpt.SafeReader(str(where)).read_metadata().state_dict_metadata
     for name, t in current.items():
         saved = index.get(f"model.{name}")
@@ -183,6 +185,7 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
     from dist_llm.peft import BLOCK_LINEARS
 
     qlora = cfg.peft.method == "qlora"
+    adapters = peft_parameter_names(model)  # (drawn by parallelize, not read)
     done: dict[int, nn.Parameter] = {}  # id of a parameter read (before materialising) -> the one that holds it
     with HFCheckpoint(where, cfg.model) as src:
         for module_name, module in list(model.named_modules()):
@@ -191,6 +194,8 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
                     setattr(module, param_name, done[id(p)])
                     continue
                 name = _global_name(module_name, param_name)
+                if name in adapters:
+                    continue
                 if (name == "lm_head.weight" and cfg.model.tie_embeddings and getattr(model, "wte", None) is not None
                         and not isinstance(p, DTensor)):  # (re-)tied to the embedding read before it
                     setattr(module, param_name, model.wte.weight)
