@@ -28,7 +28,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
-from dist_llm.peft import apply_peft, peft_parameter_names, reset_peft_parameters
+from dist_llm.peft import BLOCK_LINEARS, apply_peft, peft_parameter_names, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")
 
@@ -70,12 +70,29 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
     model._apply(empty)  # (what Module.to_empty does, with the sharing kept)
 
 
+def _quantised_weights(model: GPT) -> list[tuple[nn.Module, nn.Parameter]]:
+    """(linear, its weight) of every block linear QLoRA turns into NF4: left on the meta device by `materialize`
+    so that the base never exists in fp32 beyond the one layer being read (train/init_from.py)."""
+    return [(layer, layer.weight) for block in model.blocks for path in BLOCK_LINEARS
+            if isinstance(layer := _linear(block, path), nn.Linear)]
+
+
+def _linear(block: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return getattr(getattr(block, parent, None), name, None)
+
+
 def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader | None = None) -> None:
     """Allocate this rank's parameters and buffers on ctx.device (uninitialised), recompute the buffers, re-tie
     the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
     # to_empty gives meta parameters new Parameter objects: carry their marks (tp_partition_dim, ...) across
     marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
+    deferred = _quantised_weights(model) if cfg.peft.method == "qlora" and cfg.model.init_from else []
+    for module, _ in deferred:  # out of to_empty's reach: the loader allocates, reads and quantises one at a time
+        module._parameters["weight"] = None
     _to_empty(model, ctx.device)
+    for module, weight in deferred:
+        module._parameters["weight"] = weight  # (still on the meta device)
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, attrs in marks.items():

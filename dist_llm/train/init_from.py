@@ -207,6 +207,10 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
             path = _global_name(module_name, "").rstrip(".")
             if qlora and isinstance(module, nn.Linear) and path.startswith("blocks.") and path.endswith(BLOCK_LINEARS):
                 _quantise(model, module_name, module)  # before the next layer is read
+                # and its fp32 weight freed now: the list of modules above still holds the replaced linear
+                for key in [k for k, v in done.items() if v is module.weight]:
+                    del done[key]
+                module._parameters["weight"] = None
 
 
 def _fill(src: Any, name: str, module: nn.Module, param_name: str, p: nn.Parameter, rows: list[tuple[int, int]],
