@@ -26,10 +26,8 @@ from dist_llm.model import GPT
 from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, run_schedule
-from dist_llm.parallel.pipeline.schedule import build_plans
 from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
-from dist_llm.parallel.tensor import sync_sequence_parallel_grads
+from dist_llm.parallel.runtime import ParallelRuntime
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.errors import CheckpointError, CollectiveError, TrainingError  # noqa: F401 - importable here as before
@@ -39,7 +37,7 @@ from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.train.memory_phases import PhaseMeter
 from dist_llm.optim import lr_at
-from dist_llm.precision import DTYPES, LossScaler, autocast
+from dist_llm.precision import DTYPES, LossScaler
 from dist_llm.train.saved_tensors import SavedTensorMeter
 from dist_llm.train.state import RunState, on_main, take_run_lock
 
@@ -109,17 +107,12 @@ class Trainer:
 
         # this rank's part of the model only: built on the meta device, cut, sharded, then materialised
         built = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
-        model = built.model
-        self.stage: StageModel | None = None
-        if built.stage is not None:  # this pipeline stage's part of the model, and its neighbours' addresses
-            self.stage = StageModel(model, *built.stage)
-            self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
-        assert built.dp is not None
-        self.dp = built.dp
+        self.runtime = ParallelRuntime(built, cfg, ctx)  # the stage cut, its links, the data-parallel form
+        self.dp = self.runtime.dp
         with torch.device("meta"):  # the whole model's count, whatever part of it this rank holds
             self.n_params = GPT(cfg.model).num_params()
-        self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
-        self.module = self.dp.module  # the GPT
+        self.model = self.runtime.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
+        self.module = self.runtime.module  # the GPT
         self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 else None
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
@@ -137,7 +130,6 @@ class Trainer:
                         100 * (ctx.pp - 1) / (self.accum_steps + ctx.pp - 1))
         self.state_bytes: dict[str, int] | None = None
         self.activation_bytes: int | None = None  # peak bytes saved for backward, measured in the first step
-        self.stage_clock: StageClock | None = None
         self.comm_bytes: dict[str, int] = {}
         self.run_state = RunState(cfg, ctx, dp=self.dp, tp_state=self.tp_state, sampler=self.sampler,
                                   scaler=self.scaler, tokenizer_spec=self.data.tokenizer_spec, n_params=self.n_params)
@@ -240,35 +232,15 @@ class Trainer:
         t = self.cfg.train
         self.model.train()
         self.ctx.comm.reset()
-        loss_sum = torch.zeros((), device=self.device)  # this rank's sum of token losses
         micro_batches = [to_device(x, y, self.device) for x, y in self.loader.get(self.step)]
         share = self._rank_share_of_targets(micro_batches, self.masks[id(self.train_tokens)])
-        if self.stage is not None:
-            loss_sum = self._pipeline(micro_batches, train=True, share=share)
-        else:
-            for i, (x, y) in enumerate(micro_batches):
-                with self.dp.micro_step(last=i == len(micro_batches) - 1):
-                    with span("forward"), autocast(t.precision, self.device):
-                        loss = self.model(x, y, reduction="sum")
-                    loss_sum += loss.detach()
-                    with span("backward"):
-                        self.dp.backward(self.scaler.scale_loss(loss / share))
-        with span("grad_sync"):
-            self.dp.finish_grads()
-        if (self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings
-                and self.module.wte.weight.requires_grad):  # (frozen under PEFT)
-            # the first stage's embedding and the last stage's head are one weight: sum their gradients
-            comm.all_reduce(self.dp.tied_embedding_grad(), self.ctx.embedding_group, self.ctx.comm)
-        if self.cfg.parallel.sequence_parallel:
-            sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
-
+        loss_sum = self.runtime.forward_backward(micro_batches,
+                                                 loss_fn=lambda loss: self.scaler.scale_loss(loss / share))
+        self.runtime.finish_grads()
         self.scaler.unscale_(self.dp.local_grads())
         with span("clip"):
             grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
-        if self.stage is not None:
-            # the norm's all-reduce over the stages is the step's common end: a stage that finished its
-            # schedule early waits here, and that wait is its share of the pipeline flush
-            self.stage_clock.end = self.stage_clock.mark()
+        self.runtime.mark_step_end()  # (the norm's all-reduce over the stages: their common end)
         # Whether to skip the step (fp16 overflow, or the non-finite guard in bf16/fp32) stays on the device: the
         # optimizer reads it there, so the host never waits for this step's gradients and queues the next step's
         # work at once. The norm is global, so every rank takes the same decision.
@@ -302,41 +274,12 @@ class Trainer:
             raise TrainingError(f"{worst} steps in a row had non-finite gradients (train.max_bad_steps={limit}); "
                                 f"stopping at step {self.step}, the last complete checkpoint is kept")
 
-    def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool,
-                  share: torch.Tensor | float = 1.0) -> torch.Tensor:
-        """One step's (or one eval batch's) micro-batches through the pipeline; the sum of token losses on the
-        last stage. In training each micro-batch's sum is divided by `share` (see _rank_share_of_targets)."""
-        ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
-        # evaluation runs the forward half, batched into exchanges alike
-        name = self.cfg.parallel.pp_schedule if train else "forward"
-        plan = build_plans(name, ctx.pp, len(micro_batches))[ctx.pp_rank]
-        seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
-        loss_sum, clock = run_schedule(
-                            plan, self.stage, self.p2p, batches=micro_batches,
-                            act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],
-                            loss_fn=lambda loss: self.scaler.scale_loss(loss / share),
-                            backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
-                            autocast=lambda: autocast(t.precision, self.device), device=self.device, train=train)
-        if train:
-            self.stage_clock = clock
-        return loss_sum
-
     def pipeline_times(self) -> dict[str, list[float]]:
         """Every stage's busy and idle seconds in the last training step (a collective over the pp group)."""
-        busy, idle = self.stage_clock.busy_idle()
-        mine = torch.tensor([busy, idle], dtype=torch.float64, device=self.device)
-        every = torch.zeros(self.ctx.pp * 2, dtype=torch.float64, device=self.device)
-        comm.all_gather(every, mine, self.ctx.pp_group, None)
-        busy_s, idle_s = every[0::2].tolist(), every[1::2].tolist()
-        return {"pp_busy_s": [round(b, 6) for b in busy_s], "pp_idle_s": [round(i, 6) for i in idle_s],
-                "pp_idle_fraction": [round(i / (b + i), 4) if b + i else 0.0 for b, i in zip(busy_s, idle_s)]}
+        return self.runtime.pipeline_times()
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        """The loss lives on the last pipeline stage: hand it to every stage (rank 0 writes the metrics)."""
-        if self.ctx.pp > 1:
-            t = t.detach().clone()
-            torch.distributed.broadcast(t, src=self.ctx.pp_last_rank, group=self.ctx.pp_group)
-        return t
+        return self.runtime.from_last_stage(t)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -348,12 +291,7 @@ class Trainer:
         for i in range(self.cfg.train.eval_steps):
             batches = self._micro_batches(self.val_sampler, i, self.val_tokens)
             count += sum((y != IGNORE_INDEX).sum() for _, y in batches)
-            if self.stage is not None:
-                total += self._pipeline(batches, train=False)
-                continue
-            for x, y in batches:
-                with autocast(self.cfg.train.precision, self.device):
-                    total += self.model(x, y, reduction="sum").float()
+            self.runtime.add_eval_losses(batches, total)
         self.model.train()
         sums = torch.stack([total, count])
         comm.all_reduce(sums, self.ctx.dp_group, None)  # (metrics, not training traffic)
@@ -517,7 +455,7 @@ class Trainer:
                                                      peak_flops * self.ctx.world_size), 5)
                     if self.activation_bytes is not None:
                         last["activation_bytes"] = self.activation_bytes
-                    if self.stage_clock is not None:
+                    if self.runtime.stage_clock is not None:
                         last.update(self.pipeline_times())
                     if t.precision == "fp16":
                         last["loss_scale"] = self.scaler.scale
