@@ -73,7 +73,7 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
 def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader | None = None) -> None:
     """Allocate this rank's parameters and buffers on ctx.device (uninitialised), recompute the buffers, re-tie
     the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
-    # to_empty gives meta parameters new Parameter objects: carry their marks (tp_partition_dim, ...) across
+    # to_empty gives meta parameters new Parameter objects: carry their marks (parallel/marks.py) across
     marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
     _to_empty(model, ctx.device)
     model.tie_weights()
