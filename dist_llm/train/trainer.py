@@ -10,7 +10,7 @@ import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +74,24 @@ class StepOutput:
     grad_norm: torch.Tensor
     lr: float
     skipped: torch.Tensor  # bool, 0-dim: the gradients were not finite, so the optimizer left everything as it was
+
+
+@dataclass
+class _RunClock:
+    """The run's time: seconds trained (carried across resumes) and the current throughput window, which
+    evaluation and saving do not count."""
+
+    prior_elapsed: float  # trained before this process (from the checkpoint resumed)
+    start_step: int  # the step this process began at
+    run_start: float = field(default_factory=time.perf_counter)
+    window_start: float = 0.0
+    window_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.window_start = self.run_start
+
+    def elapsed(self, now: float | None = None) -> float:
+        return self.prior_elapsed + (time.perf_counter() if now is None else now) - self.run_start
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
@@ -399,10 +417,10 @@ class Trainer:
                  f", peak {predicted['peak_bytes'] / 2**20:.1f} | {measured['peak_bytes'] / 2**20:.1f} MiB"
                  if "peak_bytes" in measured else "")
 
-    def fit(self) -> dict[str, Any]:
-        """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
+    # -- the run -----------------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        """config.yaml, the metrics' header and the log's summary of the run, before its first step."""
         t = self.cfg.train
-        stop = t.stop_after_step or t.max_steps
         if self.ctx.is_main:
             (self.out_dir).mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
@@ -413,11 +431,91 @@ class Trainer:
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
             log.info(line)
+
+    def _measured_step(self, start_step: int) -> StepOutput:
+        """train_step; the run's first one also measures the activations saved for backward."""
+        if self.step == start_step and not self.cfg.train.compile:  # compiled graphs do not run saved-tensor hooks
+            with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
+                                  module=self.module if self.dp.name == "fsdp2" else None) as meter:
+                out = self.train_step()
+            self.activation_bytes = meter.peak_bytes
+            return out
+        return self.train_step()
+
+    def _first_step_accounting(self) -> None:
+        self._log_accounting()
+        self.phases.end("step1")
+
+    def _log_step(self, out: StepOutput, clock: _RunClock, bar: tqdm, *, peak_flops: float,
+                  flops_per_token: float) -> dict[str, Any]:
+        """The metrics record of a log step (its host reads happen here only), written and shown; a new
+        throughput window starts."""
+        self.check_bad_steps()
+        now = time.perf_counter()
+        self.elapsed_s = clock.elapsed(now)
+        last = {"step": self.step, "loss": self._from_last_stage(self._dp_mean(out.loss)).item(),
+                "lr": out.lr,
+                "grad_norm": out.grad_norm.item(),
+                "tokens_per_s": clock.window_steps * self.tokens_per_step / (now - clock.window_start),
+                "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
+                "model_state_bytes": self.state_bytes, "peak_memory_bytes": self._peak_memory()}
+        if peak_flops:
+            last["mfu"] = round(perf.mfu(last["tokens_per_s"], flops_per_token, peak_flops * self.ctx.world_size), 5)
+        if self.activation_bytes is not None:
+            last["activation_bytes"] = self.activation_bytes
+        if self.runtime.stage_clock is not None:
+            last.update(self.pipeline_times())
+        if self.cfg.train.precision == "fp16":
+            last["loss_scale"] = self.scaler.scale
+        if self.scaler.skipped_steps:
+            last["skipped_steps"] = self.scaler.skipped_steps
+        self.metrics.write(last)
+        bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        clock.window_start, clock.window_steps = time.perf_counter(), 0
+        return last
+
+    def _evaluate_into(self, last: dict[str, Any], bar: tqdm) -> None:
+        last["val_loss"] = self.evaluate()
+        self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
+        bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
+
+    def _save_at_step(self, clock: _RunClock) -> None:
+        self.elapsed_s = clock.elapsed()
+        self.phases.end("train", keep=self.step > clock.start_step + 1)
+        self.save_checkpoint()
+        self.phases.end("save")
+
+    def _end_of_run(self) -> None:
+        self.wait_for_save()
+        self.phases.end("save")  # (with train.async_checkpoint: the wait for the last write)
+        self.metrics.write(self.phases.event(self.ctx, self.step))
+
+    def _collective_error(self, e: RuntimeError) -> CollectiveError | None:
+        """A failed collective as one line naming the rank and the cause; None for any other error."""
+        message = comm.describe_failure(e, rank=self.ctx.rank, timeout_s=self.cfg.parallel.timeout_s,
+                                        log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
+        return None if message is None else CollectiveError(message)
+
+    def _close_run(self, profiler: StepProfiler, preemption: Preemption, bar: tqdm) -> None:
+        """Whatever way the run ends: the profile, the SIGTERM handler, threads, files and the run lock."""
+        if profiler.finish():  # the run ended inside the profiled range
+            log.info("profile of steps %s written to %s", self.cfg.train.profile_steps, profiler.path)
+        preemption.restore()
+        self.loader.close()
+        self.run_state.close()
+        bar.close()
+        self.metrics.close()
+        self.run_state.release_run_lock()
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
+        t = self.cfg.train
+        stop = t.stop_after_step or t.max_steps
+        self._announce()
         last: dict[str, Any] = {}
         bar = tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=not self.ctx.is_main,
                    mininterval=1.0, dynamic_ncols=True)
-        run_start, prior_elapsed, start_step = time.perf_counter(), self.elapsed_s, self.step
-        window_start, window_steps = run_start, 0
+        clock = _RunClock(prior_elapsed=self.elapsed_s, start_step=self.step)
         preemption = Preemption().install()
         profiler = StepProfiler(parse_steps(t.profile_steps), self.out_dir, self.ctx.rank, self.device)
         stop_flag = torch.zeros(1)  # on the host (see _agree_to_stop)
@@ -428,77 +526,33 @@ class Trainer:
         try:
             while self.step < stop:
                 with profiler.around(self.step + 1):
-                    if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
-                        with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
-                                              module=self.module if self.dp.name == "fsdp2" else None) as meter:
-                            out = self.train_step()
-                        self.activation_bytes = meter.peak_bytes
-                    else:
-                        out = self.train_step()
-                window_steps += 1
+                    out = self._measured_step(clock.start_step)
+                clock.window_steps += 1
                 bar.update(1)
-                if window_steps == 1 and self.step == start_step + 1:
-                    self._log_accounting()
-                    self.phases.end("step1")
+                if clock.window_steps == 1 and self.step == clock.start_step + 1:
+                    self._first_step_accounting()
                 if self.step % t.log_interval == 0 or self.step == stop:
-                    self.check_bad_steps()
-                    now = time.perf_counter()
-                    self.elapsed_s = prior_elapsed + now - run_start
-                    last = {"step": self.step, "loss": self._from_last_stage(self._dp_mean(out.loss)).item(),
-                            "lr": out.lr,
-                            "grad_norm": out.grad_norm.item(),
-                            "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
-                            "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
-                            "model_state_bytes": self.state_bytes, "peak_memory_bytes": self._peak_memory()}
-                    if peak_flops:
-                        last["mfu"] = round(perf.mfu(last["tokens_per_s"], flops_per_token,
-                                                     peak_flops * self.ctx.world_size), 5)
-                    if self.activation_bytes is not None:
-                        last["activation_bytes"] = self.activation_bytes
-                    if self.runtime.stage_clock is not None:
-                        last.update(self.pipeline_times())
-                    if t.precision == "fp16":
-                        last["loss_scale"] = self.scaler.scale
-                    if self.scaler.skipped_steps:
-                        last["skipped_steps"] = self.scaler.skipped_steps
-                    self.metrics.write(last)
-                    bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
-                    window_start, window_steps = time.perf_counter(), 0
+                    last = self._log_step(out, clock, bar, peak_flops=peak_flops, flops_per_token=flops_per_token)
                 paused = time.perf_counter()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
-                    last["val_loss"] = self.evaluate()
-                    self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
-                    bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
+                    self._evaluate_into(last, bar)
                 preempted = self._agree_to_stop(preemption.requested, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
-                    self.elapsed_s = prior_elapsed + time.perf_counter() - run_start
-                    self.phases.end("train", keep=self.step > start_step + 1)
-                    self.save_checkpoint()
-                    self.phases.end("save")
+                    self._save_at_step(clock)
                 self._heartbeat()
-                window_start += time.perf_counter() - paused  # eval and saving are not training throughput
+                clock.window_start += time.perf_counter() - paused  # eval and saving are not training throughput
                 if preempted:
                     log.warning("SIGTERM: stopped after step %d with a checkpoint; train.resume=auto goes on from it",
                                 self.step)
                     break
-            self.wait_for_save()
-            self.phases.end("save")  # (with train.async_checkpoint: the wait for the last write)
-            self.metrics.write(self.phases.event(self.ctx, self.step))
+            self._end_of_run()
         except RuntimeError as e:
-            message = comm.describe_failure(e, rank=self.ctx.rank, timeout_s=self.cfg.parallel.timeout_s,
-                                            log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
-            if message is None:
+            failure = self._collective_error(e)
+            if failure is None:
                 raise
-            raise CollectiveError(message) from None
+            raise failure from None
         finally:
-            if profiler.finish():  # the run ended inside the profiled range
-                log.info("profile of steps %s written to %s", t.profile_steps, profiler.path)
-            preemption.restore()
-            self.loader.close()
-            self.run_state.close()
-            bar.close()
-            self.metrics.close()
-            self.run_state.release_run_lock()
+            self._close_run(profiler, preemption, bar)
         if self.ctx.is_main:
             plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
             write_report(self.out_dir)
