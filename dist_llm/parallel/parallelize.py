@@ -85,7 +85,7 @@ def _linear(block: nn.Module, path: str) -> nn.Module | None:
 def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader | None = None) -> None:
     """Allocate this rank's parameters and buffers on ctx.device (uninitialised), recompute the buffers, re-tie
     the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
-    # to_empty gives meta parameters new Parameter objects: carry their marks (tp_partition_dim, ...) across
+    # to_empty gives meta parameters new Parameter objects: carry their marks (parallel/marks.py) across
     marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
     deferred = _quantised_weights(model) if cfg.peft.method == "qlora" and cfg.model.init_from else []
     for module, _ in deferred:  # out of to_empty's reach: the loader allocates, reads and quantises one at a time

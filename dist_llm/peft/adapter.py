@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_llm.model import init as model_init
+from dist_llm.parallel.marks import mark_sequence_parallel
 
 
 class Adapter(nn.Module):
@@ -24,7 +25,7 @@ class Adapter(nn.Module):
         self.down = nn.Linear(width, bottleneck)
         self.up = nn.Linear(bottleneck, width)
         for p in self.parameters():
-            p.sequence_parallel = sequence_parallel  # type: ignore[attr-defined]
+            mark_sequence_parallel(p, sequence_parallel)
 
     @torch.no_grad()
     def reset_parameters(self, seed: int, prefix: str) -> None:

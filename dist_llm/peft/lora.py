@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_llm.model import init as model_init
+from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel, replicated_rows
 from dist_llm.parallel.tensor import mappings as tpc
 from dist_llm.parallel.tensor.layers import ColumnParallelLinear, RankLocalDropout, RowParallelLinear
 
@@ -61,15 +62,16 @@ class LoRA(nn.Module):
         if self.kind == "column":
             self.rows_host = layer.rows_host
             self.register_buffer("rows", layer.rows.clone(), persistent=False)  # read by TensorParallelState
-            self.B.tp_partition_dim = 0  # type: ignore[attr-defined]
-            if hasattr(layer.weight, "tp_replicated_rows"):
-                self.B.tp_replicated_rows = layer.weight.tp_replicated_rows  # type: ignore[attr-defined]
+            mark_partition(self.B, 0)
+            shared = replicated_rows(layer.weight)
+            if shared is not None:
+                mark_replicated_rows(self.B, shared)
             self.layer_sync = layer._synced  # rows every rank of a KV group holds: gradients summed
-            self.A.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+            mark_sequence_parallel(self.A, self.sequence_parallel)
         elif self.kind == "row":
             self.cols = layer.cols
-            self.A.tp_partition_dim = 1  # type: ignore[attr-defined]
-            self.B.sequence_parallel = self.sequence_parallel  # type: ignore[attr-defined]
+            mark_partition(self.A, 1)
+            mark_sequence_parallel(self.B, self.sequence_parallel)
         self.merged = False
 
     # -- initialisation (model/init.py draws each tensor whole from its own generator, then keeps this rank's part)

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 from dist_llm.config import Config, ConfigError, config_from_dict
 from dist_llm.model import GPT
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.marks import partition_dim
 from dist_llm.peft import peft_parameter_names
 
 log = logging.getLogger("dist_llm")
@@ -165,7 +166,7 @@ def _region(name: str, module: nn.Module, p: torch.Tensor, cfg: Config,
             ctx: ParallelContext) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
     """The global (tp=1) rows and columns of parameter `p`'s local data on this rank."""
     shape = tuple(p.shape)  # the tensor-parallel slice's shape (a DTensor's global shape is that slice's)
-    dim = getattr(p, "tp_partition_dim", None)
+    dim = partition_dim(p)
     rows = _tp_rows(name, module, shape[0], cfg, ctx) if dim == 0 else torch.arange(shape[0])
     cols = None
     if len(shape) == 2:
@@ -234,7 +235,7 @@ def _fill(src: Any, name: str, module: nn.Module, param_name: str, p: nn.Paramet
         src.read_into(name, p.data, rows, cols)
         return p
     new = nn.Parameter(data, requires_grad=p.requires_grad)
-    new.__dict__.update(p.__dict__)  # the parallel marks (tp_partition_dim, sequence_parallel, ...)
+    new.__dict__.update(p.__dict__)  # the parallel marks (parallel/marks.py), and anything else set on it
     setattr(module, param_name, new)
     if isinstance(p, DTensor):
         _fsdp_param(model, module, param_name).reset_sharded_param()  # FSDP2 re-points (and pads) its shard

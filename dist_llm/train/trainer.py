@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
 import os
-import shutil
 import signal
 import socket
 import threading
 import time
-from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.api import CheckpointException
 from tqdm import tqdm
 
 from dist_llm import memory
@@ -30,37 +26,22 @@ from dist_llm.model import GPT
 from dist_llm.model.gpt import Attention
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.pipeline.executor import PointToPoint, StageClock, StageModel, run_schedule
-from dist_llm.parallel.pipeline.schedule import build_plans
 from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
-from dist_llm.parallel.tensor import sync_sequence_parallel_grads
+from dist_llm.parallel.runtime import ParallelRuntime
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
-from dist_llm.train import run_lock
+from dist_llm.train.errors import CheckpointError, CollectiveError, TrainingError  # noqa: F401 - importable here as before
 from dist_llm.train.metrics import MetricsLog, plot_losses
-from dist_llm.train.run_lock import RUN_LOCK
 from dist_llm.train.report import write_report
-from dist_llm.peft import trainable_names
 from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.train.memory_phases import PhaseMeter
 from dist_llm.optim import lr_at
-from dist_llm.precision import DTYPES, LossScaler, autocast
+from dist_llm.precision import DTYPES, LossScaler
 from dist_llm.train.saved_tensors import SavedTensorMeter
+from dist_llm.train.state import RunState, on_main, take_run_lock
 
 log = logging.getLogger("dist_llm")
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (e.g. too many non-finite steps in a row); the last good checkpoint is kept."""
-
-
-class CheckpointError(TrainingError):
-    """A checkpoint could not be written (disk full, an I/O error); the previous complete one is untouched."""
-
-
-class CollectiveError(TrainingError):
-    """A collective failed: a rank stuck past `parallel.timeout_s`, or a peer gone."""
 
 
 class Preemption:
@@ -85,16 +66,6 @@ class Preemption:
             self._previous = None
 
 
-def _io_reason(e: BaseException) -> str:
-    """The first OS error's words in an exception, or in DCP's per-rank failures, e.g. "No space left on device"."""
-    if isinstance(e, OSError):
-        return e.strerror or str(e)
-    if isinstance(e, CheckpointException) and e.failures:
-        rank, (inner, _) = min(e.failures.items())  # (exception, traceback) per failed rank: the first
-        return f"rank {rank}: {_io_reason(inner)}"
-    return str(e).splitlines()[0] if str(e) else type(e).__name__
-
-
 @dataclass
 class StepOutput:
     """What one optimizer step produced; tensors stay on the device until a log step reads them."""
@@ -103,6 +74,24 @@ class StepOutput:
     grad_norm: torch.Tensor
     lr: float
     skipped: torch.Tensor  # bool, 0-dim: the gradients were not finite, so the optimizer left everything as it was
+
+
+@dataclass
+class _RunClock:
+    """The run's time: seconds trained (carried across resumes) and the current throughput window, which
+    evaluation and saving do not count."""
+
+    prior_elapsed: float  # trained before this process (from the checkpoint resumed)
+    start_step: int  # the step this process began at
+    run_start: float = field(default_factory=time.perf_counter)
+    window_start: float = 0.0
+    window_steps: int = 0
+
+    def __post_init__(self) -> None:
+        self.window_start = self.run_start
+
+    def elapsed(self, now: float | None = None) -> float:
+        return self.prior_elapsed + (time.perf_counter() if now is None else now) - self.run_start
 
 
 def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
@@ -121,8 +110,6 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         t, m = cfg.train, cfg.model
         self.device = ctx.device
-        self.out_dir = cfg.run_dir()
-        self.ckpt_root = self.out_dir / "checkpoints"
 
         # Local rank 0 prepares the token files; the others then find them in the cache.
         if ctx.local_rank == 0:
@@ -138,17 +125,12 @@ class Trainer:
 
         # this rank's part of the model only: built on the meta device, cut, sharded, then materialised
         built = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
-        model = built.model
-        self.stage: StageModel | None = None
-        if built.stage is not None:  # this pipeline stage's part of the model, and its neighbours' addresses
-            self.stage = StageModel(model, *built.stage)
-            self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
-        assert built.dp is not None
-        self.dp = built.dp
+        self.runtime = ParallelRuntime(built, cfg, ctx)  # the stage cut, its links, the data-parallel form
+        self.dp = self.runtime.dp
         with torch.device("meta"):  # the whole model's count, whatever part of it this rank holds
             self.n_params = GPT(cfg.model).num_params()
-        self.model = self.dp.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
-        self.module = self.dp.module  # the GPT
+        self.model = self.runtime.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
+        self.module = self.runtime.module  # the GPT
         self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 else None
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
@@ -166,191 +148,77 @@ class Trainer:
                         100 * (ctx.pp - 1) / (self.accum_steps + ctx.pp - 1))
         self.state_bytes: dict[str, int] | None = None
         self.activation_bytes: int | None = None  # peak bytes saved for backward, measured in the first step
-        self.stage_clock: StageClock | None = None
         self.comm_bytes: dict[str, int] = {}
-        self.step = 0
-        self.tokens_seen = 0
-        self.elapsed_s = 0.0
-        self.pending_save: ckpt.PendingSave | None = None
-        # Saving, loading and checking a checkpoint coordinate the ranks over a gloo group of their own. Its waits
-        # scale with the checkpoint (a rank waits for the slowest one's writing or hashing): under the training
-        # group's parallel.timeout_s a large enough checkpoint would time out, so this group's timeout scales
-        # with the state's bytes instead (a rank that dies still fails it at once: its connections close).
-        # Background saves use it from their thread, never interleaving with training's collectives.
-        self.ckpt_group = (torch.distributed.new_group(backend="gloo", timeout=timedelta(
-            seconds=ckpt.coordination_timeout_s(self.n_params, cfg.parallel.timeout_s, **self._state_shards())))
-            if ctx.world_size > 1 else None)
-        self.stager: Any = None  # the host copy of background saves, made at the first one
+        self.run_state = RunState(cfg, ctx, dp=self.dp, tp_state=self.tp_state, sampler=self.sampler,
+                                  scaler=self.scaler, tokenizer_spec=self.data.tokenizer_spec, n_params=self.n_params)
+        self.out_dir, self.ckpt_root = self.run_state.out_dir, self.run_state.ckpt_root
         self.phases.end("startup")
-        self._take_run_lock()
+        self.run_state.take_run_lock()
         try:
-            self.resumed_from = self._resume()
+            self.resumed_from = self.run_state.resume()
             self.phases.end("resume", keep=self.resumed_from is not None)
             fresh = self.resumed_from is None
             if fresh:
-                self._set_aside_previous_run()
-                self._set_aside_previous_metrics()
+                self.run_state.set_aside_previous()
             self.metrics = MetricsLog(self.out_dir / "metrics.jsonl", enabled=ctx.is_main, fresh=fresh,
                                       tensorboard_dir=self.out_dir / "tensorboard" if t.tensorboard else None,
                                       wandb_mode=t.wandb, run_name=cfg.name, config=cfg.to_dict())
         except BaseException:  # a refused resume leaves the out_dir free for the next try
-            if ctx.is_main:
-                run_lock.release(self.out_dir / RUN_LOCK)
+            self.run_state.release_run_lock()
             raise
 
-    def _state_shards(self) -> dict[str, int]:
-        """How many ways this layout splits the weights and the optimizer state (see coordination_timeout_s)."""
-        model_parallel = self.ctx.tp * self.ctx.pp
-        zero = self.cfg.parallel.zero_stage
-        return {"weight_shards": model_parallel * (self.ctx.dp if zero >= 3 else 1),
-                "state_shards": model_parallel * (self.ctx.dp if zero >= 1 else 1)}
+    # -- the run's state on disk (train/state.py); these names stay for the tests and scripts -----------------
+    @property
+    def step(self) -> int:
+        return self.run_state.step
 
-    # -- resume -------------------------------------------------------------------------------------------
-    def _resume(self) -> Path | None:
-        choice = self.cfg.train.resume
-        if choice == "never":
-            return None
-        path = self._pick_checkpoint() if choice == "auto" else Path(choice).expanduser()
-        if path is None:
-            return None
-        if not ckpt.is_complete(path):
-            raise ConfigError(f"train.resume: {path} is not a complete checkpoint (no {ckpt.MANIFEST})")
-        if choice != "auto":
-            problem = self._verify(path)
-            if problem:
-                raise ConfigError(f"train.resume: {problem}")
-        manifest = ckpt.read_json(path / ckpt.MANIFEST)
-        if manifest.get("model_fingerprint") != self.cfg.fingerprint():
-            raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
-        if self.cfg.peft.method != "none" and manifest.get("peft_base") != self.peft_base():
-            raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
-                              f"model.init_from describes ({self.peft_base()})")
-        # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
-        # `everything`); a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
-        everything = self.dp.checkpoint_state()
-        state = ckpt.load_checkpoint(path, state=self._chunked(self._saved_part(everything)), ctx=self.ctx,
-                                     group=self.ckpt_group)
-        self.dp.load_checkpoint_state(everything)
-        self.dp.load_engine_state(path, self.ckpt_group)
-        self.step = state["step"]
-        self.tokens_seen = state["tokens_seen"]
-        self.elapsed_s = state.get("elapsed_s", 0.0)
-        self.sampler.load_state_dict(state["sampler"])
-        self.scaler.load_state_dict(state["scaler"])
-        log.info("resumed from %s at step %d", path, self.step)
-        return path
+    @step.setter
+    def step(self, value: int) -> None:
+        self.run_state.step = value
+
+    @property
+    def tokens_seen(self) -> int:
+        return self.run_state.tokens_seen
+
+    @tokens_seen.setter
+    def tokens_seen(self, value: int) -> None:
+        self.run_state.tokens_seen = value
+
+    @property
+    def elapsed_s(self) -> float:
+        return self.run_state.elapsed_s
+
+    @elapsed_s.setter
+    def elapsed_s(self, value: float) -> None:
+        self.run_state.elapsed_s = value
+
+    @property
+    def pending_save(self) -> ckpt.PendingSave | None:
+        return self.run_state.pending_save
+
+    @property
+    def ckpt_group(self) -> Any:
+        return self.run_state.ckpt_group
+
+    def save_checkpoint(self) -> Path:
+        """Save at this step: complete on return, or with `train.async_checkpoint` once `wait_for_save` returns."""
+        return self.run_state.save_checkpoint()
+
+    def wait_for_save(self) -> None:
+        """Until the checkpoint being written in the background (if any) is complete."""
+        self.run_state.wait_for_save()
+
+    def _saved_part(self, state: dict[str, Any]) -> dict[str, Any]:
+        return self.run_state._saved_part(state)
+
+    def _chunked(self, state: dict[str, Any]) -> dict[str, Any]:
+        return self.run_state._chunked(state)
 
     def _on_main(self, fn: Any) -> Any:
-        """fn() on the main rank, its result handed to every rank (file checks done once, not per rank). If fn
-        raises, the failure is what is handed on, and every rank raises it as a one-line CheckpointError: no
-        peer is left waiting in the broadcast for parallel.timeout_s."""
-        box: list[Any] = [None]
-        if self.ctx.is_main:
-            try:
-                box = [(True, fn())]
-            except Exception as e:  # noqa: BLE001 - any failure must reach the peers, not only an OSError
-                where = e.filename if isinstance(e, OSError) and e.filename else self.ckpt_root
-                box = [(False, f"checkpoints in {self.ckpt_root}: {where}: {_io_reason(e)}")]
-        if torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(box, src=0)
-        ok, value = box[0]
-        if not ok:
-            raise CheckpointError(f"{value}; nothing was deleted")
-        return value
-
-    def _verify(self, path: Path) -> str | None:
-        """`ckpt.verify` with every rank checking a share of the files; a file that cannot be read (an I/O error)
-        stops the run with one line instead of counting the checkpoint as damaged."""
-        try:
-            return ckpt.verify(path, group=self.ckpt_group)
-        except ckpt.UnreadableCheckpoint as e:
-            raise CheckpointError(f"train.resume: cannot check {path}: {e}; nothing was moved or deleted: run again "
-                                  "once the storage answers") from None
-
-    def _step_dirs(self, *, complete: bool) -> list[Path]:
-        """The checkpoint directories in checkpoints/ (complete ones only, or all), oldest first, as the main
-        rank lists them: every rank then walks the same list through the same collectives."""
-        listing = ckpt.list_checkpoints if complete else ckpt.step_dirs
-        return [Path(p) for p in self._on_main(lambda: [str(p) for p in listing(self.ckpt_root)])]
-
-    def _pick_checkpoint(self) -> Path | None:
-        """The newest complete checkpoint whose files match its manifest. Damaged ones newer than it are moved
-        aside into checkpoints/damaged-<time>/ (a re-save of their step would replace them); when none matches
-        but some are damaged, the run stops with one line and touches nothing: never a silent fresh start."""
-        damaged: dict[Path, str] = {}
-        for path in reversed(self._step_dirs(complete=True)):
-            problem = self._verify(path)
-            if problem is None:
-                if damaged:
-                    self._move_aside(list(damaged), "damaged")
-                return path
-            log.warning("skipping damaged checkpoint %s: %s", path, problem)
-            damaged[path] = problem
-        if damaged:
-            found = "; ".join(f"{p.name} ({problem})" for p, problem in reversed(damaged.items()))
-            raise ConfigError(f"train.resume=auto: no checkpoint in {self.ckpt_root} matches its manifest: {found}. "
-                              "Nothing was changed: repair them, resume from another copy with train.resume=PATH, "
-                              f"or start over with train.resume=never (which moves them into {self.ckpt_root}/"
-                              "damaged-<time>/)")
-        return None
-
-    def _set_aside_previous_run(self) -> None:
-        """A fresh start owns checkpoints/: an earlier run's checkpoints would otherwise be resumed or pruned as
-        ours. They are moved, never deleted: those that verify into previous-<time>/, the rest (damaged, or a
-        save that never completed) into damaged-<time>/."""
-        found, complete = self._step_dirs(complete=False), set(self._step_dirs(complete=True))
-        intact = [p for p in found if p in complete and self._intact_for_naming(p)]
-        self._move_aside(intact, "previous")
-        self._move_aside([p for p in found if p not in intact], "damaged")
+        return on_main(self.ctx, self.ckpt_root, fn)
 
     def _take_run_lock(self) -> None:
-        """out_dir/run.lock, created exclusively by the main rank with its pid and host: a second run in the same
-        out_dir would resume, prune and move the first one's checkpoints under it. A lock left by a process that
-        is gone (same host) is taken over; one held by a live process, or from another host (whose processes
-        cannot be checked from here), stops this run with one line, exit 2. Every rank gets the verdict."""
-        box: list[str | None] = [None]
-        if self.ctx.is_main:
-            try:  # an error here goes to every rank as the verdict, not left for them to wait on
-                self.out_dir.mkdir(parents=True, exist_ok=True)
-                box = [run_lock.take(self.out_dir / RUN_LOCK)]
-            except OSError as e:
-                box = [f"{self.out_dir / RUN_LOCK}: cannot take the run lock: {e.strerror or e}"]
-        if torch.distributed.is_initialized():
-            torch.distributed.broadcast_object_list(box, src=0)
-        if box[0] is not None:
-            raise ConfigError(f"train.out_dir: {box[0]}")
-
-    def _set_aside_previous_metrics(self) -> None:
-        """A fresh start writes a new metrics.jsonl: the earlier run's is renamed to metrics.previous-<time>.jsonl
-        (as its checkpoints are moved, not deleted)."""
-        def rename() -> str | None:
-            old = self.out_dir / "metrics.jsonl"
-            if not old.is_file():
-                return None
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-            target, n = self.out_dir / f"metrics.previous-{stamp}.jsonl", 1
-            while target.exists():
-                target, n = self.out_dir / f"metrics.previous-{stamp}.{n}.jsonl", n + 1
-            os.replace(old, target)
-            return str(target)
-
-        moved = self._on_main(rename)
-        if moved:
-            log.warning("moved the earlier run's metrics.jsonl to %s", moved)
-
-    def _intact_for_naming(self, path: Path) -> bool:
-        """Whether an earlier run's checkpoint goes into previous- or damaged-: it is only moved either way, so a
-        file that cannot be read (an I/O error) names it damaged instead of stopping the fresh start."""
-        try:
-            return ckpt.verify(path, group=self.ckpt_group) is None
-        except ckpt.UnreadableCheckpoint as e:
-            log.warning("cannot check %s (%s): moved aside as damaged", path, e)
-            return False
-
-    def _move_aside(self, paths: list[Path], label: str) -> None:
-        if paths:
-            folder = self._on_main(lambda: str(ckpt.move_aside(self.ckpt_root, paths, label)))
-            log.warning("moved %s into %s", ", ".join(p.name for p in paths), folder)
+        take_run_lock(self.ctx, self.out_dir)
 
     # -- one optimizer step -------------------------------------------------------------------------------
     def _micro_batches(self, sampler: GlobalBatchSampler, step: int, tokens: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -382,42 +250,21 @@ class Trainer:
         t = self.cfg.train
         self.model.train()
         self.ctx.comm.reset()
-        loss_sum = torch.zeros((), device=self.device)  # this rank's sum of token losses
         micro_batches = [to_device(x, y, self.device) for x, y in self.loader.get(self.step)]
         share = self._rank_share_of_targets(micro_batches, self.masks[id(self.train_tokens)])
-        if self.stage is not None:
-            loss_sum = self._pipeline(micro_batches, train=True, share=share)
-        else:
-            for i, (x, y) in enumerate(micro_batches):
-                with self.dp.micro_step(last=i == len(micro_batches) - 1):
-                    with span("forward"), autocast(t.precision, self.device):
-                        loss = self.model(x, y, reduction="sum")
-                    loss_sum += loss.detach()
-                    with span("backward"):
-                        self.dp.backward(self.scaler.scale_loss(loss / share))
-        with span("grad_sync"):
-            self.dp.finish_grads()
-        if (self.ctx.embedding_group is not None and self.cfg.model.tie_embeddings
-                and self.module.wte.weight.requires_grad):  # (frozen under PEFT)
-            # the first stage's embedding and the last stage's head are one weight: sum their gradients
-            comm.all_reduce(self.dp.tied_embedding_grad(), self.ctx.embedding_group, self.ctx.comm)
-        if self.cfg.parallel.sequence_parallel:
-            sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
-
+        loss_sum = self.runtime.forward_backward(micro_batches,
+                                                 loss_fn=lambda loss: self.scaler.scale_loss(loss / share))
+        self.runtime.finish_grads()
         self.scaler.unscale_(self.dp.local_grads())
         with span("clip"):
             grad_norm = self.dp.clip_grad_norm_(self.cfg.optim.grad_clip or math.inf)
-        if self.stage is not None:
-            # the norm's all-reduce over the stages is the step's common end: a stage that finished its
-            # schedule early waits here, and that wait is its share of the pipeline flush
-            self.stage_clock.end = self.stage_clock.mark()
+        self.runtime.mark_step_end()  # (the norm's all-reduce over the stages: their common end)
         # Whether to skip the step (fp16 overflow, or the non-finite guard in bf16/fp32) stays on the device: the
         # optimizer reads it there, so the host never waits for this step's gradients and queues the next step's
         # work at once. The norm is global, so every rank takes the same decision.
         found_inf = (~torch.isfinite(grad_norm)).float()
         lr = lr_at(self.step, self.cfg.optim, t.max_steps)
-        if self.pending_save is not None:  # a background save may still be copying what the step changes
-            self.pending_save.wait_staged()
+        self.run_state.wait_staged()  # a background save may still be copying what the step changes
         with span("optimizer"):
             engine_norm = self.dp.step(lr, found_inf)
         if engine_norm is not None:
@@ -445,41 +292,12 @@ class Trainer:
             raise TrainingError(f"{worst} steps in a row had non-finite gradients (train.max_bad_steps={limit}); "
                                 f"stopping at step {self.step}, the last complete checkpoint is kept")
 
-    def _pipeline(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, train: bool,
-                  share: torch.Tensor | float = 1.0) -> torch.Tensor:
-        """One step's (or one eval batch's) micro-batches through the pipeline; the sum of token losses on the
-        last stage. In training each micro-batch's sum is divided by `share` (see _rank_share_of_targets)."""
-        ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
-        # evaluation runs the forward half, batched into exchanges alike
-        name = self.cfg.parallel.pp_schedule if train else "forward"
-        plan = build_plans(name, ctx.pp, len(micro_batches))[ctx.pp_rank]
-        seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
-        loss_sum, clock = run_schedule(
-                            plan, self.stage, self.p2p, batches=micro_batches,
-                            act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],
-                            loss_fn=lambda loss: self.scaler.scale_loss(loss / share),
-                            backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
-                            autocast=lambda: autocast(t.precision, self.device), device=self.device, train=train)
-        if train:
-            self.stage_clock = clock
-        return loss_sum
-
     def pipeline_times(self) -> dict[str, list[float]]:
         """Every stage's busy and idle seconds in the last training step (a collective over the pp group)."""
-        busy, idle = self.stage_clock.busy_idle()
-        mine = torch.tensor([busy, idle], dtype=torch.float64, device=self.device)
-        every = torch.zeros(self.ctx.pp * 2, dtype=torch.float64, device=self.device)
-        comm.all_gather(every, mine, self.ctx.pp_group, None)
-        busy_s, idle_s = every[0::2].tolist(), every[1::2].tolist()
-        return {"pp_busy_s": [round(b, 6) for b in busy_s], "pp_idle_s": [round(i, 6) for i in idle_s],
-                "pp_idle_fraction": [round(i / (b + i), 4) if b + i else 0.0 for b, i in zip(busy_s, idle_s)]}
+        return self.runtime.pipeline_times()
 
     def _from_last_stage(self, t: torch.Tensor) -> torch.Tensor:
-        """The loss lives on the last pipeline stage: hand it to every stage (rank 0 writes the metrics)."""
-        if self.ctx.pp > 1:
-            t = t.detach().clone()
-            torch.distributed.broadcast(t, src=self.ctx.pp_last_rank, group=self.ctx.pp_group)
-        return t
+        return self.runtime.from_last_stage(t)
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -491,12 +309,7 @@ class Trainer:
         for i in range(self.cfg.train.eval_steps):
             batches = self._micro_batches(self.val_sampler, i, self.val_tokens)
             count += sum((y != IGNORE_INDEX).sum() for _, y in batches)
-            if self.stage is not None:
-                total += self._pipeline(batches, train=False)
-                continue
-            for x, y in batches:
-                with autocast(self.cfg.train.precision, self.device):
-                    total += self.model(x, y, reduction="sum").float()
+            self.runtime.add_eval_losses(batches, total)
         self.model.train()
         sums = torch.stack([total, count])
         comm.all_reduce(sums, self.ctx.dp_group, None)  # (metrics, not training traffic)
@@ -507,73 +320,6 @@ class Trainer:
         t = t.detach().clone()
         comm.all_reduce(t, self.ctx.dp_group, None)
         return t / self.ctx.dp
-
-    # -- checkpoints --------------------------------------------------------------------------------------
-    def train_state(self) -> dict[str, Any]:
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s,
-                "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict()}
-
-    def _saved_part(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What a checkpoint holds of a data-parallel state: everything, or with PEFT the trained tensors only."""
-        if self.cfg.peft.method == "none":
-            return state
-        keep = set(trainable_names(self.module))
-        return {"model": {k: v for k, v in state["model"].items() if k in keep},
-                "optim": {"state": {k: v for k, v in state["optim"]["state"].items() if k in keep}}}
-
-    def _chunked(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A checkpoint state as this rank's chunks of the full tensors (views of the live state: nothing is
-        gathered or copied); at tp=1 the forms' tensors are placed already (plain, DTensors, ZeRO's chunks)."""
-        return self.tp_state.shard_state(state) if self.tp_state else state
-
-    def peft_base(self) -> dict[str, str]:
-        """The identity of the frozen base a PEFT checkpoint adapts: where it came from and its shapes."""
-        return {"init_from": self.cfg.model.init_from, "model_fingerprint": self.cfg.fingerprint()}
-
-    def tokenizer_files(self) -> dict[str, Path]:
-        spec = self.data.tokenizer_spec
-        return {} if spec == "byte" else {"tokenizer.json": Path(spec)}
-
-    def save_checkpoint(self) -> Path:
-        """Save at this step: complete on return, or with `train.async_checkpoint` once `wait_for_save` returns."""
-        self.wait_for_save()  # one save at a time
-        path = ckpt.step_dir(self.ckpt_root, self.step)
-        state = self._chunked(self._saved_part(self.dp.checkpoint_state()))
-        args = dict(state=state, train_state=self.train_state(), cfg=self.cfg, ctx=self.ctx, group=self.ckpt_group,
-                    extra_files=self.tokenizer_files(), keep=self.cfg.train.keep_checkpoints,
-                    engine_files=self.dp.save_engine_state,
-                    manifest_extra={"peft_base": self.peft_base()} if self.cfg.peft.method != "none" else None)
-        with self._saving(path) as cleared:
-            if self.cfg.train.async_checkpoint:
-                if self.stager is None:
-                    self.stager = ckpt.host_stager(self.device)
-                self.pending_save = ckpt.save_checkpoint_async(path, stager=self.stager, on_cleared=cleared, **args)
-            else:
-                ckpt.save_checkpoint(path, on_cleared=cleared, **args)
-        return path
-
-    def wait_for_save(self) -> None:
-        """Until the checkpoint being written in the background (if any) is complete."""
-        pending, self.pending_save = self.pending_save, None
-        if pending is not None:
-            with self._saving(pending.path, ours=True):  # (a pending save has cleared its path)
-                pending.wait()
-
-    @contextlib.contextmanager
-    def _saving(self, path: Path, *, ours: bool = False) -> Iterator[Callable[[], None]]:
-        """A failed write (disk full, an I/O error) stops training with one line; no partial checkpoint stays.
-        Only a directory this save made is removed: `path` becomes ours when the save calls the yielded function
-        (after moving an earlier complete checkpoint out of the way); before, a failure (e.g. that move) leaves
-        whatever is at `path` as it was. A complete one (its manifest written) is kept even if ours."""
-        mine = [ours]
-        try:
-            yield lambda: mine.__setitem__(0, True)
-        except (OSError, CheckpointException) as e:
-            if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
-                shutil.rmtree(path, ignore_errors=True)  # (resume=auto would ignore it anyway: no manifest)
-            kept = ckpt.latest_checkpoint(self.ckpt_root)
-            raise CheckpointError(f"saving checkpoint {path} failed ({_io_reason(e)}); training stopped at step "
-                                  f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
 
     def _agree_to_stop(self, requested: bool, flag: torch.Tensor) -> bool:
         """Every rank must stop at the same step: a SIGTERM seen by any rank stops them all. One process
@@ -671,10 +417,10 @@ class Trainer:
                  f", peak {predicted['peak_bytes'] / 2**20:.1f} | {measured['peak_bytes'] / 2**20:.1f} MiB"
                  if "peak_bytes" in measured else "")
 
-    def fit(self) -> dict[str, Any]:
-        """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
+    # -- the run -----------------------------------------------------------------------------------------
+    def _announce(self) -> None:
+        """config.yaml, the metrics' header and the log's summary of the run, before its first step."""
         t = self.cfg.train
-        stop = t.stop_after_step or t.max_steps
         if self.ctx.is_main:
             (self.out_dir).mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
@@ -685,11 +431,91 @@ class Trainer:
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
             log.info(line)
+
+    def _measured_step(self, start_step: int) -> StepOutput:
+        """train_step; the run's first one also measures the activations saved for backward."""
+        if self.step == start_step and not self.cfg.train.compile:  # compiled graphs do not run saved-tensor hooks
+            with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
+                                  module=self.module if self.dp.name == "fsdp2" else None) as meter:
+                out = self.train_step()
+            self.activation_bytes = meter.peak_bytes
+            return out
+        return self.train_step()
+
+    def _first_step_accounting(self) -> None:
+        self._log_accounting()
+        self.phases.end("step1")
+
+    def _log_step(self, out: StepOutput, clock: _RunClock, bar: tqdm, *, peak_flops: float,
+                  flops_per_token: float) -> dict[str, Any]:
+        """The metrics record of a log step (its host reads happen here only), written and shown; a new
+        throughput window starts."""
+        self.check_bad_steps()
+        now = time.perf_counter()
+        self.elapsed_s = clock.elapsed(now)
+        last = {"step": self.step, "loss": self._from_last_stage(self._dp_mean(out.loss)).item(),
+                "lr": out.lr,
+                "grad_norm": out.grad_norm.item(),
+                "tokens_per_s": clock.window_steps * self.tokens_per_step / (now - clock.window_start),
+                "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
+                "model_state_bytes": self.state_bytes, "peak_memory_bytes": self._peak_memory()}
+        if peak_flops:
+            last["mfu"] = round(perf.mfu(last["tokens_per_s"], flops_per_token, peak_flops * self.ctx.world_size), 5)
+        if self.activation_bytes is not None:
+            last["activation_bytes"] = self.activation_bytes
+        if self.runtime.stage_clock is not None:
+            last.update(self.pipeline_times())
+        if self.cfg.train.precision == "fp16":
+            last["loss_scale"] = self.scaler.scale
+        if self.scaler.skipped_steps:
+            last["skipped_steps"] = self.scaler.skipped_steps
+        self.metrics.write(last)
+        bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
+        clock.window_start, clock.window_steps = time.perf_counter(), 0
+        return last
+
+    def _evaluate_into(self, last: dict[str, Any], bar: tqdm) -> None:
+        last["val_loss"] = self.evaluate()
+        self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
+        bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
+
+    def _save_at_step(self, clock: _RunClock) -> None:
+        self.elapsed_s = clock.elapsed()
+        self.phases.end("train", keep=self.step > clock.start_step + 1)
+        self.save_checkpoint()
+        self.phases.end("save")
+
+    def _end_of_run(self) -> None:
+        self.wait_for_save()
+        self.phases.end("save")  # (with train.async_checkpoint: the wait for the last write)
+        self.metrics.write(self.phases.event(self.ctx, self.step))
+
+    def _collective_error(self, e: RuntimeError) -> CollectiveError | None:
+        """A failed collective as one line naming the rank and the cause; None for any other error."""
+        message = comm.describe_failure(e, rank=self.ctx.rank, timeout_s=self.cfg.parallel.timeout_s,
+                                        log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
+        return None if message is None else CollectiveError(message)
+
+    def _close_run(self, profiler: StepProfiler, preemption: Preemption, bar: tqdm) -> None:
+        """Whatever way the run ends: the profile, the SIGTERM handler, threads, files and the run lock."""
+        if profiler.finish():  # the run ended inside the profiled range
+            log.info("profile of steps %s written to %s", self.cfg.train.profile_steps, profiler.path)
+        preemption.restore()
+        self.loader.close()
+        self.run_state.close()
+        bar.close()
+        self.metrics.close()
+        self.run_state.release_run_lock()
+
+    def fit(self) -> dict[str, Any]:
+        """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
+        t = self.cfg.train
+        stop = t.stop_after_step or t.max_steps
+        self._announce()
         last: dict[str, Any] = {}
         bar = tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=not self.ctx.is_main,
                    mininterval=1.0, dynamic_ncols=True)
-        run_start, prior_elapsed, start_step = time.perf_counter(), self.elapsed_s, self.step
-        window_start, window_steps = run_start, 0
+        clock = _RunClock(prior_elapsed=self.elapsed_s, start_step=self.step)
         preemption = Preemption().install()
         profiler = StepProfiler(parse_steps(t.profile_steps), self.out_dir, self.ctx.rank, self.device)
         stop_flag = torch.zeros(1)  # on the host (see _agree_to_stop)
@@ -700,80 +526,33 @@ class Trainer:
         try:
             while self.step < stop:
                 with profiler.around(self.step + 1):
-                    if self.step == start_step and not t.compile:  # compiled graphs do not run saved-tensor hooks
-                        with SavedTensorMeter([*self.module.parameters(), *self.module.buffers()],
-                                              module=self.module if self.dp.name == "fsdp2" else None) as meter:
-                            out = self.train_step()
-                        self.activation_bytes = meter.peak_bytes
-                    else:
-                        out = self.train_step()
-                window_steps += 1
+                    out = self._measured_step(clock.start_step)
+                clock.window_steps += 1
                 bar.update(1)
-                if window_steps == 1 and self.step == start_step + 1:
-                    self._log_accounting()
-                    self.phases.end("step1")
+                if clock.window_steps == 1 and self.step == clock.start_step + 1:
+                    self._first_step_accounting()
                 if self.step % t.log_interval == 0 or self.step == stop:
-                    self.check_bad_steps()
-                    now = time.perf_counter()
-                    self.elapsed_s = prior_elapsed + now - run_start
-                    last = {"step": self.step, "loss": self._from_last_stage(self._dp_mean(out.loss)).item(),
-                            "lr": out.lr,
-                            "grad_norm": out.grad_norm.item(),
-                            "tokens_per_s": window_steps * self.tokens_per_step / (now - window_start),
-                            "elapsed_s": round(self.elapsed_s, 3), "comm_bytes": self.comm_bytes,
-                            "model_state_bytes": self.state_bytes, "peak_memory_bytes": self._peak_memory()}
-                    if peak_flops:
-                        last["mfu"] = round(perf.mfu(last["tokens_per_s"], flops_per_token,
-                                                     peak_flops * self.ctx.world_size), 5)
-                    if self.activation_bytes is not None:
-                        last["activation_bytes"] = self.activation_bytes
-                    if self.stage_clock is not None:
-                        last.update(self.pipeline_times())
-                    if t.precision == "fp16":
-                        last["loss_scale"] = self.scaler.scale
-                    if self.scaler.skipped_steps:
-                        last["skipped_steps"] = self.scaler.skipped_steps
-                    self.metrics.write(last)
-                    bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
-                    window_start, window_steps = time.perf_counter(), 0
+                    last = self._log_step(out, clock, bar, peak_flops=peak_flops, flops_per_token=flops_per_token)
                 paused = time.perf_counter()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
-                    last["val_loss"] = self.evaluate()
-                    self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
-                    bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
+                    self._evaluate_into(last, bar)
                 preempted = self._agree_to_stop(preemption.requested, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
-                    self.elapsed_s = prior_elapsed + time.perf_counter() - run_start
-                    self.phases.end("train", keep=self.step > start_step + 1)
-                    self.save_checkpoint()
-                    self.phases.end("save")
+                    self._save_at_step(clock)
                 self._heartbeat()
-                window_start += time.perf_counter() - paused  # eval and saving are not training throughput
+                clock.window_start += time.perf_counter() - paused  # eval and saving are not training throughput
                 if preempted:
                     log.warning("SIGTERM: stopped after step %d with a checkpoint; train.resume=auto goes on from it",
                                 self.step)
                     break
-            self.wait_for_save()
-            self.phases.end("save")  # (with train.async_checkpoint: the wait for the last write)
-            self.metrics.write(self.phases.event(self.ctx, self.step))
+            self._end_of_run()
         except RuntimeError as e:
-            message = comm.describe_failure(e, rank=self.ctx.rank, timeout_s=self.cfg.parallel.timeout_s,
-                                            log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
-            if message is None:
+            failure = self._collective_error(e)
+            if failure is None:
                 raise
-            raise CollectiveError(message) from None
+            raise failure from None
         finally:
-            if profiler.finish():  # the run ended inside the profiled range
-                log.info("profile of steps %s written to %s", t.profile_steps, profiler.path)
-            preemption.restore()
-            self.loader.close()
-            if self.stager is not None:
-                self.stager.close()
-                self.stager = None
-            bar.close()
-            self.metrics.close()
-            if self.ctx.is_main:
-                run_lock.release(self.out_dir / RUN_LOCK)
+            self._close_run(profiler, preemption, bar)
         if self.ctx.is_main:
             plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
             write_report(self.out_dir)

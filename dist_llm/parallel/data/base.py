@@ -20,6 +20,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.optim import build_optimizer, guarded_step, set_lr
+from dist_llm.parallel.marks import is_pp_duplicate, partition_dim, replicated_rows
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -52,8 +53,10 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tens
 
 def replicated_rows_square_sum(p: nn.Parameter, g: torch.Tensor, offset: int) -> torch.Tensor:
     """Sum of squares of a gradient piece, rows that `factor` tp ranks hold alike weighted 1/factor, so the
-    sum over the tp group counts them once. `p.tp_replicated_rows` = (first row, end row, factor)."""
-    first, end, factor = p.tp_replicated_rows  # type: ignore[attr-defined]
+    sum over the tp group counts them once. `replicated_rows(p)` = (first row, end row, factor)."""
+    rows_held = replicated_rows(p)
+    assert rows_held is not None
+    first, end, factor = rows_held
     row_len = math.prod(p.shape[1:])  # (from the shape: p[0] of a sharded DTensor would all-gather)
     rows = (offset + torch.arange(g.numel(), device=g.device)) // row_len
     weight = torch.where((rows >= first) & (rows < end), 1.0 / factor, 1.0)
@@ -117,9 +120,9 @@ class DataParallel:
             norms = torch._foreach_norm([g for _, g, _ in shards], dtype=torch.float32)  # fp16 squares overflow
             squares = torch.stack(norms).float().pow(2)
             for i, (p, g, offset) in enumerate(shards):
-                if hasattr(p, "tp_replicated_rows"):  # rows held by several tp ranks: count them once
+                if replicated_rows(p) is not None:  # rows held by several tp ranks: count them once
                     squares[i] = replicated_rows_square_sum(p, g, offset)
-                if getattr(p, "pp_duplicate", False):  # the tied embedding, also held by the first stage
+                if is_pp_duplicate(p):  # the tied embedding, also held by the first stage
                     squares[i] = 0.0
             sharded = self._tp_sharded_mask(shards, grad_device)
             # (where, not a boolean index: indexing by a mask makes the host wait for the device)
@@ -143,7 +146,7 @@ class DataParallel:
         key = tuple(id(p) for p, _, _ in shards)
         cached = getattr(self, "_sharded_mask", None)
         if cached is None or cached[0] != key:
-            mask = torch.tensor([hasattr(p, "tp_partition_dim") for p, _, _ in shards], device=device)
+            mask = torch.tensor([partition_dim(p) is not None for p, _, _ in shards], device=device)
             self._sharded_mask = cached = (key, mask)
         return cached[1]
 

@@ -24,9 +24,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
 from dist_llm.optim import build_optimizer
 from dist_llm.precision import DTYPES
-
-
-_PARAM_MARKS = ("tp_partition_dim", "sequence_parallel", "tp_replicated_rows")
+from dist_llm.parallel.marks import marks_of, set_marks
 
 
 class _Alloc:
@@ -64,8 +62,7 @@ class FSDPDataParallel(DataParallel):
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if p.offload == "cpu" else OffloadPolicy()
         kwargs = dict(mesh=ctx.dp_mesh, mp_policy=mp, offload_policy=offload)
         # fully_shard swaps every parameter for a new DTensor one: carry the tensor-parallel marks across
-        marks = {name: {a: getattr(p, a) for a in _PARAM_MARKS if hasattr(p, a)}
-                 for name, p in model.named_parameters()}
+        marks = {name: marks_of(p) for name, p in model.named_parameters()}
         blocks = list(model.blocks)
         for block in blocks:
             fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kwargs)
@@ -78,8 +75,7 @@ class FSDPDataParallel(DataParallel):
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
             materialize(model)
         for name, p in model.named_parameters():
-            for attr, value in marks[name].items():
-                setattr(p, attr, value)
+            set_marks(p, marks[name])
         # where each rank's shard starts in the flattened parameter: fixed, so computed here once (DTensor's layout
         # arithmetic costs more than the rest of a small parameter's step, and reads the mesh back to the host)
         self._offsets = {id(p): self._shard_offset(p) for p in model.parameters()}

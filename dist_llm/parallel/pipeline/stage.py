@@ -7,6 +7,7 @@ from functools import lru_cache
 from torch import nn
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.parallel.marks import mark_pp_duplicate
 
 
 def partition_layers(n_layer: int, stages: int, *, block_weight: float = 1.0, first_extra: float = 0.0,
@@ -56,7 +57,7 @@ def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[
     """Keep this stage's part of a built GPT in place: other stages' blocks become empty modules (so the
     parameter names, and checkpoints, stay those of the whole model), the embedding stays on the first
     stage, the final norm and head on the last. With tied embeddings the last stage keeps the embedding
-    weight too (as the head), marked `pp_duplicate` so the gradient norm counts it once.
+    weight too (as the head), marked a pipeline duplicate (parallel/marks.py) so the gradient norm counts it once.
     Returns (block range, first, last)."""
     m = cfg.model
     block = sum(p.numel() for p in model.blocks[0].parameters())
@@ -75,7 +76,7 @@ def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[
         if not (last and m.tie_embeddings):
             model.wte = None
         else:
-            model.wte.weight.pp_duplicate = True  # type: ignore[union-attr]
+            mark_pp_duplicate(model.wte.weight)  # type: ignore[arg-type]
     if not last:
         model.ln_f = None
         model.lm_head = None

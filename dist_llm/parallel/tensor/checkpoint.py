@@ -20,6 +20,7 @@ from torch import nn
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.shards import ChunkedTensor, Offsets, Rect
 from dist_llm.parallel.tensor.mappings import all_gather_dim
+from dist_llm.parallel.marks import partition_dim, replicated_rows
 
 Run = tuple[int, int, int]  # local rows [start, end) are full-weight rows [global_start, ...)
 
@@ -38,7 +39,7 @@ def row_runs(rows: list[int], shared: tuple[int, int] | None = None) -> list[Run
 
 
 class TensorParallelState:
-    """Where each tp-sliced parameter of `module` (found by its `tp_partition_dim` mark) sits in its full
+    """Where each tp-sliced parameter of `module` (found by its partition-dim mark) sits in its full
     tensor. At tp=1 every tensor is its own full tensor."""
 
     def __init__(self, module: nn.Module, ctx: ParallelContext) -> None:
@@ -49,7 +50,7 @@ class TensorParallelState:
         self.full_shape: dict[str, torch.Size] = {}
         for mod_name, mod in module.named_modules(remove_duplicate=False):
             for p_name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
-                dim = getattr(p, "tp_partition_dim", None)
+                dim = partition_dim(p)
                 if dim is None:
                     continue
                 fqn = f"{mod_name}.{p_name}" if mod_name else p_name
@@ -64,7 +65,7 @@ class TensorParallelState:
                     else:
                         shape[0] = mod.out_features
                     self.local_rows[fqn] = mine.cpu()
-                    shared = getattr(p, "tp_replicated_rows", None)
+                    shared = replicated_rows(p)
                     self.runs[fqn] = row_runs(mine.tolist(), shared[:2] if shared else None)
                 self.full_shape[fqn] = torch.Size(shape)
 

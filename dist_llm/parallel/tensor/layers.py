@@ -3,9 +3,9 @@
 Each layer holds only its rank's slice of the weight and says which part of the full weight that is
 (`full_shape`, `local_part`): initialisation draws the full weight exactly as the unsharded layer would and
 keeps the slice (model/init.py), so a model built at tp=N holds the slices of the tp=1 model.
-Sharded parameters carry `tp_partition_dim`; parameters that are replicated across tp ranks but see only
-a slice of the sequence (sequence parallelism) carry `sequence_parallel = True`, so the trainer can
-all-reduce their gradients over tp.
+Sharded parameters carry a partition dim; parameters that are replicated across tp ranks but see only a
+slice of the sequence (sequence parallelism) carry the sequence-parallel mark, so their gradients are
+all-reduced over tp (the marks: parallel/marks.py).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from torch.autograd import Function
 from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
 
 Init = Callable[[torch.Tensor], torch.Tensor]
 
@@ -69,9 +70,9 @@ class RankLocalDropout(nn.Dropout):
 
 def _mark(param: nn.Parameter, *, dim: int | None = None, sequence_parallel: bool = False) -> nn.Parameter:
     if dim is not None:
-        param.tp_partition_dim = dim  # type: ignore[attr-defined]
+        mark_partition(param, dim)
     if sequence_parallel:
-        param.sequence_parallel = True  # type: ignore[attr-defined]
+        mark_sequence_parallel(param)
     return param
 
 
@@ -129,7 +130,7 @@ class ColumnParallelLinear(nn.Module):
             first, end, _, groups = replicated
             for p in (self.weight, self.bias):
                 if p is not None:  # counted once in the global gradient norm
-                    p.tp_replicated_rows = (first, end, tp // groups)  # type: ignore[attr-defined]
+                    mark_replicated_rows(p, (first, end, tp // groups))
 
     @torch.no_grad()
     def init_from_full(self, init: Init) -> None:

@@ -25,6 +25,7 @@ from dist_llm.model.factory import LayerFactory, LinearRole, Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.parallel.marks import is_sequence_parallel, mark_sequence_parallel
 from dist_llm.parallel.tensor.layers import (
     ColumnParallelLinear,
     RankLocalDropout,
@@ -86,7 +87,7 @@ class TensorParallelFactory(LayerFactory):
         sequence, so its gradients are partial sums to all-reduce over tp."""
         if self.sequence_parallel:
             for p in module.parameters():
-                p.sequence_parallel = True  # type: ignore[attr-defined]
+                mark_sequence_parallel(p)
         return module
 
     def sequence_slice(self, x: torch.Tensor) -> torch.Tensor:
@@ -127,7 +128,7 @@ def sync_sequence_parallel_grads(grad_shards: list[tuple[nn.Parameter, torch.Ten
                                  ctx: ParallelContext) -> None:
     """All-reduce over tp the gradients of replicated parameters that saw only a slice of the sequence
     (norms and row-parallel biases under sequence parallelism), in one collective."""
-    grads = [g for p, g, _ in grad_shards if getattr(p, "sequence_parallel", False) and g.numel()]
+    grads = [g for p, g, _ in grad_shards if is_sequence_parallel(p) and g.numel()]
     if not grads or ctx.tp == 1:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])
