@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
-from dist_llm.hf import (HFTensor, export_family, export_plan, hf_config, hf_tensor, load_hf, plain_state,
+from dist_llm.hf import (HFTensor, read_weight_map, export_family, export_plan, hf_config, hf_tensor, load_hf, plain_state,
                          read_hf_config, weight_shapes)
 from dist_llm.model import GPT
 from dist_llm.safetensors_shards import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_FILE, SAFETENSORS_INDEX, Entry, parse_shard_size,
@@ -116,11 +116,7 @@ class HFWeights:
         for index_name in (SAFETENSORS_INDEX, TORCH_INDEX):
             index = self.path / index_name
             if index.is_file():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                    return {name: self.path / file for name, file in weight_map.items()}
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    raise ConfigError(f"{index}: not a weight index (no weight_map)") from None
+                return read_weight_map(index)
         if (self.path / TORCH_FILE).is_file():
             return dict.fromkeys(self._bin(self.path / TORCH_FILE), self.path / TORCH_FILE)
         raise ConfigError(f"{self.path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or "

@@ -228,6 +228,22 @@ def _load_file(file: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
         raise ConfigError(f"{file}: cannot read weights ({reason})") from None
 
 
+def read_weight_map(index: Path) -> dict[str, Path]:
+    """Tensor name -> shard file of a weight index (`model.safetensors.index.json`): each shard a plain file
+    name in the index's own directory (a path elsewhere would read another file's bytes into the model)."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        items = list(weight_map.items())
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise ConfigError(f"{index}: not a weight index (no weight_map)") from None
+    for name, shard in items:
+        if type(name) is not str or type(shard) is not str:
+            raise ConfigError(f"{index}: not a weight index (weight_map maps {name!r} to {shard!r}, not a file name)")
+        if Path(shard).name != shard or shard in ("", ".", ".."):
+            raise ConfigError(f"{index}: names a shard {shard[:200]!r} outside its directory")
+    return {name: index.parent / shard for name, shard in items}
+
+
 def _weight_files(path: Path) -> tuple[str, list[Path]]:
     """('safetensors' | 'torch', the weight files) of a directory; safetensors preferred, shards from their index."""
     if (path / SAFETENSORS_FILE).is_file():
@@ -235,15 +251,11 @@ def _weight_files(path: Path) -> tuple[str, list[Path]]:
     for kind, index_name in (("safetensors", SAFETENSORS_INDEX), ("torch", TORCH_INDEX)):
         index = path / index_name
         if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-                shards = sorted(set(weight_map.values()))
-            except (ValueError, KeyError, TypeError, AttributeError):
-                raise ConfigError(f"{index}: not a weight index (no weight_map)") from None
+            shards = sorted(set(read_weight_map(index).values()))
             for shard in shards:
-                if not (path / shard).is_file():
-                    raise ConfigError(f"{path / shard}: not found (listed in {index_name})")
-            return kind, [path / shard for shard in shards]
+                if not shard.is_file():
+                    raise ConfigError(f"{shard}: not found (listed in {index_name})")
+            return kind, shards
     if (path / TORCH_FILE).is_file():
         return "torch", [path / TORCH_FILE]
     raise ConfigError(f"{path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_FILE})")
@@ -363,12 +375,26 @@ def _safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
     try:
         with open(file, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
-            if not 2 <= size <= file.stat().st_size - 8:
-                raise ValueError(f"header length {size} does not fit the file")
+            # (read on every rank before anything else: a forged length must not make each allocate gigabytes)
+            if not 2 <= size <= min(file.stat().st_size - 8, _MAX_HEADER):
+                raise ValueError(f"header length {size} does not fit the file or exceeds {_MAX_HEADER} bytes")
             header = json.loads(f.read(size))
-        return {k: tuple(int(n) for n in v["shape"]) for k, v in header.items() if k != "__metadata__"}
+        shapes = {}
+        for k, v in header.items():
+            if k == "__metadata__":
+                continue
+            if v["dtype"] not in _FLOAT_DTYPES:
+                raise ValueError(f"tensor {k!r} is {v['dtype']}, not a floating-point weight")
+            shapes[k] = tuple(int(n) for n in v["shape"])
+            if any(n < 0 for n in shapes[k]):
+                raise ValueError(f"tensor {k!r} has a negative dimension {shapes[k]}")
+        return shapes
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
+
+
+_MAX_HEADER = 100_000_000  # the bound safetensors itself puts on a header
+_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # what a weight can be read from
 
 
 class HFCheckpoint:

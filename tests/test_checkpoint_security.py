@@ -485,3 +485,26 @@ def test_a_chunk_outside_its_tensor_is_refused(saved_run: Path, tmp_path: Path) 
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {NO_INDEX} \(a chunk at \(0, 0\) of "
                                           r"\(257, 32\) outside its tensor of \(256, 32\)\)$"):
         load_index(io.BytesIO(_edited_index(saved_run, grow)), path)
+
+
+def test_chunks_that_do_not_tile_their_tensor_are_refused(saved_run: Path, tmp_path: Path) -> None:
+    """A load writes each chunk into storage that starts uninitialised (to_empty, fresh moments): a gap would
+    leave garbage in the model without an error, an overlap would mean a stale chunk. Both are refused."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    def gap(metadata: Metadata) -> None:  # the tensor's one chunk shrunk: its last row covered by none
+        metadata.state_dict_metadata["model.wte.weight"].chunks[0].sizes = torch.Size([255, 32])
+
+    def overlap(metadata: Metadata) -> None:  # the right total volume, row 127 twice and row 255 never
+        metadata.state_dict_metadata["model.wte.weight"].chunks[:] = [
+            ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([128, 32])),
+            ChunkStorageMetadata(offsets=torch.Size([255, 0]), sizes=torch.Size([0, 32])),  # empty: no overlap
+            ChunkStorageMetadata(offsets=torch.Size([127, 0]), sizes=torch.Size([128, 32]))]
+
+    path = tmp_path / ".metadata"
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {NO_INDEX} \(the chunks of a tensor of "
+                                          r"\(256, 32\) cover 8160 of its 8192 elements\)$"):
+        load_index(io.BytesIO(_edited_index(saved_run, gap)), path)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(path))}: {NO_INDEX} \(chunks at \(0, 0\) and "
+                                          r"\(127, 0\) of a tensor of \(256, 32\) overlap\)$"):
+        load_index(io.BytesIO(_edited_index(saved_run, overlap)), path)

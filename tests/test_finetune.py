@@ -145,3 +145,27 @@ def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) ->
     last = Trainer(cfg, ParallelContext.from_config(cfg)).fit()
     first = next(r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
     assert last["loss"] < first["loss"] - 0.5
+
+
+def test_qlora_from_a_checkpoint_quantises_its_weights(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """peft.method=qlora with model.init_from=ckpt: the weights come through DCP's load and are quantised
+    after it; each NF4 base equals NF4 of the checkpoint's weight (the hf: start defers its block linears to
+    its own loader, which a ckpt: start does not have)."""
+    from dist_llm.peft.nf4 import NF4Linear, NF4Weight
+    from dist_llm.sample import load_model
+
+    train(0, 1, tmp_path / "base", corpus, {"train__max_steps": 2, "train__ckpt_interval": 2})
+    step = tmp_path / "base" / "checkpoints" / "step_000002"
+    cfg = load_config(None, tiny_overrides(tmp_path / "q", data__source=str(corpus), model__bias=False,
+                                           peft__method="qlora", peft__rank=4, model__init_from=f"ckpt:{step}"))
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    try:
+        assert not any(p.is_meta for p in trainer.module.parameters())
+        base, _ = load_model(step, torch.device("cpu"))
+        layer = trainer.module.blocks[0].attn.qkv
+        assert isinstance(layer, NF4Linear)
+        expected = NF4Weight.quantize(base.blocks[0].attn.qkv.weight.detach())
+        assert torch.equal(layer.nf4_weight().packed, expected.packed)
+        torch.testing.assert_close(trainer.module.wte.weight, base.wte.weight, rtol=0, atol=0)
+    finally:
+        trainer.ctx.destroy()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -371,3 +372,38 @@ def test_bad_weights_are_one_line_naming_file_and_key(tmp_path: Path, llama_dir:
         with pytest.raises(ConfigError) as e:
             HFCheckpoint(where, cfg)
         assert message in str(e.value) and len(str(e.value).splitlines()) == 1, (name, str(e.value))
+
+
+def test_a_weight_index_naming_a_file_elsewhere_is_refused(tmp_path: Path) -> None:
+    """A shard listed as a path (`../x`, absolute) would read another file's bytes into the model; a value that
+    is no file name is a damaged index: each one line naming the index."""
+    index = tmp_path / "model.safetensors.index.json"
+    for shard, why in (("../outside.safetensors", "names a shard '../outside.safetensors' outside its directory"),
+                       ("/etc/passwd", "names a shard '/etc/passwd' outside its directory"),
+                       (1, "not a weight index \\(weight_map maps 'a' to 1, not a file name\\)")):
+        index.write_text(json.dumps({"weight_map": {"a": shard}}))
+        with pytest.raises(ConfigError, match=rf"^{re.escape(str(index))}: {why}$"):
+            hf_module.read_weight_map(index)
+    index.write_text(json.dumps({"weight_map": {"a": "model-1.safetensors"}}))
+    assert hf_module.read_weight_map(index) == {"a": tmp_path / "model-1.safetensors"}
+
+
+def test_a_forged_safetensors_header_is_refused_before_it_is_read(tmp_path: Path) -> None:
+    """Headers are read on every rank before anything else: a length past safetensors' own 100 MB bound, an
+    integer tensor where a weight belongs, a negative dimension: one line naming the file, nothing allocated."""
+    from safetensors.torch import save_file
+
+    file = tmp_path / "w.safetensors"
+    save_file({"w": torch.zeros(2, 3, dtype=torch.int64)}, str(file))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(file))}: cannot read weights .*'w' is I64, not a "
+                                          "floating-point weight"):
+        hf_module._safetensors_header(file)
+    with open(file, "r+b") as f:  # the header length field claims 2**40 bytes
+        f.write((2**40).to_bytes(8, "little"))
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(file))}: cannot read weights .*header length "
+                                          f"{2**40} does not fit"):
+        hf_module._safetensors_header(file)
+    header = json.dumps({"w": {"dtype": "F32", "shape": [-1, 3], "data_offsets": [0, 0]}}).encode()
+    file.write_bytes(len(header).to_bytes(8, "little") + header)
+    with pytest.raises(ConfigError, match=r"negative dimension \(-1, 3\)"):
+        hf_module._safetensors_header(file)

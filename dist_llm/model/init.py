@@ -74,8 +74,11 @@ def fill_parameter(module: nn.Module, pname: str, name: str, fill: Fill, seed: i
     if local.is_meta:  # built on the meta device and not materialised yet: nothing to fill
         return
     shape = module.full_shape(pname) if hasattr(module, "full_shape") else tuple(p.shape)
-    gen = torch.Generator(device=local.device).manual_seed(param_seed(seed, name))
-    full = torch.empty(shape, dtype=torch.float32, device=local.device)  # drawn in fp32 whatever the param dtype
+    # Drawn on the host, in fp32 whatever the parameter's dtype: CPU and CUDA generators give different numbers
+    # for one seed, and the base of a random-start LoRA run is rebuilt on the CPU (export, sampling), so the
+    # values must not depend on the device the run trained on. Only this rank's part is copied over.
+    gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    full = torch.empty(shape, dtype=torch.float32)
     fill(full, gen)
     part = module.local_part(pname, full) if hasattr(module, "local_part") else full
     local.copy_(local_shard(part, p))

@@ -87,7 +87,8 @@ def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader |
     the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
     # to_empty gives meta parameters new Parameter objects: carry their marks (parallel/marks.py) across
     marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
-    deferred = _quantised_weights(model) if cfg.peft.method == "qlora" and cfg.model.init_from else []
+    # (hf: only: its loader allocates, reads and quantises each; a ckpt: start loads whole tensors through DCP)
+    deferred = _quantised_weights(model) if cfg.peft.method == "qlora" and cfg.model.init_from.startswith("hf:") else []
     for module, _ in deferred:  # out of to_empty's reach: the loader allocates, reads and quantises one at a time
         module._parameters["weight"] = None
     _to_empty(model, ctx.device)

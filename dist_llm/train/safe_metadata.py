@@ -32,6 +32,7 @@ appears in no index.
 from __future__ import annotations
 
 import io
+import math
 import pathlib
 import pickle
 import pickletools
@@ -371,6 +372,7 @@ class _IndexCheck:
             return
         for chunk in chunks:
             self.chunk(chunk, size)
+        self.tiling(chunks, size)
 
     def chunk(self, chunk: Any, size: torch.Size) -> None:
         if type(chunk) is not dcp_md.ChunkStorageMetadata:
@@ -382,6 +384,28 @@ class _IndexCheck:
         if not all(0 <= o and 0 <= n and o + n <= d for o, n, d in zip(offsets, sizes, size)):
             raise ConfigError(f"{self.path}: not a DCP checkpoint index (a chunk at {tuple(offsets)} of "
                               f"{tuple(sizes)} outside its tensor of {tuple(size)})")
+
+    def tiling(self, chunks: list[Any], size: torch.Size) -> None:
+        """The chunks cover their tensor exactly once. A load writes each chunk into the parameters' and
+        moments' own storage, which starts uninitialised: an element no chunk covers would keep that garbage
+        without an error, and overlapping chunks would mean one of them is stale."""
+        numel = math.prod(size)
+        covered = sum(math.prod(c.sizes) for c in chunks)
+        if covered != numel:
+            raise ConfigError(f"{self.path}: not a DCP checkpoint index (the chunks of a tensor of {tuple(size)} "
+                              f"cover {covered} of its {numel} elements)")
+        if not size:
+            return
+        # Equal volumes: a gap exists exactly when two chunks overlap. Sweep along dim 0, comparing only the
+        # chunks whose rows meet (for row runs and ZeRO ranges that is a few neighbours, not every pair).
+        active: list[Any] = []
+        for c in sorted((c for c in chunks if math.prod(c.sizes)), key=lambda c: c.offsets[0]):
+            active = [a for a in active if a.offsets[0] + a.sizes[0] > c.offsets[0]]
+            for a in active:
+                if all(max(o, p) < min(o + n, p + m) for o, n, p, m in zip(a.offsets, a.sizes, c.offsets, c.sizes)):
+                    raise ConfigError(f"{self.path}: not a DCP checkpoint index (chunks at {tuple(a.offsets)} and "
+                                      f"{tuple(c.offsets)} of a tensor of {tuple(size)} overlap)")
+            active.append(c)
 
     def storage_info(self, info: Any) -> None:
         if type(info) is not dcp_fs._StorageInfo:
