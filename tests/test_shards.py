@@ -164,13 +164,24 @@ def test_zero1_at_dp4_resumes_at_tp2_pp2(tmp_path: Path, tmp_path_factory: pytes
         assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_gqa_tp2_zero1_resumes_at_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                              corpus: Path) -> None:  # noqa: F811
-    """tp=2 x dp=2 ZeRO-1 with one KV head (its rows held alike by both tp ranks, written once), resumed alone."""
-    extra = {"model__n_kv_head": 1, "train__micro_batch_size": 4}
-    run_distributed(train, 4, tmp_path, corpus, {**extra, "parallel__tp": 2, "parallel__zero_stage": 1,
-                                                 "train__stop_after_step": 4, "train__ckpt_interval": 4},
-                    init_group=False)
+RESUMED_ALONE = {
+    # tp=2 x dp=2 ZeRO-1 with one KV head: its rows are held alike by both tp ranks and written once
+    "gqa-tp2-zero1": ({"model__n_kv_head": 1, "train__micro_batch_size": 4},
+                      {"parallel__tp": 2, "parallel__zero_stage": 1}),
+    # ZeRO-3 (FSDP2) over dp=2 of tp=2 slices: each DTensor's rows of a tp slice become chunks of the full
+    # tensor; an MLP of 90 splits into tp slices of 45 rows, which FSDP2 shards 23 + 22
+    "fsdp2-tp2": ({"model__n_kv_head": 1, "model__mlp_hidden": 90, "train__micro_batch_size": 4},
+                  {"parallel__tp": 2, "parallel__zero_stage": 3}),
+}
+
+
+@pytest.mark.parametrize("case", list(RESUMED_ALONE))
+def test_a_four_rank_checkpoint_resumes_at_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                       corpus: Path, case: str) -> None:  # noqa: F811
+    """Saved at step 4 by four ranks, resumed by one process: the next losses are the uninterrupted run's."""
+    extra, layout = RESUMED_ALONE[case]
+    run_distributed(train, 4, tmp_path, corpus, {**extra, **layout, "train__stop_after_step": 4,
+                                                 "train__ckpt_interval": 4}, init_group=False)
     got = train(0, 1, tmp_path, corpus, extra)
     ref = reference(tmp_path_factory, corpus, **extra)
     for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
@@ -201,21 +212,6 @@ def test_async_save_of_chunks_equals_the_synchronous_one(tmp_path: Path, corpus:
         want = _checkpoint_tensors(tmp_path / "sync" / "checkpoints" / name, tmp_path / "sync.pt")
         assert got.keys() == want.keys()
         torch.testing.assert_close(got, want, rtol=0, atol=0)
-
-
-def test_fsdp2_with_tp_resumes_at_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                              corpus: Path) -> None:  # noqa: F811
-    """ZeRO-3 (FSDP2) over dp=2 of tp=2 slices: each DTensor's rows of a tp slice become chunks of the full
-    tensor. An MLP of 90 splits into tp slices of 45 rows, which FSDP2 shards 23 + 22; one KV head's rows are
-    held by both tp ranks. Resumed at one process: the next losses are the uninterrupted run's."""
-    extra = {"model__n_kv_head": 1, "model__mlp_hidden": 90, "train__micro_batch_size": 4}
-    run_distributed(train, 4, tmp_path, corpus, {**extra, "parallel__tp": 2, "parallel__zero_stage": 3,
-                                                 "train__stop_after_step": 4, "train__ckpt_interval": 4},
-                    init_group=False)
-    got = train(0, 1, tmp_path, corpus, extra)
-    ref = reference(tmp_path_factory, corpus, **extra)
-    for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
-        assert a == pytest.approx(b, rel=1e-5)
 
 
 def started_params(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
