@@ -102,6 +102,20 @@ def build_model(cfg: Config, ctx: ParallelContext) -> GPT:
     return parallelize(meta_model(cfg, ctx), cfg, ctx, cut=False, wrap=False, load=load_initial_weights).model
 
 
+class _RunStateField:
+    """A Trainer attribute that reads and writes the same-named counter of its RunState (which the checkpoint
+    records), so `trainer.step` and friends keep their names."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __get__(self, trainer: Any, owner: type | None = None) -> Any:
+        return self if trainer is None else getattr(trainer.run_state, self.name)
+
+    def __set__(self, trainer: Any, value: Any) -> None:
+        setattr(trainer.run_state, self.name, value)
+
+
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext) -> None:
         self.phases = PhaseMeter(ctx.device)  # peak memory per phase of the run (memory_phases.py)
@@ -168,29 +182,9 @@ class Trainer:
             raise
 
     # -- the run's state on disk (train/state.py); these names stay for the tests and scripts -----------------
-    @property
-    def step(self) -> int:
-        return self.run_state.step
-
-    @step.setter
-    def step(self, value: int) -> None:
-        self.run_state.step = value
-
-    @property
-    def tokens_seen(self) -> int:
-        return self.run_state.tokens_seen
-
-    @tokens_seen.setter
-    def tokens_seen(self, value: int) -> None:
-        self.run_state.tokens_seen = value
-
-    @property
-    def elapsed_s(self) -> float:
-        return self.run_state.elapsed_s
-
-    @elapsed_s.setter
-    def elapsed_s(self, value: float) -> None:
-        self.run_state.elapsed_s = value
+    step = _RunStateField("step")
+    tokens_seen = _RunStateField("tokens_seen")
+    elapsed_s = _RunStateField("elapsed_s")
 
     @property
     def pending_save(self) -> ckpt.PendingSave | None:
