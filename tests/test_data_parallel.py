@@ -375,3 +375,46 @@ def test_grad_accum_dtype_16_bit_only_where_it_exists(tmp_path: Path, extra: dic
     assert "\n" not in str(e.value)
     load_config(None, tiny_overrides(tmp_path, parallel__grad_accum_dtype="bf16", train__precision="bf16",
                                      parallel__zero_stage=1))  # the one combination it is for
+
+
+def zero_build_peak(rank: int, world_size: int, out_dir: Path, stage: int, precision: str) -> dict[str, int]:
+    """Bytes the CPU allocator holds at its highest while the model is built and ZeRO wraps it (the profiler's
+    allocation events: the model's own parameters are allocated inside the window, so their release counts)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from dist_llm.model import GPT
+    from dist_llm.parallel.data.zero import ZeroDataParallel
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"train__precision": precision, "parallel__zero_stage": stage,
+                                                       "model__n_embd": 128, "model__n_layer": 2}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            model = GPT(cfg.model)
+            sizes = [p.numel() * p.element_size() for p in model.parameters()]
+            dp = ZeroDataParallel(model, cfg, ctx, stage=stage)
+        events = sorted((e for e in prof.events() if e.self_cpu_memory_usage), key=lambda e: e.time_range.start)
+        live = peak = 0
+        for e in events:
+            live += e.self_cpu_memory_usage
+            peak = max(peak, live)
+        grads = dp.flat_grads if dp.flat_grads is not None else dp.grad_shard
+        assert grads is not None
+        return {"peak": peak, "params": sum(sizes), "largest": max(sizes), "grads": grads.numel() * grads.element_size(),
+                "flat": dp.flat_params.numel() * dp.flat_params.element_size(),
+                "master": 0 if dp.master is None else dp.master.numel() * 4}
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize("stage,precision", [(1, "fp32"), (2, "bf16")])
+def test_zero_build_holds_no_full_fp32_copy(tmp_path: Path, stage: int, precision: str) -> None:
+    """Wrapping copies each parameter into the flat buffer and releases it at once, and takes the fp32 masters
+    of this rank's shard straight from it. So the build holds at most, at its highest, either the fp32
+    parameters with the flat buffer and the master shard (while copying) or those two with the gradient buffer
+    (after), plus the largest single tensor for what GPT's init draws. The former build also made a whole fp32
+    copy of every parameter (master_full) while the parameters and the flat buffer were alive: one more full
+    fp32 model, more than the largest tensor (a quarter of it here) can hide."""
+    for r in run_distributed(zero_build_peak, 2, tmp_path, stage, precision, init_group=False):
+        bound = max(r["params"], r["grads"]) + r["flat"] + r["master"] + r["largest"]
+        assert r["peak"] <= bound, f"build peak {r['peak']} B above {bound} B: {r}"

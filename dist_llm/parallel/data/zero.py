@@ -164,16 +164,29 @@ class ZeroDataParallel(DataParallel):
         total = sum(b.numel for b in self.buckets)
         self.shard_numel = total // self.dp
 
-        # Parameters become views of one flat buffer, in the compute dtype (16-bit in mixed precision).
-        self.flat_params = torch.zeros(total, dtype=self.param_dtype, device=device)
-        master_full = torch.zeros(total, dtype=torch.float32, device=device)
-        for e in self.entries:
-            master_full[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            self.flat_params[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-            e.param.data = self.flat_params[e.offset : e.offset + e.numel].view_as(e.param)
-        # fp32 master weights of this rank's shard only (in fp32 runs the parameter shard is its own master)
-        self.master = self._my_pieces(master_full).clone() if self.mixed else None
-        del master_full
+        # Parameters become views of one flat buffer, in the compute dtype (16-bit in mixed precision). Each is
+        # copied in and its own storage released at once, and the fp32 masters (mixed precision only: in fp32 runs
+        # the parameter shard is its own master) are taken straight from it for this rank's segments: the build
+        # never holds more than the parameters once plus the flat buffer's filled part (no full fp32 copy).
+        # `empty`: on the CPU the pages of a large buffer become resident only as they are written, so the peak
+        # stays near one copy; only the padding is zeroed.
+        self.segments = rank_segments(self.buckets, self.rank)
+        self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
+        self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device) if self.mixed else None
+        mine: dict[int, list[Segment]] = {}
+        for seg in self.segments:
+            mine.setdefault(id(seg.entry), []).append(seg)
+        for b in self.buckets:
+            end = b.start + sum(e.numel for e in b.entries)
+            self.flat_params[end : b.start + b.numel].zero_()
+            for e in b.entries:
+                src = e.param.detach().reshape(-1)
+                for seg in mine.get(id(e), []) if self.master is not None else []:
+                    a, z = seg.shard_range(self.rank)
+                    self.master[a:z].copy_(src[seg.lo - e.offset : seg.hi - e.offset])
+                self.flat_params[e.offset : e.offset + e.numel].copy_(src)
+                del src
+                e.param.data = self.flat_params[e.offset : e.offset + e.numel].view_as(e.param)
 
         self.accum_dtype = accum_dtype(cfg)
         self.flat_grads: torch.Tensor | None = None
@@ -199,7 +212,6 @@ class ZeroDataParallel(DataParallel):
             for e in self.entries:
                 e.param.register_post_accumulate_grad_hook(lambda p, b=bucket_of[id(e.param)]: self._grad_ready(b))
 
-        self.segments = self._segments()
         self.optimizer = self.build_optimizer()
         self.tp_layout = TensorParallelState(model, ctx)  # where each tp slice sits in its full tensor
 
@@ -209,14 +221,8 @@ class ZeroDataParallel(DataParallel):
         lo = b.start + self.rank * b.shard_numel
         return flat[lo : lo + b.shard_numel]
 
-    def _my_pieces(self, flat: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self._piece(flat, b) for b in self.buckets])
-
     def _shard_of(self, b: Bucket, shard: torch.Tensor) -> torch.Tensor:
         return shard[b.shard_start : b.shard_start + b.shard_numel]
-
-    def _segments(self) -> list[Segment]:
-        return rank_segments(self.buckets, self.rank)
 
     def _grad_shard_view(self, seg: Segment) -> torch.Tensor:
         if self.flat_grads is not None:
