@@ -17,19 +17,19 @@ Peak memory of the build: this rank's parameters plus the largest single paramet
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from dist_llm.config import Config
 from dist_llm.model import GPT, LayerFactory
+from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
-from dist_llm.model.init import parameter_name
 from dist_llm.peft import apply_peft, peft_parameter_names, qlora, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")

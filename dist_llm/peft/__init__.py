@@ -17,8 +17,8 @@ from torch import nn
 
 from dist_llm.config import ConfigError, PeftConfig
 from dist_llm.fileio import atomic_path, atomic_write_text
-from dist_llm.peft.adapter import Adapter, add_adapter
 from dist_llm.model.init import parameter_name
+from dist_llm.peft.adapter import Adapter, add_adapter
 from dist_llm.peft.lora import LoRA, add_lora, lora_modules, merge, unmerge
 from dist_llm.peft.qlora import BLOCK_LINEARS
 
@@ -161,6 +161,6 @@ def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
     return json.loads((path / "adapter.json").read_text())
 
 
-__all__ = ["Adapter", "BLOCK_LINEARS", "LoRA", "TARGETS", "adapter_state", "add_adapter", "add_lora", "apply_peft", "load_adapter",
-           "lora_modules", "merge", "merge_into_base", "peft_modules", "peft_parameter_names",
+__all__ = ["BLOCK_LINEARS", "TARGETS", "Adapter", "LoRA", "adapter_state", "add_adapter", "add_lora", "apply_peft",
+           "load_adapter", "lora_modules", "merge", "merge_into_base", "peft_modules", "peft_parameter_names",
            "reset_peft_parameters", "save_adapter", "trainable_names", "unmerge"]

@@ -9,7 +9,7 @@ of quantising the whole fp32 model, since each weight holds the same values when
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-
 from typing import Any
 
 import torch
@@ -51,22 +50,6 @@ def resolve_architecture(cfg: Config) -> Config:
         raise ConfigError(f"model.init_from: {where} has a vocabulary of {model.vocab_size}, too small for the byte "
                           "tokenizer; set data.tokenizer to its tokenizer.json")
     return dataclasses.replace(cfg, model=model, data=data)
-
-
-def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
-    """The full (tp=1) weights to start from, by parameter name, read whole (`hf:` starts; a `ckpt:` start
-    loads into the model shard by shard instead, see `load_initial_weights`)."""
-    kind, where = _split(cfg.model.init_from)
-    if kind == "hf":
-        from dist_llm.hf import load_hf_state_dict
-
-        return load_hf_state_dict(where, cfg.model)
-    where = _checked_checkpoint(cfg)
-    from dist_llm.train import checkpoint as ckpt
-
-    model = GPT(config_from_dict(yaml.safe_load((where / "config.yaml").read_text()), check=False).model)
-    ckpt.load_model_weights(where, model)
-    return model.state_dict()
 
 
 def _checked_checkpoint(cfg: Config) -> Path:

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.marks import partition_dim, replicated_rows
 from dist_llm.parallel.shards import ChunkedTensor, Offsets, Rect
 from dist_llm.parallel.tensor.mappings import all_gather_dim
-from dist_llm.parallel.marks import partition_dim, replicated_rows
 
 Run = tuple[int, int, int]  # local rows [start, end) are full-weight rows [global_start, ...)
 
