@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import re
 import weakref
 from pathlib import Path
 from typing import Any
@@ -150,3 +151,31 @@ def test_an_hf_start_still_quantises_one_layer_at_a_time(tmp_path: Path, llama_d
     assert one["most_alive"] == 1
     cfg = _config(tmp_path / "ref", extra)
     _assert_same(one["state"], _reference(cfg, load_hf(llama_dir, cfg.model)), "hf")
+
+
+def _build_failing_on_rank_1(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> str | None:
+    """The build, with rank 1's reads of its block linears failing (as a damaged chunk would)."""
+    from dist_llm.config import ConfigError
+    from dist_llm.train import init_from
+
+    def damaged(where: Path, name: str, out: torch.Tensor) -> None:
+        raise OSError(f"{where}: a damaged chunk of {name}")
+
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 1:
+            patch.setattr(init_from, "_read_alone", damaged)
+        try:
+            _build(rank, world_size, out_dir, extra)
+        except ConfigError as e:
+            return str(e)
+    return None
+
+
+def test_a_block_linear_read_failing_on_one_rank_fails_every_rank(tmp_path: Path, base_step: Path) -> None:
+    """The block linears are read by each rank alone (the stages hold different ones): a failure there reaches
+    the other rank as the same one line, instead of leaving it in its next collective alone."""
+    extra = {"model__init_from": f"ckpt:{base_step}", "parallel__pp": 2}
+    errors = run_distributed(_build_failing_on_rank_1, 2, tmp_path, extra, init_group=False, timeout=120)
+    assert errors[0] is not None and errors[0] == errors[1], errors
+    assert re.fullmatch(rf"rank 1: model.init_from: OSError: {re.escape(str(base_step))}: a damaged chunk of "
+                        r"blocks\.\d+\.attn\.qkv\.weight", errors[0]), errors[0]

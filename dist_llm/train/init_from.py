@@ -70,6 +70,28 @@ def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None, ct
     the meta device, are then read one at a time, each quantised before the next is allocated."""
     from dist_llm.train import checkpoint as ckpt
 
+    error = None
+    try:  # (a pipeline stage checks only its own weights: its verdict must reach the others before DCP's load)
+        where, current = _checked_weights(model, cfg, tp_state)
+    except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
+        error = _one_line(e, ctx)
+    _raise_shared(error)
+    state = {"model": {k: v for k, v in current.items() if not v.is_meta}, "optim": {"state": {}}}
+    if tp_state is not None:
+        state = tp_state.shard_state(state)  # type: ignore[attr-defined]
+    ckpt.load_model_state(where, {"model": state["model"]})  # (collective: DCP shares its own failures)
+    try:  # each rank reads its own block linears alone (no_dist: the stages hold different ones)
+        qlora.materialise_quantised(model, ctx.device, lambda name, t: _read_alone(where, name, t))
+    except Exception as e:  # noqa: BLE001
+        error = _one_line(e, ctx)
+    _raise_shared(error)
+
+
+def _checked_weights(model: GPT, cfg: Config, tp_state: object | None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The checkpoint of a `ckpt:` start and the model's base tensors to fill from it (views of the parameters),
+    each checked to be in it at the shape this model wants."""
+    from dist_llm.train import checkpoint as ckpt
+
     where = _checked_checkpoint(cfg)
     adapters = peft_parameter_names(model)  # (drawn by parallelize: a base checkpoint has none)
     current = {k: v for k, v in model.state_dict().items() if k not in adapters}  # views: the load writes into them
@@ -82,15 +104,11 @@ def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None, ct
         if tuple(saved.size) != tuple(want):
             raise ConfigError(f"model.init_from: weight {name} has shape {tuple(saved.size)}, this model "
                               f"wants {tuple(want)}")
-    state = {"model": {k: v for k, v in current.items() if not v.is_meta}, "optim": {"state": {}}}
-    if tp_state is not None:
-        state = tp_state.shard_state(state)  # type: ignore[attr-defined]
-    ckpt.load_model_state(where, {"model": state["model"]})
-    error = None
-    try:  # each rank reads its own block linears alone (no_dist: the stages hold different ones)
-        qlora.materialise_quantised(model, ctx.device, lambda name, t: _read_alone(where, name, t))
-    except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
-        error = _one_line(e, ctx)
+    return where, current
+
+
+def _raise_shared(error: str | None) -> None:
+    """Collective over every rank: raise the first rank's error on all of them, if any rank failed."""
     error = shared_error(error, None)
     if error is not None:
         raise ConfigError(error)
@@ -165,9 +183,7 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
         _read_hf(model, cfg, ctx, where)
     except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
         error = _one_line(e, ctx)
-    error = shared_error(error, None)
-    if error is not None:
-        raise ConfigError(error)
+    _raise_shared(error)
 
 
 def _read_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None:
