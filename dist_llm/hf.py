@@ -393,6 +393,11 @@ def _safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
         raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
 
 
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
 _MAX_HEADER = 100_000_000  # the bound safetensors itself puts on a header
 _FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # what a weight can be read from
 
@@ -459,8 +464,12 @@ class HFCheckpoint:
             try:
                 self._handles[entry.file] = safe_open(str(entry.file), framework="pt", device="cpu")
             except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
-                raise ConfigError(f"{entry.file}: cannot read weights ({e})") from None
-        return self._handles[entry.file].get_slice(entry.key)
+                raise ConfigError(f"{entry.file}: cannot read weights for tensor {entry.key!r} "
+                                  f"({_first_line(e)})") from None
+        try:
+            return self._handles[entry.file].get_slice(entry.key)
+        except Exception as e:  # noqa: BLE001
+            raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
 
     def read_into(self, name: str, out: torch.Tensor, rows: Rows | None = None,
                   cols: tuple[int, int] | None = None) -> torch.Tensor:
@@ -485,12 +494,15 @@ class HFCheckpoint:
                     continue
                 r0, r1 = lo - p.start, hi - p.start
                 src = self._slice(entry)
-                if len(mapping.shape) == 1:
-                    dst.copy_(src[r0:r1])
-                elif p.transposed:  # Conv1D (in, out): our rows are its columns
-                    dst.copy_(src[c0:c1, r0:r1].t())
-                else:
-                    dst.copy_(src[r0:r1, c0:c1])
+                try:  # (a file damaged past its header is found here, by the ranks that read that region)
+                    if len(mapping.shape) == 1:
+                        dst.copy_(src[r0:r1])
+                    elif p.transposed:  # Conv1D (in, out): our rows are its columns
+                        dst.copy_(src[c0:c1, r0:r1].t())
+                    else:
+                        dst.copy_(src[r0:r1, c0:c1])
+                except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
+                    raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
             at += b - a
         return out
 

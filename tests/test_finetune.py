@@ -148,9 +148,9 @@ def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) ->
 
 
 def test_qlora_from_a_checkpoint_quantises_its_weights(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    """peft.method=qlora with model.init_from=ckpt: the weights come through DCP's load and are quantised
-    after it; each NF4 base equals NF4 of the checkpoint's weight (the hf: start defers its block linears to
-    its own loader, which a ckpt: start does not have)."""
+    """peft.method=qlora with model.init_from=ckpt: the weights come through DCP's load, each block linear
+    read alone and quantised before the next (peft/qlora.py); each NF4 base equals NF4 of the checkpoint's
+    weight."""
     from dist_llm.peft.nf4 import NF4Linear, NF4Weight
     from dist_llm.sample import load_model
 

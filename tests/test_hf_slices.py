@@ -151,9 +151,12 @@ def _load_at_tp(rank: int, world_size: int, out_dir: Path, hf_dir: Path, meta: b
             model = GPT(cfg.model, layers)
             for p in model.parameters():
                 p.data.fill_(math.nan)
-            for m in model.modules():  # as to_empty leaves the row indexes (non-persistent buffers): no values
+            # to_empty leaves the row indexes (non-persistent buffers) holding anything, even a plausible
+            # index (increasing, in range) of other rows: the region comes from the layer's plan (tp_slice),
+            # never from that buffer
+            for m in model.modules():
                 if isinstance(getattr(m, "rows", None), torch.Tensor):
-                    m.rows.zero_()
+                    m.rows.copy_(torch.arange(len(m.rows)))
         marks = {n: (getattr(p, "tp_partition_dim", None), p.requires_grad) for n, p in model.named_parameters()}
         log = count_reads()
         load_initial_weights(model, cfg, ctx)

@@ -47,6 +47,20 @@ def fan_in_uniform(fan_in: int) -> Fill:
     return lambda t, g: t.uniform_(-bound, bound, generator=g)
 
 
+#: Levels that wrappers insert into module names (torch.compile's `_orig_mod`, activation checkpointing, FSDP1):
+#: not part of a parameter's name in the whole model
+WRAPPER_PARTS = frozenset({"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"})
+
+
+def parameter_name(module_name: str, pname: str) -> str:
+    """The name of parameter `pname` of the module called `module_name` as one process's plain GPT calls it,
+    whatever wraps it (compile, checkpointing, FSDP; FSDP2 and pipeline stages keep the names as they are):
+    the one name that seeds its initial values (`param_seed`) and that loaders look it up by. With `pname`
+    empty: the module's own name."""
+    parts = [*module_name.split("."), pname]
+    return ".".join(p for p in parts if p and p not in WRAPPER_PARTS)
+
+
 def param_seed(seed: int, name: str) -> int:
     """A 63-bit seed from (seed, parameter name): stable across processes and Python runs (unlike hash())."""
     digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
@@ -78,6 +92,10 @@ def fill_parameter(module: nn.Module, pname: str, name: str, fill: Fill, seed: i
     # for one seed, and the base of a random-start LoRA run is rebuilt on the CPU (export, sampling), so the
     # values must not depend on the device the run trained on. Only this rank's part is copied over.
     gen = torch.Generator(device="cpu").manual_seed(param_seed(seed, name))
+    whole = not hasattr(module, "local_part") and not hasattr(p, "device_mesh") and tuple(local.shape) == tuple(shape)
+    if whole and local.device.type == "cpu" and local.dtype == torch.float32 and local.is_contiguous():
+        fill(local, gen)  # (the same numbers as drawing into a new tensor and copying, without the copy)
+        return
     full = torch.empty(shape, dtype=torch.float32)
     fill(full, gen)
     part = module.local_part(pname, full) if hasattr(module, "local_part") else full
@@ -93,7 +111,7 @@ def init_parameters(model: nn.Module, seed: int, rule: Rule, *, only: Iterable[s
     count = 0
     for mod_name, module in model.named_modules():
         for pname, p in module.named_parameters(recurse=False):
-            name = f"{mod_name}.{pname}" if mod_name else pname
+            name = parameter_name(mod_name, pname)
             if id(p) in seen or (wanted is not None and name not in wanted):
                 continue
             seen.add(id(p))

@@ -7,7 +7,8 @@ through TensorParallelFactory. `parallelize` then, in this order:
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
      rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
-  4. PEFT (on real weights: QLoRA quantises them), activation checkpointing, compile;
+     under QLoRA each block linear is allocated, filled and quantised to NF4 one at a time (peft/qlora.py);
+  4. PEFT (LoRA on the NF4 base, adapters), activation checkpointing, compile;
   5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed
      hold those in full by design).
 Peak memory of the build: this rank's parameters plus the largest single parameter at full size.
@@ -16,19 +17,20 @@ Peak memory of the build: this rank's parameters plus the largest single paramet
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 from torch import nn
 
 from dist_llm.config import Config
 from dist_llm.model import GPT, LayerFactory
+from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
-from dist_llm.peft import BLOCK_LINEARS, apply_peft, peft_parameter_names, reset_peft_parameters
+from dist_llm.peft import apply_peft, peft_parameter_names, qlora, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")
 
@@ -70,30 +72,16 @@ def _to_empty(model: nn.Module, device: torch.device) -> None:
     model._apply(empty)  # (what Module.to_empty does, with the sharing kept)
 
 
-def _quantised_weights(model: GPT) -> list[tuple[nn.Module, nn.Parameter]]:
-    """(linear, its weight) of every block linear QLoRA turns into NF4: left on the meta device by `materialize`
-    so that the base never exists in fp32 beyond the one layer being read (train/init_from.py)."""
-    return [(layer, layer.weight) for block in model.blocks for path in BLOCK_LINEARS
-            if isinstance(layer := _linear(block, path), nn.Linear)]
-
-
-def _linear(block: nn.Module, path: str) -> nn.Module | None:
-    parent, _, name = path.rpartition(".")
-    return getattr(getattr(block, parent, None), name, None)
-
-
 def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader | None = None) -> None:
     """Allocate this rank's parameters and buffers on ctx.device (uninitialised), recompute the buffers, re-tie
     the embedding, then initialise from `train.seed`, or load `model.init_from` through `load`."""
     # to_empty gives meta parameters new Parameter objects: carry their marks (parallel/marks.py) across
     marks = {name: dict(vars(p)) for name, p in model.named_parameters(remove_duplicate=False) if vars(p)}
-    # (hf: only: its loader allocates, reads and quantises each; a ckpt: start loads whole tensors through DCP)
-    deferred = _quantised_weights(model) if cfg.peft.method == "qlora" and cfg.model.init_from.startswith("hf:") else []
-    for module, _ in deferred:  # out of to_empty's reach: the loader allocates, reads and quantises one at a time
-        module._parameters["weight"] = None
+    # QLoRA: the block linears stay out of to_empty's reach, on the meta device; the random init or the loader
+    # allocates, fills and quantises them one at a time (peft/qlora.py), so the fp32 base never exists at once
+    deferred = qlora.defer_block_linears(model) if cfg.peft.method == "qlora" else []
     _to_empty(model, ctx.device)
-    for module, weight in deferred:
-        module._parameters["weight"] = weight  # (still on the meta device)
+    qlora.restore(deferred)
     model.tie_weights()
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, attrs in marks.items():
@@ -107,7 +95,11 @@ def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader |
             raise ValueError("model.init_from is set but parallelize() was given no loader")
         load(model, cfg, ctx)  # (the base only: the loaders pass over the adapters' tensors)
     else:
-        model.reset_parameters(cfg.train.seed, only=[n for n, _ in model.named_parameters() if n not in adapters])
+        names = [parameter_name(n, "") for n, _ in model.named_parameters()]
+        model.reset_parameters(cfg.train.seed, only=[n for n in names if n not in adapters])  # (meta ones skipped)
+        if deferred:
+            qlora.materialise_quantised(model, ctx.device,
+                                        lambda name, _: model.reset_parameters(cfg.train.seed, only=[name]))
     if adapters:
         reset_peft_parameters(model, cfg.train.seed)  # the values apply_peft draws on a materialised model
 

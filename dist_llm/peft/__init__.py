@@ -17,13 +17,14 @@ from torch import nn
 
 from dist_llm.config import ConfigError, PeftConfig
 from dist_llm.fileio import atomic_path, atomic_write_text
+from dist_llm.model.init import parameter_name
 from dist_llm.peft.adapter import Adapter, add_adapter
 from dist_llm.peft.lora import LoRA, add_lora, lora_modules, merge, unmerge
+from dist_llm.peft.qlora import BLOCK_LINEARS
 
 #: peft.targets name -> the linear layers of a block it means (SwiGLU's gate is an up projection too)
 TARGETS: dict[str, tuple[str, ...]] = {"qkv": ("attn.qkv",), "attn_out": ("attn.proj",),
                                        "mlp_up": ("mlp.up", "mlp.gate"), "mlp_down": ("mlp.down",)}
-BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.gate", "mlp.down")
 
 
 def _get(block: nn.Module, path: str) -> nn.Module | None:
@@ -76,8 +77,10 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
 
 
 def peft_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name in the whole model, module) of every LoRA and adapter module of `model`."""
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, (LoRA, Adapter))]
+    """(name in the whole model, as `model/init.parameter_name` spells it, module) of every LoRA and adapter
+    module of `model`."""
+    return [(parameter_name(name, ""), m) for name, m in model.named_modules()
+            if isinstance(m, (LoRA, Adapter))]
 
 
 def peft_parameter_names(model: nn.Module) -> set[str]:
@@ -158,6 +161,6 @@ def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
     return json.loads((path / "adapter.json").read_text())
 
 
-__all__ = ["Adapter", "LoRA", "TARGETS", "adapter_state", "add_adapter", "add_lora", "apply_peft", "load_adapter",
-           "lora_modules", "merge", "merge_into_base", "peft_modules", "peft_parameter_names",
+__all__ = ["BLOCK_LINEARS", "TARGETS", "Adapter", "LoRA", "adapter_state", "add_adapter", "add_lora", "apply_peft",
+           "load_adapter", "lora_modules", "merge", "merge_into_base", "peft_modules", "peft_parameter_names",
            "reset_peft_parameters", "save_adapter", "trainable_names", "unmerge"]

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-
 from typing import Any
 
 import torch
@@ -22,9 +21,11 @@ from torch.distributed.tensor import DTensor
 
 from dist_llm.config import Config, ConfigError, config_from_dict
 from dist_llm.model import GPT
+from dist_llm.model.init import parameter_name
+from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.marks import partition_dim
-from dist_llm.peft import peft_parameter_names
+from dist_llm.parallel.tensor.checkpoint import row_runs, tp_slice
+from dist_llm.peft import peft_parameter_names, qlora
 
 log = logging.getLogger("dist_llm")
 
@@ -51,22 +52,6 @@ def resolve_architecture(cfg: Config) -> Config:
     return dataclasses.replace(cfg, model=model, data=data)
 
 
-def initial_state(cfg: Config) -> dict[str, torch.Tensor]:
-    """The full (tp=1) weights to start from, by parameter name, read whole (`hf:` starts; a `ckpt:` start
-    loads into the model shard by shard instead, see `load_initial_weights`)."""
-    kind, where = _split(cfg.model.init_from)
-    if kind == "hf":
-        from dist_llm.hf import load_hf_state_dict
-
-        return load_hf_state_dict(where, cfg.model)
-    where = _checked_checkpoint(cfg)
-    from dist_llm.train import checkpoint as ckpt
-
-    model = GPT(config_from_dict(yaml.safe_load((where / "config.yaml").read_text()), check=False).model)
-    ckpt.load_model_weights(where, model)
-    return model.state_dict()
-
-
 def _checked_checkpoint(cfg: Config) -> Path:
     from dist_llm.train import checkpoint as ckpt
 
@@ -79,9 +64,32 @@ def _checked_checkpoint(cfg: Config) -> Path:
     return where
 
 
-def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None) -> None:
+def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None, ctx: ParallelContext) -> None:
     """DCP reads this rank's chunks of each full weight straight into the model (resharding from whatever
-    layout saved them): no rank reads or holds a whole weight it does not keep."""
+    layout saved them): no rank reads or holds a whole weight it does not keep. QLoRA's block linears, left on
+    the meta device, are then read one at a time, each quantised before the next is allocated."""
+    from dist_llm.train import checkpoint as ckpt
+
+    error = None
+    try:  # (a pipeline stage checks only its own weights: its verdict must reach the others before DCP's load)
+        where, current = _checked_weights(model, cfg, tp_state)
+    except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
+        error = _one_line(e, ctx)
+    _raise_shared(error)
+    state = {"model": {k: v for k, v in current.items() if not v.is_meta}, "optim": {"state": {}}}
+    if tp_state is not None:
+        state = tp_state.shard_state(state)  # type: ignore[attr-defined]
+    ckpt.load_model_state(where, {"model": state["model"]})  # (collective: DCP shares its own failures)
+    try:  # each rank reads its own block linears alone (no_dist: the stages hold different ones)
+        qlora.materialise_quantised(model, ctx.device, lambda name, t: _read_alone(where, name, t))
+    except Exception as e:  # noqa: BLE001
+        error = _one_line(e, ctx)
+    _raise_shared(error)
+
+
+def _checked_weights(model: GPT, cfg: Config, tp_state: object | None) -> tuple[Path, dict[str, torch.Tensor]]:
+    """The checkpoint of a `ckpt:` start and the model's base tensors to fill from it (views of the parameters),
+    each checked to be in it at the shape this model wants."""
     from dist_llm.train import checkpoint as ckpt
 
     where = _checked_checkpoint(cfg)
@@ -96,10 +104,35 @@ def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None) ->
         if tuple(saved.size) != tuple(want):
             raise ConfigError(f"model.init_from: weight {name} has shape {tuple(saved.size)}, this model "
                               f"wants {tuple(want)}")
-    state = {"model": current, "optim": {"state": {}}}
-    if tp_state is not None:
-        state = tp_state.shard_state(state)  # type: ignore[attr-defined]
-    ckpt.load_model_state(where, {"model": state["model"]})
+    return where, current
+
+
+def _raise_shared(error: str | None) -> None:
+    """Collective over every rank: raise the first rank's error on all of them, if any rank failed."""
+    error = shared_error(error, None)
+    if error is not None:
+        raise ConfigError(error)
+
+
+def _read_alone(where: Path, name: str, out: torch.Tensor) -> None:
+    """Fill `out` (parameter `name`, whole) from checkpoint `where` without talking to other ranks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import CheckpointException
+
+    from dist_llm.train.checkpoint import SafeReader
+    from dist_llm.train.safe_metadata import load_failure
+
+    try:
+        dcp.load({"model": {name: out}}, storage_reader=SafeReader(str(where)), no_dist=True)
+    except CheckpointException as e:
+        raise load_failure(where, e) from None
+
+
+def _one_line(e: BaseException, ctx: ParallelContext) -> str:
+    """A failure on this rank as the one line every rank raises (naming the rank where there are several)."""
+    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    line = text if isinstance(e, ConfigError) else f"model.init_from: {type(e).__name__}: {text}"
+    return f"rank {ctx.rank}: {line}" if ctx.world_size > 1 else line
 
 
 @torch.no_grad()
@@ -117,60 +150,20 @@ def load_initial_weights(model: GPT, cfg: Config, ctx: ParallelContext) -> None:
     else:
         from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 
-        _load_checkpoint_shards(model, cfg, TensorParallelState(model, ctx) if ctx.tp > 1 else None)
+        _load_checkpoint_shards(model, cfg, TensorParallelState(model, ctx) if ctx.tp > 1 else None, ctx)
     log.info("initialised from %s", cfg.model.init_from)
 
 
-# Wrappers that insert a level into parameter names (torch.compile, activation checkpointing, FSDP1)
-_WRAPPER_PARTS = {"_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module"}
-
-
-def _global_name(module_name: str, param_name: str) -> str:
-    parts = [*module_name.split("."), param_name] if module_name else [param_name]
-    return ".".join(p for p in parts if p not in _WRAPPER_PARTS)
-
-
-def _runs(rows: torch.Tensor) -> list[tuple[int, int]]:
-    """An index of rows -> its contiguous ranges [a, b), in order (fused QKV heads, shared KV heads)."""
-    runs: list[tuple[int, int]] = []
-    for r in rows.tolist():
-        if runs and runs[-1][1] == r:
-            runs[-1] = (runs[-1][0], r + 1)
-        else:
-            runs.append((r, r + 1))
-    return runs
-
-
-def _tp_rows(name: str, module: nn.Module, rows: int, cfg: Config, ctx: ParallelContext) -> torch.Tensor:
-    """The full-tensor rows a dim-0 tensor-parallel slice of `rows` rows holds: the module's vocabulary range
-    or `rows` index; where that index has no values (built on the meta device, or uninitialised by to_empty:
-    it is a non-persistent buffer), the same rows from the plan."""
-    if hasattr(module, "vocab_start"):
-        return torch.arange(module.vocab_start, module.vocab_end)
-    index = getattr(module, "rows", None)
-    if isinstance(index, torch.Tensor) and not index.is_meta and len(index) == rows:
-        index = index.cpu()
-        out_features = getattr(module, "out_features", None)
-        # the plan's indexes are strictly increasing and in range; an uninitialised buffer is not
-        increasing = bool((index[1:] > index[:-1]).all())
-        if rows and increasing and index[0] >= 0 and (out_features is None or index[-1] < out_features):
-            return index
-    if name.rpartition(".")[0].endswith("attn.qkv"):
-        from dist_llm.parallel.tensor.plan import qkv_rows
-
-        return qkv_rows(cfg.model, ctx.tp, ctx.tp_rank)[0]
-    return torch.arange(ctx.tp_rank * rows, (ctx.tp_rank + 1) * rows)
-
-
-def _region(name: str, module: nn.Module, p: torch.Tensor, cfg: Config,
-            ctx: ParallelContext) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
-    """The global (tp=1) rows and columns of parameter `p`'s local data on this rank."""
+def _region(module: nn.Module, param_name: str, p: torch.Tensor) -> tuple[list[tuple[int, int]], tuple[int, int] | None]:
+    """The global (tp=1) row ranges and columns of parameter `p`'s local data on this rank: its tensor-parallel
+    slice (`tp_slice`, the one answer the checkpoints use too), and of that its FSDP2 shard."""
     shape = tuple(p.shape)  # the tensor-parallel slice's shape (a DTensor's global shape is that slice's)
-    dim = partition_dim(p)
-    rows = _tp_rows(name, module, shape[0], cfg, ctx) if dim == 0 else torch.arange(shape[0])
+    part = tp_slice(module, param_name)
+    rows = part.rows if part is not None and part.rows is not None else torch.arange(shape[0])
     cols = None
     if len(shape) == 2:
-        cols = (ctx.tp_rank * shape[1], (ctx.tp_rank + 1) * shape[1]) if dim == 1 else (0, shape[1])
+        start = part.col_start if part is not None and part.col_start is not None else 0
+        cols = (start, start + shape[1])
     if isinstance(p, DTensor):  # FSDP2 shards the slice again along dim 0: this rank's part of it
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -178,14 +171,25 @@ def _region(name: str, module: nn.Module, p: torch.Tensor, cfg: Config,
         rows = rows[offset[0] : offset[0] + local[0]]
         if cols is not None:
             cols = (cols[0] + offset[1], cols[0] + offset[1] + local[1])
-    return _runs(rows), cols
+    return [(first, first + end - start) for start, end, first in row_runs(rows.tolist())], cols
 
 
 def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None:
-    from dist_llm.hf import HFCheckpoint
-    from dist_llm.peft import BLOCK_LINEARS
+    """Read this rank's regions; a failure on any rank (a damaged or truncated shard, a missing tensor) is
+    raised on every rank as the same one line, so that none waits in a later collective for the one that
+    failed (every rank reaches the exchange, failed or not)."""
+    error = None
+    try:
+        _read_hf(model, cfg, ctx, where)
+    except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
+        error = _one_line(e, ctx)
+    _raise_shared(error)
 
-    qlora = cfg.peft.method == "qlora"
+
+def _read_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None:
+    from dist_llm.hf import HFCheckpoint
+
+    quantised = {id(layer) for _, layer in qlora.block_linears(model)} if cfg.peft.method == "qlora" else set()
     adapters = peft_parameter_names(model)  # (drawn by parallelize, not read)
     done: dict[int, nn.Parameter] = {}  # id of a parameter read (before materialising) -> the one that holds it
     with HFCheckpoint(where, cfg.model) as src:
@@ -194,7 +198,7 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
                 if id(p) in done:  # a tied head: the embedding's parameter, read once
                     setattr(module, param_name, done[id(p)])
                     continue
-                name = _global_name(module_name, param_name)
+                name = parameter_name(module_name, param_name)
                 if name in adapters:
                     continue
                 if (name == "lm_head.weight" and cfg.model.tie_embeddings and getattr(model, "wte", None) is not None
@@ -203,15 +207,12 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
                     continue
                 if name not in src.layout:
                     raise ConfigError(f"model.init_from: {where} has no weight for {name}")
-                rows, cols = _region(name, module, p, cfg, ctx)
+                rows, cols = _region(module, param_name, p)
                 done[id(p)] = _fill(src, name, module, param_name, p, rows, cols, ctx.device, model)
-            path = _global_name(module_name, "").rstrip(".")
-            if qlora and isinstance(module, nn.Linear) and path.startswith("blocks.") and path.endswith(BLOCK_LINEARS):
-                _quantise(model, module_name, module)  # before the next layer is read
-                # and its fp32 weight freed now: the list of modules above still holds the replaced linear
+            if id(module) in quantised:
                 for key in [k for k, v in done.items() if v is module.weight]:
                     del done[key]
-                module._parameters["weight"] = None
+                qlora.quantise(model, parameter_name(module_name, ""), module)  # before the next layer is read
 
 
 def _fill(src: Any, name: str, module: nn.Module, param_name: str, p: nn.Parameter, rows: list[tuple[int, int]],
@@ -256,10 +257,3 @@ def _fsdp_param(model: nn.Module, module: nn.Module, param_name: str) -> Any:
                         return fsdp_param
     raise ConfigError(f"model.init_from: {param_name} of {type(module).__name__} is a DTensor that FSDP2 does not "
                       "manage: cannot materialise it")  # pragma: no cover - a wrapping bug
-
-
-def _quantise(model: nn.Module, module_name: str, linear: nn.Linear) -> None:
-    from dist_llm.peft.nf4 import NF4Linear
-
-    parent_name, _, child = module_name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, NF4Linear.from_linear(linear))

@@ -12,15 +12,16 @@ n_kv_head < tp) form runs of their own, the same on each of those ranks, so DCP 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.marks import partition_dim, replicated_rows
 from dist_llm.parallel.shards import ChunkedTensor, Offsets, Rect
 from dist_llm.parallel.tensor.mappings import all_gather_dim
-from dist_llm.parallel.marks import partition_dim, replicated_rows
 
 Run = tuple[int, int, int]  # local rows [start, end) are full-weight rows [global_start, ...)
 
@@ -38,6 +39,36 @@ def row_runs(rows: list[int], shared: tuple[int, int] | None = None) -> list[Run
     return runs
 
 
+@dataclass(frozen=True)
+class TPSlice:
+    """Which part of its full (tp=1) tensor a tensor-parallel parameter's local data is."""
+
+    full_shape: torch.Size
+    rows: torch.Tensor | None = None  # split along dim 0: the full-tensor row of each local row, in order
+    col_start: int | None = None  # split along dim 1: its first full-tensor column (an even block of them)
+
+
+def tp_slice(module: nn.Module, pname: str) -> TPSlice | None:
+    """The global rows or columns of parameter `pname` of `module` that this tp rank holds (None: the parameter
+    is not split, every rank holds it whole): the one answer that checkpoints and `model.init_from` use. It
+    comes from the layer itself (parallel/tensor/layers.py), never from its `rows` buffer, which holds garbage
+    between `to_empty` and `reset_buffers`."""
+    p = module._parameters[pname]
+    dim = partition_dim(p) if p is not None else None
+    if dim is None:
+        return None
+    full = torch.Size(module.full_shape(pname))  # type: ignore[operator]
+    if dim == 1:  # row-parallel: an even block of input columns
+        return TPSlice(full, col_start=module.cols.start)  # type: ignore[union-attr]
+    if hasattr(module, "rows_host"):  # column-parallel: the plan's rows (whole heads for the fused QKV)
+        rows = module.rows_host
+    else:  # a contiguous vocabulary slice
+        rows = torch.arange(module.vocab_start, module.vocab_end)  # type: ignore[arg-type]
+    if len(rows) != p.shape[0]:
+        raise ValueError(f"{type(module).__name__}.{pname}: {p.shape[0]} local rows, but the layer names {len(rows)}")
+    return TPSlice(full, rows=rows)
+
+
 class TensorParallelState:
     """Where each tp-sliced parameter of `module` (found by its partition-dim mark) sits in its full
     tensor. At tp=1 every tensor is its own full tensor."""
@@ -50,24 +81,18 @@ class TensorParallelState:
         self.full_shape: dict[str, torch.Size] = {}
         for mod_name, mod in module.named_modules(remove_duplicate=False):
             for p_name, p in mod.named_parameters(recurse=False, remove_duplicate=False):
-                dim = partition_dim(p)
-                if dim is None:
+                part = tp_slice(mod, p_name)
+                if part is None:
                     continue
                 fqn = f"{mod_name}.{p_name}" if mod_name else p_name
-                shape = list(p.shape)
-                if dim == 1:  # row-parallel: even blocks of columns
-                    self.cols[fqn] = ctx.tp_rank * p.shape[1]
-                    shape[1] *= ctx.tp
+                self.full_shape[fqn] = part.full_shape
+                if part.col_start is not None:
+                    self.cols[fqn] = part.col_start
                 else:
-                    mine = getattr(mod, "rows", None)
-                    if mine is None:  # a contiguous vocabulary slice
-                        mine, shape[0] = torch.arange(mod.vocab_start, mod.vocab_end), mod.num_embeddings
-                    else:
-                        shape[0] = mod.out_features
-                    self.local_rows[fqn] = mine.cpu()
+                    assert part.rows is not None
+                    self.local_rows[fqn] = part.rows
                     shared = replicated_rows(p)
-                    self.runs[fqn] = row_runs(mine.tolist(), shared[:2] if shared else None)
-                self.full_shape[fqn] = torch.Size(shape)
+                    self.runs[fqn] = row_runs(part.rows.tolist(), shared[:2] if shared else None)
 
     # -- chunks with global offsets -------------------------------------------------------------------------
     def place(self, fqn: str, view: torch.Tensor, rect: Rect) -> list[tuple[Offsets, torch.Tensor]]:

@@ -1,0 +1,78 @@
+"""QLoRA's frozen base, built one block linear at a time: no two fp32 block weights exist at once.
+
+`parallel/parallelize.py` keeps every block linear's weight on the meta device through `to_empty`
+(`defer_block_linears`). Whatever fills it then (a random draw from its own generator, a DCP read of a
+checkpoint, a Hugging Face region) allocates that one weight, fills it, quantises it to NF4 (`quantise`)
+and drops the fp32 tensor before the next one is allocated (`materialise_quantised`). The NF4 codes are those
+of quantising the whole fp32 model, since each weight holds the same values when it is quantised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from dist_llm.model.init import parameter_name
+
+BLOCK_LINEARS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.gate", "mlp.down")
+
+#: fills a block linear's weight (given by its name in the whole model) in place
+Fill = Callable[[str, torch.Tensor], None]
+
+
+def _child(block: nn.Module, path: str) -> nn.Module | None:
+    parent, _, name = path.rpartition(".")
+    return getattr(getattr(block, parent, None), name, None)
+
+
+def block_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(module name in the whole model, layer) of every plain block linear QLoRA turns into NF4, in order
+    (none of a block another pipeline stage holds)."""
+    names = {id(m): parameter_name(n, "") for n, m in model.named_modules()}
+    return [(names[id(layer)], layer) for block in model.blocks for path in BLOCK_LINEARS  # type: ignore[union-attr]
+            if isinstance(layer := _child(block, path), nn.Linear)]
+
+
+def defer_block_linears(model: nn.Module) -> list[tuple[nn.Module, nn.Parameter]]:
+    """Take every block linear's (meta) weight out of its module, so that `to_empty` allocates none of them;
+    returns (layer, weight) to put back with `restore`."""
+    deferred = [(layer, layer.weight) for _, layer in block_linears(model) if layer.weight.is_meta]
+    for layer, _ in deferred:
+        layer._parameters["weight"] = None
+    return deferred
+
+
+def restore(deferred: list[tuple[nn.Module, nn.Parameter]]) -> None:
+    for layer, weight in deferred:
+        layer._parameters["weight"] = weight  # (still on the meta device)
+
+
+def quantise(model: nn.Module, module_name: str, linear: nn.Linear) -> None:
+    """Replace block linear `module_name` of `model` by its NF4 form and free its fp32 weight (the caller's
+    reference to the old layer keeps no tensor alive after this)."""
+    from dist_llm.peft.nf4 import NF4Linear
+
+    parent_name, _, child = module_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, NF4Linear.from_linear(linear))
+    linear._parameters["weight"] = None
+
+
+@torch.no_grad()
+def materialise_quantised(model: nn.Module, device: torch.device, fill: Fill) -> int:
+    """Allocate, `fill` and quantise, one at a time, every block linear whose weight is still on the meta
+    device (its bias, if any, is already real). Returns how many."""
+    count = 0
+    for module_name, layer in block_linears(model):
+        meta = layer.weight
+        if not meta.is_meta:
+            continue
+        weight = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
+        weight.__dict__.update(meta.__dict__)  # the parallel marks (parallel/marks.py), if any
+        layer.weight = weight
+        del weight
+        fill(f"{module_name}.weight", layer.weight)
+        quantise(model, module_name, layer)
+        count += 1
+    return count

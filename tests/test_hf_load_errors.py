@@ -1,0 +1,59 @@
+"""A Hugging Face directory damaged where only one rank reads: every rank raises the same one line (naming the
+rank, file and tensor), none waits in a collective for the one that failed."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.parallelize import meta_model, parallelize
+from dist_llm.train.init_from import load_initial_weights, resolve_architecture
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_hf_slices import sharded_dir  # noqa: F401
+
+
+def _build_pp(rank: int, world_size: int, out_dir: Path, hf_dir: Path) -> dict[str, Any]:
+    cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, parallel__pp=world_size,
+                                                                model__init_from=f"hf:{hf_dir}")))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        start = time.monotonic()
+        try:
+            parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
+        except ConfigError as e:
+            return {"error": str(e), "seconds": time.monotonic() - start}
+        return {"error": None, "seconds": time.monotonic() - start}
+    finally:
+        ctx.destroy()
+
+
+def test_a_shard_truncated_where_only_rank_1_reads_fails_on_every_rank(
+        tmp_path: Path, sharded_dir: tuple[Path, torch.Tensor]) -> None:  # noqa: F811
+    """pp=2: the last stage alone reads the shard holding the head. Truncated, its header still parses (every
+    rank checks headers on opening), but rank 1 finds the damage when it reads: rank 0, which read its blocks
+    without a fault, must raise the same line rather than go on into training's first collective alone."""
+    hf_dir = tmp_path / "hf"
+    shutil.copytree(sharded_dir[0], hf_dir)
+    weight_map: dict[str, str] = json.loads((hf_dir / "model.safetensors.index.json").read_text())["weight_map"]
+    damaged = hf_dir / weight_map["lm_head.weight"]
+    held = sorted(k for k, f in weight_map.items() if f == damaged.name)
+    # nothing that stage 0 (embedding, blocks 0 and 1) reads is in that file
+    assert not any(k.startswith(("model.embed_tokens.", "model.layers.0.", "model.layers.1.")) for k in held), held
+    with open(damaged, "r+b") as f:
+        f.truncate(damaged.stat().st_size - 1000)
+    ranks = run_distributed(_build_pp, 2, tmp_path / "run", hf_dir, init_group=False, timeout=60)
+    error = ranks[0]["error"]
+    assert error is not None and ranks[1]["error"] == error, ranks
+    assert len(error.splitlines()) == 1
+    tensors = "|".join(re.escape(k) for k in held)
+    assert re.match(rf"^rank 1: {re.escape(str(damaged))}: cannot read weights for tensor '({tensors})' \(.+\)$",
+                    error), error
