@@ -26,12 +26,13 @@ def setup_logging(rank: int, log_dir: Path | None = None) -> None:
         log_dir.mkdir(parents=True, exist_ok=True)
         to_file = logging.FileHandler(log_dir / f"rank_{rank}.log")
         to_file.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
+        to_file.setLevel(logging.DEBUG)  # (the tracebacks behind one-line errors: for a bug report, not the console)
         handlers.append(to_file)
     root = logging.getLogger("dist_llm")
     for old in root.handlers:
         old.close()
     root.handlers[:] = handlers
-    root.setLevel(logging.INFO)
+    root.setLevel(logging.DEBUG)
     root.propagate = False
 
 

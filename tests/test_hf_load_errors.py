@@ -57,3 +57,28 @@ def test_a_shard_truncated_where_only_rank_1_reads_fails_on_every_rank(
     tensors = "|".join(re.escape(k) for k in held)
     assert re.match(rf"^rank 1: {re.escape(str(damaged))}: cannot read weights for tensor '({tensors})' \(.+\)$",
                     error), error
+
+
+def test_an_unexpected_failure_keeps_its_traceback_in_the_rank_log(tmp_path: Path) -> None:
+    """A failure that is not a named bad input (a bug) is still one line on every rank, and its traceback goes to
+    the rank's log file (DEBUG there, not on the console), so that a bug report has it."""
+    import logging
+
+    from dist_llm.cli import setup_logging
+    from dist_llm.train.init_from import _one_line
+
+    root = logging.getLogger("dist_llm")
+    saved = root.handlers[:], root.level, root.propagate
+    setup_logging(0, tmp_path / "logs")
+    try:
+        try:
+            raise KeyError("blocks.0.attn.qkv.weight")
+        except KeyError as e:
+            line = _one_line(e, ParallelContext.from_config(load_config(None, tiny_overrides(tmp_path))))
+    finally:
+        for handler in root.handlers:
+            handler.close()
+        root.handlers[:], root.level, root.propagate = saved[0], saved[1], saved[2]
+    assert line == "model.init_from: KeyError: 'blocks.0.attn.qkv.weight'"
+    text = (tmp_path / "logs" / "rank_0.log").read_text()
+    assert "Traceback (most recent call last)" in text and "raise KeyError" in text

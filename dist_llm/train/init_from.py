@@ -130,6 +130,8 @@ def _read_alone(where: Path, name: str, out: torch.Tensor) -> None:
 
 def _one_line(e: BaseException, ctx: ParallelContext) -> str:
     """A failure on this rank as the one line every rank raises (naming the rank where there are several)."""
+    if not isinstance(e, ConfigError):  # not a damaged input we named: keep the traceback in the rank's log
+        log.debug("model.init_from failed on rank %d", ctx.rank, exc_info=e)
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
     line = text if isinstance(e, ConfigError) else f"model.init_from: {type(e).__name__}: {text}"
     return f"rank {ctx.rank}: {line}" if ctx.world_size > 1 else line
