@@ -21,7 +21,7 @@ import sys
 log = logging.getLogger("dist_llm")
 
 M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
-THRESHOLD_BYTES = 1 << 20
+THRESHOLD_BYTES = 128 << 10  # glibc's own starting value: only its dynamic raise is turned off
 
 
 def map_large_allocations(threshold: int = THRESHOLD_BYTES) -> bool:
