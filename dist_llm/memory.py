@@ -380,8 +380,8 @@ def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int
 def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
     """The largest transient buffer: the fp32 logits and their softmax for the loss, or an FSDP2 unit gathered
     (a block's parameters, twice with prefetch; the embedding or the head, twice: the all-gather's buffer and
-    FSDP2's copy of it into the parameter live together for a moment). (ZeRO-1/2's in-flight gradients come with the model
-    states' plan of buckets: `_zero_in_flight_bytes`.)"""
+    FSDP2's copy of it into the parameter live together for a moment). (ZeRO-1/2's in-flight gradients come
+    with the model states' plan of buckets: `_zero_in_flight_bytes`.)"""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     logits = 2 * t.micro_batch_size * m.block_size * m.padded_vocab // tp * 4
     candidates = [logits]

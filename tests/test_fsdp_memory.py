@@ -113,3 +113,17 @@ def test_freed_host_tensors_leave_the_process() -> None:
             for how in ("default", "fixed")}
     assert left["fixed"] < 16, left  # MiB: the kept small tensors (1.5 MiB) and the interpreter's own
     assert left["default"] > 150, left  # of the 192 MiB freed
+
+
+@pytest.mark.parametrize("extra", [{}, LORA], ids=["pretrain", "lora"])
+def test_zero3_with_vocabulary_units_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                         extra: dict[str, Any]) -> None:
+    """Untied, the embedding and head are units of their own (and the embedding's trained gradient is reduced
+    without its table gathered in backward): the run still equals one process, as every layout must."""
+    from tests.test_data_parallel import assert_same_run, reference, train
+
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 20)
+    untied = {"model__tie_embeddings": False, **extra}
+    got = run_distributed(train, 2, tmp_path, corpus, {"parallel__zero_stage": 3, **untied}, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus, **untied), rtol=1e-5)

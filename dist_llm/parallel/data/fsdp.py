@@ -85,10 +85,12 @@ class FSDPDataParallel(DataParallel):
             # without this, backward's prefetch would gather the whole table again after the first block
             vocab[0].set_unshard_in_backward(False)
         units.append(model)
-        # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that copy
-        # with the next all-gather on a GPU's side streams): two gathered buffers live at once, the head's with the
-        # last block's. An async unshard frees each buffer right after its own copy-out, as backward always does.
-        model._set_unshard_async_op(True)
+        if ctx.device.type == "cpu":
+            # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that
+            # copy with the next all-gather on a GPU's side streams): two gathered buffers live at once, the head's
+            # with the last block's. The CPU has no streams to overlap on: there an async unshard frees each
+            # buffer right after its own copy-out, as backward always does.
+            model._set_unshard_async_op(True)
         for unit in units:
             assert isinstance(unit, FSDPModule)
             unit.set_custom_all_gather(CountedAllGather(ctx.comm))
