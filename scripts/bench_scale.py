@@ -97,13 +97,20 @@ def make_llama(cache: Path, size: str) -> Path:
     """A randomly initialised Llama saved as sharded bf16 safetensors with an index, made once."""
     dims = LLAMA[size]
     out = cache / f"llama-{size}"
+    # An hf: start takes model.block_size from max_position_embeddings: it must be the block size TRAIN asks for
+    # (before 2026-11-25 it was 256, so case 1 ran at block 256 while the table said 64: 4x the activations)
+    block = TRAIN["model.block_size"]
     if (out / "model.safetensors.index.json").is_file():
+        made = json.loads((out / "config.json").read_text()).get("max_position_embeddings")
+        if made != block:
+            raise SystemExit(f"{out}: max_position_embeddings {made}, not the benchmark's block size {block}; "
+                             "delete it to make it again")
         return out
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=False,
+    config = LlamaConfig(vocab_size=32000, max_position_embeddings=block, tie_word_embeddings=False,
                          **{k: v for k, v in dims.items() if k != "shard"})
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     model.save_pretrained(out, max_shard_size=dims["shard"])

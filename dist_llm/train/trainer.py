@@ -20,6 +20,7 @@ from tqdm import tqdm
 from dist_llm import memory
 from dist_llm.config import Config, ConfigError, parse_steps, validate
 from dist_llm import perf
+from dist_llm.host_malloc import map_large_allocations
 from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepare_data, to_device, val_sampler
 from dist_llm.data.sampler import IGNORE_INDEX
 from dist_llm.model import GPT
@@ -118,6 +119,7 @@ class _RunStateField:
 
 class Trainer:
     def __init__(self, cfg: Config, ctx: ParallelContext) -> None:
+        map_large_allocations()  # freed host tensors go back to the OS, not into malloc's heaps (host_malloc.py)
         self.phases = PhaseMeter(ctx.device)  # peak memory per phase of the run (memory_phases.py)
         cfg = resolve_architecture(cfg)
         validate(cfg)  # again: an hf: start brings its own architecture

@@ -50,6 +50,19 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
         return comm.reduce_scatter(output_tensor, input_tensor, group, self.stats, op=op, async_op=async_op)
 
 
+def _vocab_units(model: nn.Module) -> list[nn.Module]:
+    """The untied embedding and head, each a unit of its own: left in the root unit, both were gathered whole
+    (2 x vocab x width) for the whole forward and again for the whole backward, the largest thing a rank
+    held (2 x 125 MiB for a 32000 x 1024 Llama against its 265 MiB quarter of the model). Apart, each is
+    whole only around its own use: the embedding for its lookup (a frozen one never again in backward), the
+    head for the logits and their backward. Tied (one parameter), or cut apart by the pipeline,
+    they stay in the root."""
+    wte, head = getattr(model, "wte", None), getattr(model, "lm_head", None)  # (None on other pipeline stages)
+    if wte is None or head is None or wte.weight is head.weight:
+        return []
+    return [wte, head]
+
+
 class FSDPDataParallel(DataParallel):
     name = "fsdp2"
 
@@ -63,15 +76,26 @@ class FSDPDataParallel(DataParallel):
         kwargs = dict(mesh=ctx.dp_mesh, mp_policy=mp, offload_policy=offload)
         # fully_shard swaps every parameter for a new DTensor one: carry the tensor-parallel marks across
         marks = {name: marks_of(p) for name, p in model.named_parameters()}
-        blocks = list(model.blocks)
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=p.reshard_after_forward, **kwargs)
+        vocab = _vocab_units(model)
+        units = [*model.blocks, *vocab]
+        for unit in units:
+            fully_shard(unit, reshard_after_forward=p.reshard_after_forward, **kwargs)
         fully_shard(model, reshard_after_forward=p.reshard_after_forward, **kwargs)
-        for unit in [*blocks, model]:
+        if vocab:  # an embedding's backward reads only the indices and the output's gradient, never the table:
+            # without this, backward's prefetch would gather the whole table again after the first block
+            vocab[0].set_unshard_in_backward(False)
+        units.append(model)
+        if ctx.device.type == "cpu":
+            # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that
+            # copy with the next all-gather on a GPU's side streams): two gathered buffers live at once, the head's
+            # with the last block's. The CPU has no streams to overlap on: there an async unshard frees each
+            # buffer right after its own copy-out, as backward always does.
+            model._set_unshard_async_op(True)
+        for unit in units:
             assert isinstance(unit, FSDPModule)
             unit.set_custom_all_gather(CountedAllGather(ctx.comm))
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
-        self.fsdp_units = [*blocks, model]
+        self.fsdp_units = units
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
             materialize(model)
         for name, p in model.named_parameters():

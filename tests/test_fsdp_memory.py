@@ -1,0 +1,129 @@
+"""What a ZeRO-3 (FSDP2) rank holds whole during a step, and that freed host tensors leave the process.
+
+Issue 17, case 1 (LoRA from a Llama at dp=4 ZeRO-3) peaked at 1.39 fp32 copies of the model a step. Two causes,
+each pinned here: the untied embedding and head sat in the root unit, gathered whole together for the whole
+forward and again for the whole backward; and glibc kept the freed gathers of every block in its heaps.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_llm.config import load_config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.parallelize import meta_model, parallelize
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_peft import LORA
+
+
+def _step_trace(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> dict[str, Any]:
+    """One forward and backward; at every gather, the vocabulary tables (embedding, head) then whole."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
+
+    cfg = load_config(None, tiny_overrides(out_dir, model__tie_embeddings=False, model__n_layer=3,
+                                           parallel__dp=world_size, parallel__zero_stage=3, **extra))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        dp = parallelize(meta_model(cfg, ctx), cfg, ctx).dp
+        model = dp.module
+        tables = {"wte": model.wte.weight, "lm_head": model.lm_head.weight}
+        trace: list[tuple[str, str, list[str]]] = []  # (unit gathered, in forward or backward, tables whole)
+        groups = {id(g): name or "root" for name, m in model.named_modules()
+                  if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups}
+        unsharded_tables = lambda: sorted(n for n, p in tables.items() if _whole(dp, p))  # noqa: E731
+        real = FSDPParamGroup.wait_for_unshard
+
+        def traced(group: FSDPParamGroup) -> None:
+            real(group)
+            phase = "backward" if group._training_state == TrainingState.PRE_BACKWARD else "forward"
+            trace.append((groups.get(id(group), "?"), phase, unsharded_tables()))
+
+        FSDPParamGroup.wait_for_unshard = traced  # (this rank's process only)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+        dp.backward(dp.model(x, x, reduction="sum"))
+        dp.finish_grads()
+        FSDPParamGroup.wait_for_unshard = real
+        after = {name: (type(p).__name__, _whole(dp, p)) for name, p in model.named_parameters()}
+        return {"trace": trace, "after": after,
+                "units": sorted(n for n, m in model.named_modules() if hasattr(m, "_get_fsdp_state"))}
+    finally:
+        ctx.destroy()
+
+
+def _whole(dp: Any, p: torch.nn.Parameter) -> bool:
+    """Whether FSDP2 holds this sharded parameter gathered (its unsharded storage allocated) right now."""
+    for unit in dp.fsdp_units:
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                if fp.sharded_param is p:
+                    return hasattr(fp, "_unsharded_param") and fp._unsharded_param.untyped_storage().nbytes() > 0
+    raise AssertionError("not an FSDP2 parameter")
+
+
+@pytest.mark.parametrize("extra", [LORA, {}], ids=["lora", "pretrain"])
+def test_zero3_gathers_one_vocabulary_table_at_a_time(tmp_path: Path, extra: dict[str, Any]) -> None:
+    """The untied embedding and head are FSDP2 units of their own: whole only around their own use, never
+    together; the embedding is not gathered again in backward (its gradient needs no table); after the step
+    every parameter is a sharded DTensor with its gathered storage freed. Before, both tables sat in the root
+    unit, whole together from the forward's start to its end and again through the whole backward."""
+    for rank in run_distributed(_step_trace, 2, tmp_path, extra, init_group=False):
+        assert {"wte", "lm_head"} <= set(rank["units"]), rank["units"]
+        trace = rank["trace"]
+        assert all(len(tables) <= 1 for _, _, tables in trace), trace
+        assert all("wte" not in tables for _, phase, tables in trace if phase == "backward"), trace
+        assert ("wte", "forward", ["wte"]) in trace and ("lm_head", "forward", ["lm_head"]) in trace, trace
+        assert ("lm_head", "backward", ["lm_head"]) in trace, trace
+        for name, (kind, whole) in rank["after"].items():
+            assert kind == "DTensor" and not whole, (name, kind, whole)
+
+
+_RSS = r"""
+import re, sys, torch
+from dist_llm.host_malloc import map_large_allocations
+if sys.argv[1] == "fixed":
+    assert map_large_allocations()
+anon = lambda: int(re.search(r"RssAnon:\s+(\d+)", open("/proc/self/status").read()).group(1)) // 1024
+t = torch.ones(2 << 20)
+del t  # an 8 MiB tensor freed: glibc raises its mmap threshold to it
+start = anon()
+big, small = [], []
+for _ in range(24):  # FSDP2's pattern: a gathered block (freed later) between activations (kept)
+    big.append(torch.ones(2 << 20))
+    small.append(torch.ones(16 << 10))
+del big
+print(anon() - start)
+"""
+
+
+def test_freed_host_tensors_leave_the_process() -> None:
+    """With the threshold fixed, 24 freed 8 MiB tensors interleaved with kept 64 KiB ones leave the resident
+    set; glibc's default keeps them (the control run shows the failure the fix removes)."""
+    if not sys.platform.startswith("linux"):
+        pytest.skip("glibc's mallopt: Linux only")
+    left = {how: int(subprocess.run([sys.executable, "-c", _RSS, how], capture_output=True, text=True, check=True,
+                                    cwd=Path(__file__).resolve().parent.parent).stdout.strip())
+            for how in ("default", "fixed")}
+    assert left["fixed"] < 16, left  # MiB: the kept small tensors (1.5 MiB) and the interpreter's own
+    assert left["default"] > 150, left  # of the 192 MiB freed
+
+
+@pytest.mark.parametrize("extra", [{}, LORA], ids=["pretrain", "lora"])
+def test_zero3_with_vocabulary_units_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                         extra: dict[str, Any]) -> None:
+    """Untied, the embedding and head are units of their own (and the embedding's trained gradient is reduced
+    without its table gathered in backward): the run still equals one process, as every layout must."""
+    from tests.test_data_parallel import assert_same_run, reference, train
+
+    corpus = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    corpus.write_text(Path(__file__).read_text() * 20)
+    untied = {"model__tie_embeddings": False, **extra}
+    got = run_distributed(train, 2, tmp_path, corpus, {"parallel__zero_stage": 3, **untied}, init_group=False)[0]
+    assert_same_run(got, reference(tmp_path_factory, corpus, **untied), rtol=1e-5)
