@@ -31,20 +31,18 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
-from dist_llm.hf import (HFTensor, read_weight_map, export_family, export_plan, hf_config, hf_tensor, load_hf, plain_state,
-                         read_hf_config, weight_shapes)
+from dist_llm.convert_io import ChunkReader, StreamingSavePlanner, placeholders, streaming_writer
+from dist_llm.hf import (HFCheckpoint, HFTensor, read_weight_map, export_family, export_plan, hf_config, hf_tensor,
+                         model_config_from_hf, plain_state, read_hf_config, weight_shapes)
 from dist_llm.model import GPT
 from dist_llm.safetensors_shards import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_FILE, SAFETENSORS_INDEX, Entry, parse_shard_size,
                              plan_shards, write_file, write_shards)
 from dist_llm.train import checkpoint as ckpt
-from dist_llm.train.safe_metadata import load_failure
 
 EXPORT_DTYPE = torch.float32  # what the checkpoints' weights are, and what `convert` always wrote
 FULL_CONFIG_KEY = "dist_llm_model_config"  # the model config, as JSON, in a --to-full file's metadata
@@ -60,12 +58,13 @@ class Weights(Protocol):
 
 # -- sources of tensors -------------------------------------------------------------------------------------
 class CheckpointWeights:
-    """The `model.*` tensors of a dist_llm checkpoint, each loaded alone through DCP in its full shape."""
+    """The `model.*` tensors of a dist_llm checkpoint, each read alone in its full shape from the chunks any
+    layout wrote of it (`convert_io.ChunkReader`: a tensor stored whole costs its own size, no second copy)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = ckpt.SafeReader(str(path))
-        self.index = self.reader.read_metadata().state_dict_metadata  # safe_metadata.load_index: no pickle runs
+        self.chunks = ChunkReader(path)
+        self.index = self.chunks.index  # safe_metadata.load_index: no pickle runs
 
     def has(self, name: str) -> bool:
         return isinstance(self.index.get(f"model.{name}"), TensorStorageMetadata)
@@ -80,14 +79,7 @@ class CheckpointWeights:
                 raise ConfigError(f"{self.path}: model.{name} has shape {saved}, its config.yaml implies {shape}")
 
     def get(self, name: str) -> torch.Tensor:
-        key = f"model.{name}"
-        meta = self.index[key]
-        t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        try:  # no_dist: this one process reads every rank's chunks of the tensor, whatever the process group
-            dcp.load({key: t}, storage_reader=self.reader, no_dist=True)
-        except CheckpointException as e:
-            raise load_failure(self.path, e) from None
-        return t.to(EXPORT_DTYPE)
+        return self.chunks.read_whole(f"model.{name}").to(EXPORT_DTYPE)  # (a no-op for fp32 weights)
 
 
 class HFWeights:
@@ -241,6 +233,16 @@ def checkpoint_weights(path: Path, cfg: Config) -> Weights:
     return saved
 
 
+def _hf_view(entry: HFTensor, source: torch.Tensor | None) -> torch.Tensor:
+    """The tensor `entry` describes as a view of our full tensor `source` (a row range, GPT-2's Conv1D
+    transpose; zeros for a zeros entry): the writer makes it contiguous block by block, never whole."""
+    if entry.source is None:
+        return hf_tensor(entry, None, EXPORT_DTYPE)
+    assert source is not None
+    t = source if entry.rows is None else source[entry.rows[0]:entry.rows[1]]
+    return t.t() if entry.transpose else t
+
+
 def _hf_stream(plan: list[HFTensor], weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
     """The export's tensors in plan order, each source loaded once (the entries of one source are adjacent)."""
     name, loaded = None, None
@@ -248,7 +250,7 @@ def _hf_stream(plan: list[HFTensor], weights: Weights) -> Iterator[tuple[str, to
         if entry.source is not None and entry.source != name:
             loaded = None  # dropped before the next is loaded
             name, loaded = entry.source, weights.get(entry.source)
-        yield entry.name, hf_tensor(entry, loaded, EXPORT_DTYPE)
+        yield entry.name, _hf_view(entry, loaded)
 
 
 def _empty_out(out: Path) -> Path:
@@ -371,27 +373,48 @@ def load_checkpoint_model(path: str | Path) -> GPT:
     return model
 
 
+# Rows of one of our tensors read from the Hugging Face files at a time: the slice safetensors returns (in the
+# file's dtype) is one such block, not a second whole tensor.
+READ_BLOCK_BYTES = 16 * 2**20
+
+
+def _read_converted(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Our full tensor `name` in fp32 (q/k/v stacked, Conv1D transposed, vocabulary padding zero), read from the
+    Hugging Face files block of rows by block of rows."""
+    out = torch.empty(shape, dtype=EXPORT_DTYPE)
+    if out.dim() == 0 or out.numel() == 0:
+        return src.read_into(name, out) if out.dim() else out
+    step = max(1, READ_BLOCK_BYTES // max(1, out[0].nbytes))
+    for a in range(0, shape[0], step):
+        b = min(shape[0], a + step)
+        src.read_into(name, out[a:b], rows=[(a, b)])
+    return out
+
+
 def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_to: int = 128) -> Path:
-    """A Hugging Face directory -> a complete dist_llm checkpoint at `out` (step 0, empty optimizer state, the
-    directory's tokenizer.json copied in when it has one), which `dist-llm sample --checkpoint` and
-    `model.init_from=ckpt:` read. `train.resume` reads it too, but its data-order state is that of the default
-    train.seed and train.global_batch_size, which a resume then insists on: init_from is the way to fine-tune."""
+    """A Hugging Face directory -> a complete dist_llm checkpoint at `out` (step 0, the directory's
+    tokenizer.json copied in when it has one), which `dist-llm sample --checkpoint` and `model.init_from=ckpt:`
+    read at any layout. Streamed: DCP writes placeholders whose data is made as each is written
+    (`convert_io.StreamingSavePlanner`): one of our tensors read from the files (block of rows by block of rows,
+    safetensors' lazy slices), converted to fp32, written and freed before the next; the peak is the largest
+    tensor in fp32, never the model. No optimizer state is written: a model never trained has zero moments,
+    and `train.resume` of this checkpoint starts a fresh optimizer (with a warning); its data-order state is
+    that of the default train.seed and train.global_batch_size, which a resume then insists on: init_from is
+    the way to fine-tune."""
     from dist_llm.data.sampler import TRAIN_STREAM
     from dist_llm.parallel.context import ParallelContext
-    from dist_llm.parallel.data.base import DataParallel
     from dist_llm.precision import LossScaler
 
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConfigError("convert runs as one process: do not start it under torchrun")
     hf_dir = Path(hf_dir).expanduser()
     out = _empty_out(Path(out))
-    model = load_hf(hf_dir, ModelConfig(pad_vocab_to=pad_vocab_to))
+    model_cfg = model_config_from_hf(hf_dir, ModelConfig(pad_vocab_to=pad_vocab_to))
     tok = hf_dir / "tokenizer.json"
-    cfg = Config(model=model.cfg, name=f"hf-{hf_dir.resolve().name}")
+    cfg = Config(model=model_cfg, name=f"hf-{hf_dir.resolve().name}")
     cfg.data.tokenizer = str(tok.resolve()) if tok.is_file() else "byte"
     cfg.train.device = "cpu"
     ctx = ParallelContext.from_config(cfg)
-    dp = DataParallel(model, cfg, ctx)
     t = cfg.train
     train_state = {
         "step": 0, "tokens_seen": 0, "elapsed_s": 0.0,
@@ -399,8 +422,21 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
         "scaler": LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init).state_dict(),
         "converted_from": str(hf_dir.resolve()),
     }
-    ckpt.save_checkpoint(out, state=dp.checkpoint_state(), train_state=train_state, cfg=cfg, ctx=ctx,
-                         extra_files={"tokenizer.json": tok} if tok.is_file() else None)
+    shapes = weight_shapes(model_cfg)  # our state dict's names and full shapes (a tied head too, as training saves)
+    created = not out.exists()
+    with HFCheckpoint(hf_dir, model_cfg) as src:  # every header checked here, before anything is written
+        planner = StreamingSavePlanner(lambda fqn: _read_converted(src, fqn.removeprefix("model."),
+                                                                   shapes[fqn.removeprefix("model.")]))
+        try:
+            ckpt.save_checkpoint(out, state={"model": placeholders(shapes, EXPORT_DTYPE)}, train_state=train_state,
+                                 cfg=cfg, ctx=ctx, extra_files={"tokenizer.json": tok} if tok.is_file() else None,
+                                 planner=planner, storage_writer=streaming_writer(out))
+        except BaseException:
+            if created and not ckpt.is_complete(out):  # no half-written checkpoint left behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        finally:
+            planner.release()
     return out
 
 
