@@ -25,7 +25,6 @@ import json
 import os
 import re
 import shutil
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
@@ -35,19 +34,18 @@ import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
-from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.convert_io import ChunkReader, StreamingSavePlanner, placeholders, streaming_writer
-from dist_llm.hf import (HFCheckpoint, HFTensor, read_weight_map, export_family, export_plan, hf_config, hf_tensor,
-                         model_config_from_hf, plain_state, read_hf_config, weight_shapes)
+from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
+from dist_llm.hf import (HFCheckpoint, HFTensor, export_plan, hf_config, hf_tensor, model_config_from_hf, plain_state,
+                         weight_shapes)
 from dist_llm.model import GPT
-from dist_llm.safetensors_shards import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_FILE, SAFETENSORS_INDEX, Entry, parse_shard_size,
-                             plan_shards, write_file, write_shards)
+from dist_llm.safetensors_shards import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_FILE, SAFETENSORS_INDEX, Entry,
+                                         parse_shard_size, plan_shards, write_file, write_shards)
 from dist_llm.train import checkpoint as ckpt
 
 EXPORT_DTYPE = torch.float32  # what the checkpoints' weights are, and what `convert` always wrote
 FULL_CONFIG_KEY = "dist_llm_model_config"  # the model config, as JSON, in a --to-full file's metadata
 CONFIG_FILE = "config.json"
-TORCH_FILE, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"  # older Hugging Face weights
 
 
 class Weights(Protocol):
@@ -83,76 +81,16 @@ class CheckpointWeights:
 
 
 class HFWeights:
-    """A Hugging Face directory's weights under our names, each built alone from the Hugging Face tensors the
-    export plan maps it to (safetensors read lazily by name; `.bin` files memory-mapped), padded rows zero,
-    the biases Hugging Face leaves out zero: the inverse of `export_plan`."""
+    """A Hugging Face directory's weights under our names, each read alone (`hf.HFCheckpoint`: headers checked
+    on opening; q/k/v stacked, Conv1D transposed, padding rows and the biases Hugging Face leaves out zero),
+    block of rows by block of rows: the inverse of `export_plan`."""
 
     def __init__(self, path: Path, cfg: ModelConfig) -> None:
-        read_hf_config(path)  # one line if it is gone or not a model directory
-        self.path, self.cfg = path, cfg
-        self.prefix = "transformer." if export_family(cfg) == "gpt2" else "model."
+        self.src = HFCheckpoint(path, cfg)
         self.shapes = weight_shapes(cfg)
-        self.plan: dict[str, list[HFTensor]] = defaultdict(list)
-        for entry in export_plan(cfg):
-            if entry.source is not None:
-                self.plan[entry.source].append(entry)
-        self.files = self._weight_files()
-        self._bins: dict[Path, dict[str, torch.Tensor]] = {}
-
-    def _weight_files(self) -> dict[str, Path]:
-        from safetensors import safe_open
-
-        if (self.path / SAFETENSORS_FILE).is_file():
-            with safe_open(str(self.path / SAFETENSORS_FILE), framework="pt") as f:
-                return {name: self.path / SAFETENSORS_FILE for name in f.keys()}
-        for index_name in (SAFETENSORS_INDEX, TORCH_INDEX):
-            index = self.path / index_name
-            if index.is_file():
-                return read_weight_map(index)
-        if (self.path / TORCH_FILE).is_file():
-            return dict.fromkeys(self._bin(self.path / TORCH_FILE), self.path / TORCH_FILE)
-        raise ConfigError(f"{self.path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or "
-                          f"{TORCH_FILE})")
-
-    def _bin(self, file: Path) -> dict[str, torch.Tensor]:
-        if file not in self._bins:  # mapped, not read: a tensor's pages are read when it is taken
-            try:
-                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
-                reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-                raise ConfigError(f"{file}: cannot read weights ({reason})") from None
-        return self._bins[file]
-
-    def _read(self, name: str) -> torch.Tensor | None:
-        for key in (name, name.removeprefix(self.prefix)):  # base-model directories lack the prefix
-            file = self.files.get(key)
-            if file is None:
-                continue
-            if not file.is_file():
-                raise ConfigError(f"{file}: not found (listed in {self.path}'s weight index)")
-            if file.suffix != ".safetensors":
-                return self._bin(file)[key]
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(key)
-        return None
 
     def get(self, name: str) -> torch.Tensor:
-        source = "wte.weight" if name == "lm_head.weight" and self.cfg.tie_embeddings else name
-        out = torch.zeros(self.shapes[name], dtype=EXPORT_DTYPE)
-        for entry in self.plan[source]:
-            t = self._read(entry.name)
-            if t is None:
-                if name.endswith(".bias"):
-                    continue  # Hugging Face leaves out the biases a family does not have: zero in ours
-                raise ConfigError(f"{self.path}: missing tensor {entry.name!r} (model.init_from's base)")
-            if tuple(t.shape) != entry.shape:
-                raise ConfigError(f"{self.path}: {entry.name} has shape {tuple(t.shape)}, expected {entry.shape}")
-            t = t.to(EXPORT_DTYPE)
-            rows = entry.rows or (0, out.shape[0])
-            out[rows[0]:rows[1]] = t.t() if entry.transpose else t
-        return out
+        return _read_converted(self.src, name, self.shapes[name])
 
 
 class _RandomBase:
@@ -388,6 +326,9 @@ def _read_converted(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> tor
     for a in range(0, shape[0], step):
         b = min(shape[0], a + step)
         src.read_into(name, out[a:b], rows=[(a, b)])
+        # safetensors reads through a memory map, whose pages stay in this process until the file is closed:
+        # closed after each block (reopened for the next), so the pages read are one block's, not the model's
+        src.close()
     return out
 
 

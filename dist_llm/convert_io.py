@@ -18,8 +18,9 @@ and then copies it into the tensor asked for: twice the tensor at the peak).
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
