@@ -2,17 +2,20 @@
 
 `--to-hf` and `--to-full` stream: the checkpoint's DCP index (read by `safe_metadata.load_index`, no pickle
 runs) gives every tensor's full shape, so the output files and their headers are planned before anything is
-read; then one model tensor at a time is loaded through DCP (a one-key `dcp.load` with no process group:
-DCP reassembles it from whatever tp/pp/dp shards the saving layout wrote), cut into its Hugging Face
-tensors (Llama's q/k/v are row ranges of our fused qkv, the vocabulary padding is dropped, GPT-2's Conv1D
-weights transposed), and appended to the current safetensors file (`dist_llm.safetensors_shards`). The peak is set by
-the largest model tensor, never the model: about twice it, as DCP deserialises a stored chunk and then
-copies it into the tensor asked for (a 162M-parameter model, 649 MB of weights whose largest tensor is
-154 MB: 360 MB above an idle process, against 1.31 GB when the export built the model). Past
-`--max-shard-size` (default 5GB) the output is sharded with an index, as transformers writes it.
+read; then one model tensor at a time is read from the chunks whatever tp/pp/dp layout saved it wrote
+(`convert_io.ChunkReader`: a tensor stored whole is the deserialised chunk itself, not DCP's copy of it), cut
+into its Hugging Face tensors as views (Llama's q/k/v are row ranges of our fused qkv, the vocabulary padding
+is dropped, GPT-2's Conv1D weights transposed), and appended to the current safetensors file
+(`dist_llm.safetensors_shards`, which makes a view contiguous block of rows by block). The peak is the
+largest model tensor, once. Past `--max-shard-size` (default 5GB) the output is sharded with an index, as
+transformers writes it.
+
+`--from-hf` streams the other way: DCP saves placeholders and each of our tensors is read from the Hugging
+Face files (block of rows by block of rows), converted to fp32 and written, then freed before the next
+(`convert_io.StreamingSavePlanner`); no optimizer state is written. Peak: the largest tensor in fp32.
 
 A PEFT (LoRA/QLoRA) checkpoint holds only the adapters; its base is what `model.init_from` names. Each base
-tensor is read alone (a Hugging Face directory's tensors lazily by name, a checkpoint's through DCP), a
+tensor is read alone (a Hugging Face directory's by lazy slices, a checkpoint's from its chunks), a
 QLoRA base weight goes through NF4 and back as training saw it, and its LoRA update `alpha/r * B A` is added:
 the merged model, tensor by tensor. (A PEFT run on a random base, `model.init_from` empty, rebuilds that base
 whole from train.seed: a test and demo case, never a real model.)
@@ -34,7 +37,8 @@ import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
-from dist_llm.convert_io import ChunkReader, StreamingSavePlanner, placeholders, streaming_writer
+from dist_llm.convert_io import (ChunkReader, StreamingSavePlanner, placeholders, return_freed_memory,
+                                 streaming_writer)
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.hf import (HFCheckpoint, HFTensor, export_plan, hf_config, hf_tensor, model_config_from_hf, plain_state,
                          weight_shapes)
@@ -205,6 +209,7 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path, *,
     built in a temporary folder beside `out` and renamed to it at the end."""
     limit = parse_shard_size(max_shard_size)
     out = _empty_out(Path(out))
+    return_freed_memory()
     path, cfg = _checkpoint(checkpoint, "--to-hf")
     plan = export_plan(cfg.model)  # fails (unexportable architecture) before anything is read or created
     weights = checkpoint_weights(path, cfg)
@@ -229,6 +234,7 @@ def save_full(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | 
     out = Path(out).expanduser()
     if out.exists():
         raise ConfigError(f"--out: {out} already exists")
+    return_freed_memory()
     path, cfg = _checkpoint(checkpoint, "--to-full")
     weights = checkpoint_weights(path, cfg)
     shapes = weight_shapes(cfg.model)
@@ -350,6 +356,7 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
         raise ConfigError("convert runs as one process: do not start it under torchrun")
     hf_dir = Path(hf_dir).expanduser()
     out = _empty_out(Path(out))
+    return_freed_memory()
     model_cfg = model_config_from_hf(hf_dir, ModelConfig(pad_vocab_to=pad_vocab_to))
     tok = hf_dir / "tokenizer.json"
     cfg = Config(model=model_cfg, name=f"hf-{hf_dir.resolve().name}")

@@ -35,6 +35,24 @@ from dist_llm.train.checkpoint import SafeReader
 from dist_llm.train.safe_metadata import load_failure
 
 
+def return_freed_memory() -> None:
+    """Make glibc give every allocation of 128 KiB or more its own mapping, unmapped when freed. By default it
+    raises that threshold (up to 32 MiB) each time such a block is freed, and from then on blocks of a tensor
+    or a row block come from its heap, which fragments and keeps what was freed: 200 MiB more at the peak of a
+    124M-parameter conversion. A no-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+        mallopt = getattr(libc, "mallopt", None)
+    except OSError:
+        return
+    if mallopt is not None:
+        mallopt(-3, 128 * 1024)  # M_MMAP_THRESHOLD at its default value, which turns its dynamic raise off
+
+
 # -- writing ----------------------------------------------------------------------------------------------------
 def placeholders(shapes: dict[str, tuple[int, ...]], dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Meta tensors of `shapes`: what DCP plans a save by (names, shapes, dtypes), holding no data."""
@@ -144,4 +162,4 @@ class ChunkReader:
         return t
 
 
-__all__ = ["ChunkReader", "StreamingSavePlanner", "placeholders", "streaming_writer"]
+__all__ = ["ChunkReader", "StreamingSavePlanner", "placeholders", "return_freed_memory", "streaming_writer"]

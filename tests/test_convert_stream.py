@@ -141,3 +141,20 @@ def test_resume_and_init_from_of_the_checkpoint_are_the_hf_start(tmp_path: Path,
         assert got["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         for name, p in ref["params"].items():
             torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=3e-5)  # (test_data_parallel's)
+
+
+def test_writer_converts_views_and_dtypes_block_by_block(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transposed view (GPT-2's Conv1D export) and a tensor of another dtype are written, a few rows at a time,
+    as their contiguous, converted copies would be: safetensors reads back the same values, bit for bit."""
+    from safetensors.torch import load_file
+
+    from dist_llm import safetensors_shards
+    from dist_llm.safetensors_shards import Entry, write_file
+
+    monkeypatch.setattr(safetensors_shards, "WRITE_BLOCK_BYTES", 100)  # 1-2 rows per block
+    a = torch.randn(40, 24)
+    entries = [Entry("t", (24, 40), torch.float32), Entry("c", (40, 24), torch.bfloat16), Entry("v", (7,), torch.float32)]
+    write_file(tmp_path / "ours.safetensors", entries, iter([("t", a.t()), ("c", a), ("v", a[0, :7])]), {})
+    expected = {"t": a.t().contiguous(), "c": a.to(torch.bfloat16), "v": a[0, :7].clone()}
+    got = load_file(tmp_path / "ours.safetensors")
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
