@@ -2,17 +2,20 @@
 
 `--to-hf` and `--to-full` stream: the checkpoint's DCP index (read by `safe_metadata.load_index`, no pickle
 runs) gives every tensor's full shape, so the output files and their headers are planned before anything is
-read; then one model tensor at a time is loaded through DCP (a one-key `dcp.load` with no process group:
-DCP reassembles it from whatever tp/pp/dp shards the saving layout wrote), cut into its Hugging Face
-tensors (Llama's q/k/v are row ranges of our fused qkv, the vocabulary padding is dropped, GPT-2's Conv1D
-weights transposed), and appended to the current safetensors file (`dist_llm.safetensors_shards`). The peak is set by
-the largest model tensor, never the model: about twice it, as DCP deserialises a stored chunk and then
-copies it into the tensor asked for (a 162M-parameter model, 649 MB of weights whose largest tensor is
-154 MB: 360 MB above an idle process, against 1.31 GB when the export built the model). Past
-`--max-shard-size` (default 5GB) the output is sharded with an index, as transformers writes it.
+read; then one model tensor at a time is read from the chunks whatever tp/pp/dp layout saved it wrote
+(`convert_io.ChunkReader`: a tensor stored whole is the deserialised chunk itself, not DCP's copy of it), cut
+into its Hugging Face tensors as views (Llama's q/k/v are row ranges of our fused qkv, the vocabulary padding
+is dropped, GPT-2's Conv1D weights transposed), and appended to the current safetensors file
+(`dist_llm.safetensors_shards`, which makes a view contiguous block of rows by block). The peak is the
+largest model tensor, once. Past `--max-shard-size` (default 5GB) the output is sharded with an index, as
+transformers writes it.
+
+`--from-hf` streams the other way: DCP saves placeholders and each of our tensors is read from the Hugging
+Face files (block of rows by block of rows), converted to fp32 and written, then freed before the next
+(`convert_io.StreamingSavePlanner`); no optimizer state is written. Peak: the largest tensor in fp32.
 
 A PEFT (LoRA/QLoRA) checkpoint holds only the adapters; its base is what `model.init_from` names. Each base
-tensor is read alone (a Hugging Face directory's tensors lazily by name, a checkpoint's through DCP), a
+tensor is read alone (a Hugging Face directory's by lazy slices, a checkpoint's from its chunks), a
 QLoRA base weight goes through NF4 and back as training saw it, and its LoRA update `alpha/r * B A` is added:
 the merged model, tensor by tensor. (A PEFT run on a random base, `model.init_from` empty, rebuilds that base
 whole from train.seed: a test and demo case, never a real model.)
@@ -25,31 +28,44 @@ import json
 import os
 import re
 import shutil
-from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Protocol
 
 import torch
-import torch.distributed.checkpoint as dcp
 import yaml
-from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
+from dist_llm.convert_io import ChunkReader, StreamingSavePlanner, placeholders, streaming_writer
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
-from dist_llm.hf import (HFTensor, read_weight_map, export_family, export_plan, hf_config, hf_tensor, load_hf, plain_state,
-                         read_hf_config, weight_shapes)
+from dist_llm.hf import (
+    HFCheckpoint,
+    HFTensor,
+    export_plan,
+    hf_config,
+    hf_tensor,
+    model_config_from_hf,
+    plain_state,
+    weight_shapes,
+)
+from dist_llm.host_malloc import map_large_allocations
 from dist_llm.model import GPT
-from dist_llm.safetensors_shards import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_FILE, SAFETENSORS_INDEX, Entry, parse_shard_size,
-                             plan_shards, write_file, write_shards)
+from dist_llm.safetensors_shards import (
+    DEFAULT_MAX_SHARD_SIZE,
+    SAFETENSORS_FILE,
+    SAFETENSORS_INDEX,
+    Entry,
+    parse_shard_size,
+    plan_shards,
+    write_file,
+    write_shards,
+)
 from dist_llm.train import checkpoint as ckpt
-from dist_llm.train.safe_metadata import load_failure
 
 EXPORT_DTYPE = torch.float32  # what the checkpoints' weights are, and what `convert` always wrote
 FULL_CONFIG_KEY = "dist_llm_model_config"  # the model config, as JSON, in a --to-full file's metadata
 CONFIG_FILE = "config.json"
-TORCH_FILE, TORCH_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"  # older Hugging Face weights
 
 
 class Weights(Protocol):
@@ -60,12 +76,13 @@ class Weights(Protocol):
 
 # -- sources of tensors -------------------------------------------------------------------------------------
 class CheckpointWeights:
-    """The `model.*` tensors of a dist_llm checkpoint, each loaded alone through DCP in its full shape."""
+    """The `model.*` tensors of a dist_llm checkpoint, each read alone in its full shape from the chunks any
+    layout wrote of it (`convert_io.ChunkReader`: a tensor stored whole costs its own size, no second copy)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.reader = ckpt.SafeReader(str(path))
-        self.index = self.reader.read_metadata().state_dict_metadata  # safe_metadata.load_index: no pickle runs
+        self.chunks = ChunkReader(path)
+        self.index = self.chunks.index  # safe_metadata.load_index: no pickle runs
 
     def has(self, name: str) -> bool:
         return isinstance(self.index.get(f"model.{name}"), TensorStorageMetadata)
@@ -80,87 +97,20 @@ class CheckpointWeights:
                 raise ConfigError(f"{self.path}: model.{name} has shape {saved}, its config.yaml implies {shape}")
 
     def get(self, name: str) -> torch.Tensor:
-        key = f"model.{name}"
-        meta = self.index[key]
-        t = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        try:  # no_dist: this one process reads every rank's chunks of the tensor, whatever the process group
-            dcp.load({key: t}, storage_reader=self.reader, no_dist=True)
-        except CheckpointException as e:
-            raise load_failure(self.path, e) from None
-        return t.to(EXPORT_DTYPE)
+        return self.chunks.read_whole(f"model.{name}").to(EXPORT_DTYPE)  # (a no-op for fp32 weights)
 
 
 class HFWeights:
-    """A Hugging Face directory's weights under our names, each built alone from the Hugging Face tensors the
-    export plan maps it to (safetensors read lazily by name; `.bin` files memory-mapped), padded rows zero,
-    the biases Hugging Face leaves out zero: the inverse of `export_plan`."""
+    """A Hugging Face directory's weights under our names, each read alone (`hf.HFCheckpoint`: headers checked
+    on opening; q/k/v stacked, Conv1D transposed, padding rows and the biases Hugging Face leaves out zero),
+    block of rows by block of rows: the inverse of `export_plan`."""
 
     def __init__(self, path: Path, cfg: ModelConfig) -> None:
-        read_hf_config(path)  # one line if it is gone or not a model directory
-        self.path, self.cfg = path, cfg
-        self.prefix = "transformer." if export_family(cfg) == "gpt2" else "model."
+        self.src = HFCheckpoint(path, cfg)
         self.shapes = weight_shapes(cfg)
-        self.plan: dict[str, list[HFTensor]] = defaultdict(list)
-        for entry in export_plan(cfg):
-            if entry.source is not None:
-                self.plan[entry.source].append(entry)
-        self.files = self._weight_files()
-        self._bins: dict[Path, dict[str, torch.Tensor]] = {}
-
-    def _weight_files(self) -> dict[str, Path]:
-        from safetensors import safe_open
-
-        if (self.path / SAFETENSORS_FILE).is_file():
-            with safe_open(str(self.path / SAFETENSORS_FILE), framework="pt") as f:
-                return {name: self.path / SAFETENSORS_FILE for name in f.keys()}
-        for index_name in (SAFETENSORS_INDEX, TORCH_INDEX):
-            index = self.path / index_name
-            if index.is_file():
-                return read_weight_map(index)
-        if (self.path / TORCH_FILE).is_file():
-            return dict.fromkeys(self._bin(self.path / TORCH_FILE), self.path / TORCH_FILE)
-        raise ConfigError(f"{self.path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or "
-                          f"{TORCH_FILE})")
-
-    def _bin(self, file: Path) -> dict[str, torch.Tensor]:
-        if file not in self._bins:  # mapped, not read: a tensor's pages are read when it is taken
-            try:
-                self._bins[file] = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
-            except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
-                reason = next((line.strip() for line in str(e).splitlines() if line.strip()), type(e).__name__)
-                raise ConfigError(f"{file}: cannot read weights ({reason})") from None
-        return self._bins[file]
-
-    def _read(self, name: str) -> torch.Tensor | None:
-        for key in (name, name.removeprefix(self.prefix)):  # base-model directories lack the prefix
-            file = self.files.get(key)
-            if file is None:
-                continue
-            if not file.is_file():
-                raise ConfigError(f"{file}: not found (listed in {self.path}'s weight index)")
-            if file.suffix != ".safetensors":
-                return self._bin(file)[key]
-            from safetensors import safe_open
-
-            with safe_open(str(file), framework="pt") as f:
-                return f.get_tensor(key)
-        return None
 
     def get(self, name: str) -> torch.Tensor:
-        source = "wte.weight" if name == "lm_head.weight" and self.cfg.tie_embeddings else name
-        out = torch.zeros(self.shapes[name], dtype=EXPORT_DTYPE)
-        for entry in self.plan[source]:
-            t = self._read(entry.name)
-            if t is None:
-                if name.endswith(".bias"):
-                    continue  # Hugging Face leaves out the biases a family does not have: zero in ours
-                raise ConfigError(f"{self.path}: missing tensor {entry.name!r} (model.init_from's base)")
-            if tuple(t.shape) != entry.shape:
-                raise ConfigError(f"{self.path}: {entry.name} has shape {tuple(t.shape)}, expected {entry.shape}")
-            t = t.to(EXPORT_DTYPE)
-            rows = entry.rows or (0, out.shape[0])
-            out[rows[0]:rows[1]] = t.t() if entry.transpose else t
-        return out
+        return _read_converted(self.src, name, self.shapes[name])
 
 
 class _RandomBase:
@@ -241,6 +191,16 @@ def checkpoint_weights(path: Path, cfg: Config) -> Weights:
     return saved
 
 
+def _hf_view(entry: HFTensor, source: torch.Tensor | None) -> torch.Tensor:
+    """The tensor `entry` describes as a view of our full tensor `source` (a row range, GPT-2's Conv1D
+    transpose; zeros for a zeros entry): the writer makes it contiguous block by block, never whole."""
+    if entry.source is None:
+        return hf_tensor(entry, None, EXPORT_DTYPE)
+    assert source is not None
+    t = source if entry.rows is None else source[entry.rows[0]:entry.rows[1]]
+    return t.t() if entry.transpose else t
+
+
 def _hf_stream(plan: list[HFTensor], weights: Weights) -> Iterator[tuple[str, torch.Tensor]]:
     """The export's tensors in plan order, each source loaded once (the entries of one source are adjacent)."""
     name, loaded = None, None
@@ -248,7 +208,7 @@ def _hf_stream(plan: list[HFTensor], weights: Weights) -> Iterator[tuple[str, to
         if entry.source is not None and entry.source != name:
             loaded = None  # dropped before the next is loaded
             name, loaded = entry.source, weights.get(entry.source)
-        yield entry.name, hf_tensor(entry, loaded, EXPORT_DTYPE)
+        yield entry.name, _hf_view(entry, loaded)
 
 
 def _empty_out(out: Path) -> Path:
@@ -265,6 +225,7 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path, *,
     built in a temporary folder beside `out` and renamed to it at the end."""
     limit = parse_shard_size(max_shard_size)
     out = _empty_out(Path(out))
+    map_large_allocations()  # (host_malloc.py: ~200 MiB of freed tensors kept in the heap at 124M otherwise)
     path, cfg = _checkpoint(checkpoint, "--to-hf")
     plan = export_plan(cfg.model)  # fails (unexportable architecture) before anything is read or created
     weights = checkpoint_weights(path, cfg)
@@ -289,6 +250,7 @@ def save_full(checkpoint: str | Path, out: str | Path, *, max_shard_size: str | 
     out = Path(out).expanduser()
     if out.exists():
         raise ConfigError(f"--out: {out} already exists")
+    map_large_allocations()  # (host_malloc.py: ~200 MiB of freed tensors kept in the heap at 124M otherwise)
     path, cfg = _checkpoint(checkpoint, "--to-full")
     weights = checkpoint_weights(path, cfg)
     shapes = weight_shapes(cfg.model)
@@ -371,27 +333,52 @@ def load_checkpoint_model(path: str | Path) -> GPT:
     return model
 
 
+# Rows of one of our tensors read from the Hugging Face files at a time: the slice safetensors returns (in the
+# file's dtype) is one such block, not a second whole tensor.
+READ_BLOCK_BYTES = 16 * 2**20
+
+
+def _read_converted(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """Our full tensor `name` in fp32 (q/k/v stacked, Conv1D transposed, vocabulary padding zero), read from the
+    Hugging Face files block of rows by block of rows."""
+    out = torch.empty(shape, dtype=EXPORT_DTYPE)
+    if out.dim() == 0 or out.numel() == 0:
+        return src.read_into(name, out) if out.dim() else out
+    step = max(1, READ_BLOCK_BYTES // max(1, out[0].nbytes))
+    for a in range(0, shape[0], step):
+        b = min(shape[0], a + step)
+        src.read_into(name, out[a:b], rows=[(a, b)])
+        # safetensors reads through a memory map, whose pages stay in this process until the file is closed:
+        # closed after each block (reopened for the next), so the pages read are one block's, not the model's
+        src.close()
+    return out
+
+
 def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_to: int = 128) -> Path:
-    """A Hugging Face directory -> a complete dist_llm checkpoint at `out` (step 0, empty optimizer state, the
-    directory's tokenizer.json copied in when it has one), which `dist-llm sample --checkpoint` and
-    `model.init_from=ckpt:` read. `train.resume` reads it too, but its data-order state is that of the default
-    train.seed and train.global_batch_size, which a resume then insists on: init_from is the way to fine-tune."""
+    """A Hugging Face directory -> a complete dist_llm checkpoint at `out` (step 0, the directory's
+    tokenizer.json copied in when it has one), which `dist-llm sample --checkpoint` and `model.init_from=ckpt:`
+    read at any layout. Streamed: DCP writes placeholders whose data is made as each is written
+    (`convert_io.StreamingSavePlanner`): one of our tensors read from the files (block of rows by block of rows,
+    safetensors' lazy slices), converted to fp32, written and freed before the next; the peak is the largest
+    tensor in fp32, never the model. No optimizer state is written: a model never trained has zero moments,
+    and `train.resume` of this checkpoint starts a fresh optimizer (with a warning); its data-order state is
+    that of the default train.seed and train.global_batch_size, which a resume then insists on: init_from is
+    the way to fine-tune."""
     from dist_llm.data.sampler import TRAIN_STREAM
     from dist_llm.parallel.context import ParallelContext
-    from dist_llm.parallel.data.base import DataParallel
     from dist_llm.precision import LossScaler
 
     if int(os.environ.get("WORLD_SIZE", "1")) != 1:
         raise ConfigError("convert runs as one process: do not start it under torchrun")
     hf_dir = Path(hf_dir).expanduser()
     out = _empty_out(Path(out))
-    model = load_hf(hf_dir, ModelConfig(pad_vocab_to=pad_vocab_to))
+    map_large_allocations()  # (host_malloc.py: ~200 MiB of freed tensors kept in the heap at 124M otherwise)
+    model_cfg = model_config_from_hf(hf_dir, ModelConfig(pad_vocab_to=pad_vocab_to))
     tok = hf_dir / "tokenizer.json"
-    cfg = Config(model=model.cfg, name=f"hf-{hf_dir.resolve().name}")
+    cfg = Config(model=model_cfg, name=f"hf-{hf_dir.resolve().name}")
     cfg.data.tokenizer = str(tok.resolve()) if tok.is_file() else "byte"
     cfg.train.device = "cpu"
     ctx = ParallelContext.from_config(cfg)
-    dp = DataParallel(model, cfg, ctx)
     t = cfg.train
     train_state = {
         "step": 0, "tokens_seen": 0, "elapsed_s": 0.0,
@@ -399,8 +386,21 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
         "scaler": LossScaler(enabled=t.precision == "fp16", scale=t.loss_scale_init).state_dict(),
         "converted_from": str(hf_dir.resolve()),
     }
-    ckpt.save_checkpoint(out, state=dp.checkpoint_state(), train_state=train_state, cfg=cfg, ctx=ctx,
-                         extra_files={"tokenizer.json": tok} if tok.is_file() else None)
+    shapes = weight_shapes(model_cfg)  # our state dict's names and full shapes (a tied head too, as training saves)
+    created = not out.exists()
+    with HFCheckpoint(hf_dir, model_cfg) as src:  # every header checked here, before anything is written
+        planner = StreamingSavePlanner(lambda fqn: _read_converted(src, fqn.removeprefix("model."),
+                                                                   shapes[fqn.removeprefix("model.")]))
+        try:
+            ckpt.save_checkpoint(out, state={"model": placeholders(shapes, EXPORT_DTYPE)}, train_state=train_state,
+                                 cfg=cfg, ctx=ctx, extra_files={"tokenizer.json": tok} if tok.is_file() else None,
+                                 planner=planner, storage_writer=streaming_writer(out))
+        except BaseException:
+            if created and not ckpt.is_complete(out):  # no half-written checkpoint left behind
+                shutil.rmtree(out, ignore_errors=True)
+            raise
+        finally:
+            planner.release()
     return out
 
 

@@ -5,7 +5,8 @@ next tensor would take the current one past the limit; a tensor larger than the 
 with `model.safetensors.index.json` ({"metadata": {"total_size": bytes}, "weight_map": {name: file}}); a model
 that fits is one `model.safetensors`. Every name, shape and dtype is known before a byte is written, so each
 file's header is written first and each tensor's bytes are appended as the tensor arrives: the writer never
-holds more than the one tensor it is handed (safetensors' own `save_file` needs them all at once).
+holds more than the one tensor it is handed (safetensors' own `save_file` needs them all at once), and a view
+or a tensor of another dtype is converted block by block of rows as it is written.
 
 The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header length N,
 N bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}, padded
@@ -100,12 +101,24 @@ def _header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+# A tensor handed over as a view (GPT-2's transposed Conv1D weights) or in another dtype than the file's is
+# made contiguous and cast this many bytes of rows at a time: the file's bytes never exist as a second tensor.
+WRITE_BLOCK_BYTES = 16 * 2**20
+
+
 def _write_tensor(f: BinaryIO, entry: Entry, t: torch.Tensor) -> None:
-    if tuple(t.shape) != entry.shape or t.dtype != entry.dtype:
+    if tuple(t.shape) != entry.shape or not (t.dtype.is_floating_point or t.dtype == entry.dtype):
         raise AssertionError(f"{entry.name}: got {tuple(t.shape)} {t.dtype}, planned {entry.shape} {entry.dtype}")
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    if flat.numel():
-        f.write(memoryview(flat.view(torch.uint8).numpy()))  # the tensor's own memory: nothing copied
+    t = t.detach().cpu()
+    if t.numel() == 0:
+        return
+    if (t.is_contiguous() and t.dtype == entry.dtype) or t.dim() == 0:
+        f.write(memoryview(t.to(entry.dtype).contiguous().reshape(-1).view(torch.uint8).numpy()))  # no copy
+        return
+    step = max(1, WRITE_BLOCK_BYTES // max(1, t[0].numel() * max(t.element_size(), entry.dtype.itemsize)))
+    for a in range(0, t.shape[0], step):
+        block = t[a:a + step].contiguous().to(entry.dtype)
+        f.write(memoryview(block.reshape(-1).view(torch.uint8).numpy()))
 
 
 def _next(stream: Iterator[tuple[str, torch.Tensor]], entry: Entry) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Peak memory per rank and per phase of real-sized runs, beside what `dist-llm memory` predicts (issue 17).
 
-    python scripts/bench_scale.py [--quick] [--cases 1,2,3,convert] [--out FILE.md] [--json FILE]
+    python scripts/bench_scale.py [--quick] [--cases 1,2,3,convert,convert-from-hf] [--out FILE.md] [--json FILE]
                                   [--work DIR] [--buffer-mb 256] [--run-timeout 900] [--budget 3600]
 
 Every run goes through the CLI (`dist-llm train --nproc-per-node N`, i.e. torchrun), at `nice -n 10`, on the
@@ -12,7 +12,8 @@ VmHWM read and reset at each phase boundary; on CUDA also max_memory_allocated) 
      save_pretrained with max_shard_size) at dp=4 ZeRO-3 and at tp=4;
   2. pretraining a GPT (Llama-shaped, so it exports) at tp=4, dp=4 ZeRO-1, dp=4 ZeRO-2 and dp=2 x pp=2;
   3. the same at dp=2 (ZeRO-1, ZeRO-2), against dp=4 of case 2: per-rank memory should fall with the shard;
-  convert: `dist-llm convert --to-hf` of case 2's dp=4 ZeRO-1 checkpoint (its peak RSS from wait4).
+  convert: `dist-llm convert --to-hf` of case 2's dp=4 ZeRO-1 checkpoint (its peak RSS from wait4);
+  convert-from-hf: `dist-llm convert --from-hf` of case 1's sharded Llama (the same).
 Each training case runs twice: a fresh run to step 2 (start-up, step 1, save) and a resumed one to step 3
 (its `resume` phase). Full sizes: the Llama ~275M parameters (1024 wide, 18 layers, vocabulary 32000), the
 GPT ~95M (768 wide, 10 layers, vocabulary 32000, tied); --quick: ~19M and ~13M.
@@ -250,6 +251,35 @@ def convert_row(ckpt_run: Path, work: Path, base: dict[str, Any], overrides: dic
             "host_peak": "ru_maxrss (wait4)"}
 
 
+def convert_from_hf_row(llama: Path, work: Path, idle: int, buffer: int, timeout: float) -> dict[str, Any]:
+    """`dist-llm convert --from-hf` of case 1's sharded bf16 Llama: streamed, its peak is one tensor in fp32
+    (plus a block of rows read from the files), whatever the model's size."""
+    import torch
+
+    from dist_llm.config import Config, ModelConfig
+    from dist_llm.hf import model_config_from_hf
+    from dist_llm.memory import largest_tensor_numel
+    from dist_llm.model import GPT as Model
+
+    out = work / "convert-from-hf"
+    log = work / "convert-from-hf.log"
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    code, peak = run([sys.executable, "-m", "dist_llm.cli", "convert", "--from-hf", str(llama), "--out", str(out)],
+                     timeout, log)
+    if code:
+        raise RuntimeError(f"exit {code}: {_tail(log)} (log {log})")
+    model = model_config_from_hf(llama, ModelConfig())
+    with torch.device("meta"):
+        n_params = Model(model).num_params()
+    transient = 4 * largest_tensor_numel(Config(model=model)) + 16 * MiB  # (convert.READ_BLOCK_BYTES)
+    return {"n_params": n_params, "case": "convert", "layout": "--from-hf (1 process)", "rank": 0,
+            "phase": "import", "measured": peak - idle, "predicted": 0, "transient": transient,
+            "target": transient + buffer, "host_peak": "ru_maxrss (wait4)"}
+
+
 def mib(x: float) -> str:
     return f"{x / MiB:,.0f}"
 
@@ -290,7 +320,8 @@ def markdown(all_cases: list[Case], extra: list[dict[str, Any]], header: list[st
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="~19M Llama and ~13M GPT (while developing)")
-    ap.add_argument("--cases", default="1,2,3,convert", help="comma-separated: 1, 2, 3, convert")
+    ap.add_argument("--cases", default="1,2,3,convert,convert-from-hf",
+                    help="comma-separated: 1, 2, 3, convert, convert-from-hf")
     ap.add_argument("--only", default="", help="only the layouts whose label holds this text, e.g. 'tp=4'")
     ap.add_argument("--work", type=Path, default=REPO / "runs" / "bench_scale", help="runs and the made inputs")
     ap.add_argument("--buffer-mb", type=float, default=256, help="the target's fixed buffer, MiB")
@@ -345,6 +376,11 @@ def main() -> int:
                                          buffer, args.run_timeout))
             except RuntimeError as e:
                 print(f"convert: {e}")
+    if "convert-from-hf" in wanted:
+        try:
+            extra.append(convert_from_hf_row(make_llama(args.work, size), work, idle, buffer, args.run_timeout))
+        except RuntimeError as e:
+            print(f"convert --from-hf: {e}")
     import torch
 
     sizes = {c.label: c.rows[0]["n_params"] for c in todo if c.rows}

@@ -206,16 +206,19 @@ def save_checkpoint(path: Path, *, state: dict[str, Any], train_state: dict[str,
                     ctx: ParallelContext, group: Any = None, extra_files: dict[str, Path] | None = None,
                     manifest_extra: dict[str, Any] | None = None, keep: int = 0,
                     engine_files: Callable[[Path], None] | None = None,
-                    on_cleared: Callable[[], None] | None = None) -> None:
+                    on_cleared: Callable[[], None] | None = None, planner: Any = None,
+                    storage_writer: Any = None) -> None:
     """Write a complete checkpoint to `path` (collective: every rank calls it). DCP and the checksums coordinate
     over `group` (None: the default group): waits there scale with the checkpoint's size, so a trainer passes a
     group whose timeout does too. `extra_files` (name -> source) are copied in by the main rank, e.g. the
     tokenizer, so the checkpoint stands on its own; `engine_files` writes an engine's own state into `path` on
     every rank (DeepSpeed's); `on_cleared()` is called once `path` is free (see `_begin`); `keep` > 0 then deletes all but the newest `keep` complete checkpoints up to this
-    one (never a newer one)."""
+    one (never a newer one). `planner` and `storage_writer` go to dcp.save (a conversion makes each tensor as
+    it is written: dist_llm.convert_io)."""
     _begin(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, extra_files=extra_files,
            engine_files=engine_files, on_cleared=on_cleared)
-    dcp.save(state, checkpoint_id=str(path), process_group=group)  # returns once every rank's shards are down
+    # returns once every rank's shards are down
+    dcp.save(state, checkpoint_id=str(path), process_group=group, planner=planner, storage_writer=storage_writer)
     _complete(path, train_state=train_state, cfg=cfg, ctx=ctx, group=group, manifest_extra=manifest_extra, keep=keep)
 
 
@@ -424,6 +427,12 @@ def _load(state: dict[str, Any], path: Path, group: Any = None) -> None:
         raise load_failure(path, e) from None
 
 
+def holds_optimizer_state(path: Path) -> bool:
+    """Whether the checkpoint at `path` holds optimizer state (a model converted from Hugging Face holds none)."""
+    index = SafeReader(str(path)).read_metadata().state_dict_metadata
+    return any(key.startswith("optim.") for key in index)
+
+
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
 
@@ -449,7 +458,10 @@ def load_model_state(path: Path, state: dict[str, Any], group: Any = None) -> No
 def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, group: Any = None) -> dict[str, Any]:
     """Fill `state` (tensors of this layout's shapes and shards) from the checkpoint, resharding as needed,
     restore this rank's RNG, and return the train state saved with them. Collective over `group` (None: the
-    default group), as `save_checkpoint`."""
+    default group), as `save_checkpoint`. A checkpoint without optimizer state (`holds_optimizer_state`: a model
+    converted from Hugging Face) fills only the model's tensors of `state`."""
+    if state.get("optim", {}).get("state") and not holds_optimizer_state(path):
+        state = {k: v for k, v in state.items() if k != "optim"}
     _load(state, path, group)
     rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
     if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine

@@ -157,9 +157,14 @@ class RunState:
         # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
         # `everything`); a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
         everything = self.dp.checkpoint_state()
-        state = ckpt.load_checkpoint(path, state=self._chunked(self._saved_part(everything)), ctx=self.ctx,
-                                     group=self.ckpt_group)
+        wanted = self._chunked(self._saved_part(everything))
+        state = ckpt.load_checkpoint(path, state=wanted, ctx=self.ctx, group=self.ckpt_group)
         self.dp.load_checkpoint_state(everything)
+        if wanted["optim"]["state"] and not ckpt.holds_optimizer_state(path):
+            # a model converted from Hugging Face: its weights only. What checkpoint_state() made is not a fresh
+            # optimizer's state (torch's get_state_dict steps once at lr 0): AdamW makes it afresh at its first step
+            log.warning("%s holds no optimizer state: resuming its weights with a fresh optimizer", path)
+            self.dp.optimizer.state.clear()
         self.dp.load_engine_state(path, self.ckpt_group)
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
