@@ -25,7 +25,7 @@ from torch import nn
 from dist_llm.config import Config
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
+from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
 from dist_llm.peft import BLOCK_LINEARS, apply_peft, peft_parameter_names, reset_peft_parameters
@@ -124,10 +124,11 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
         log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, blocks.start, blocks.stop - 1,
                  ", embedding" if first else "", ", head and loss" if last else "")
     t = cfg.train
-    # FSDP2 shards the meta model and each rank then allocates only its shards; LoRA and adapters are added on
-    # the meta device too and drawn once allocated. QLoRA quantises real weights, so under it the
-    # tensor-parallel-local model is materialised first and sharded after.
-    shard_on_meta = wrap and uses_fsdp(cfg, ctx) and cfg.peft.method != "qlora"
+    # FSDP2 shards the meta model and each rank then allocates only its shards (DeepSpeed's ZeRO-3 likewise,
+    # one parameter at a time); LoRA and adapters are added on the meta device too and drawn once allocated.
+    # QLoRA quantises real weights, so under it the tensor-parallel-local model is materialised first and
+    # sharded after.
+    shard_on_meta = wrap and builds_on_meta(cfg, ctx) and cfg.peft.method != "qlora"
 
     def adapt_and_compile() -> None:
         if cfg.peft.method != "none":
