@@ -37,16 +37,14 @@ def _build_zero3(rank: int, world_size: int, out_dir: Path, corpus: Path) -> dic
     ctx = ParallelContext.from_config(cfg)
     held: list[int] = []
     convert = deepspeed.zero.Init._convert_to_zero_parameters
-
-    def converting(self: Any, params: Any) -> None:
-        params = list(params)
-        model_params = getattr(converting, "model").parameters()
-        held.append(sum(p.numel() for p in model_params if not p.is_meta and not hasattr(p, "ds_id")))
-        convert(self, params)
-
     try:
         model = meta_model(cfg, ctx)
-        converting.model = model  # type: ignore[attr-defined]
+
+        def converting(self: Any, params: Any) -> None:
+            whole = [p for p in model.parameters() if not p.is_meta and not hasattr(p, "ds_id")]
+            held.append(sum(p.numel() for p in whole))
+            convert(self, params)
+
         deepspeed.zero.Init._convert_to_zero_parameters = converting
         try:
             par = parallelize(model, cfg, ctx)

@@ -3,13 +3,14 @@
 The GPT is built on the meta device (shapes, no storage), its layers already tensor-parallel when built
 through TensorParallelFactory. `parallelize` then, in this order:
   1. cuts the pipeline stage (other stages' blocks are dropped while they are still meta);
-  2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated;
+  2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated
+     (DeepSpeed's ZeRO-3 instead takes the meta model and partitions each parameter as it draws it);
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
      rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
   4. PEFT (on real weights: QLoRA quantises them), activation checkpointing, compile;
-  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed
-     hold those in full by design).
+  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed's
+     ZeRO-1/2 hold those in full by design).
 Peak memory of the build: this rank's parameters plus the largest single parameter at full size.
 """
 

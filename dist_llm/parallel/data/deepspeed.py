@@ -9,15 +9,16 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-Checkpoints hold the model weights in our format (so they load into any native layout) and, at ZeRO-1/2, each
-rank's own optimizer partition (fp32 master, Adam moments, loss scaler, the engine's step counters) in the step
-folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON (engine_state.py), which our manifest covers.
-Each rank writes and later reads its own file only, with no collective: DeepSpeed's save_checkpoint and
-load_checkpoint are not used (they barrier on the training group, rank 0 writes a 16-bit copy of the whole
-module that the DCP shards already hold, and they read with torch.load(weights_only=False)). Resuming with this
-backend at the same dp size, ZeRO stage and precision puts the partition back through the optimizer's
-load_state_dict, so training goes on as if never stopped; otherwise (or from a checkpoint of another backend)
-it loads the weights and restarts the optimizer moments, and says so.
+At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time
+(deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each rank's partitions as chunks of the full
+tensors, under the keys every layout reads (model.<fqn>: the fp32 master, optim.state.<fqn>: the moments and step),
+so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes here, each rank reading its partitions
+straight from the chunks (deepspeed_shards.py). What is not a tensor of the model (the loss scaler, the engine's
+step counters) goes into the step folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON
+(engine_state.py), which our manifest covers. Each rank writes and later reads its own file only, with no
+collective: DeepSpeed's save_checkpoint and load_checkpoint are not used (they barrier on the training group,
+rank 0 writes a 16-bit copy of the whole module that the DCP shards already hold, and they read with
+torch.load(weights_only=False)). At stage 0 (no partitions) a checkpoint holds the weights only.
 """
 
 from __future__ import annotations
@@ -35,19 +36,19 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.optim import adamw, set_lr
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data import deepspeed_shards as shards
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
+from dist_llm.parallel.data.deepspeed_shards import build_partitioned, builds_partitioned
 from dist_llm.parallel.data.engine_state import (
     EngineStateError,
     read_engine_layout,
     read_engine_state,
     write_engine_state,
 )
-from dist_llm.parallel.data import deepspeed_shards as shards
-from dist_llm.parallel.data.deepspeed_shards import build_partitioned, builds_partitioned
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
-from dist_llm.optim import adamw, set_lr
 
 log = logging.getLogger("dist_llm")
 
@@ -102,7 +103,6 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
     """Our derived ds_config, with `parallel.deepspeed_config` merged over it; where both set a key that our
     config decides, they must agree (a contradiction is a one-line error naming both keys)."""
-    import json
     from pathlib import Path
 
     ours = deepspeed_config(cfg, dp)

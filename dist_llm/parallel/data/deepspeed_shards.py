@@ -3,10 +3,9 @@
 A checkpoint holds every tensor at its full shape under the keys every layout reads: `model.<fqn>` (the fp32
 master) and `optim.state.<fqn>.{step, exp_avg, exp_avg_sq}`. DeepSpeed keeps each rank's share in flat fp32
 partitions, with the inner torch AdamW's moments alongside, of the same length:
-  ZeRO-1/2: one flat fp32 partition per parameter group (`single_partition_of_fp32_groups[i]`); a parameter's
-            `_hp_mapping` (None where none of it falls in this rank's partition) gives the 1-D range of the
-            flattened parameter held here (`lp_fragment_address`) and where it sits in the partition
-            (`hp_fragment_address`).
+  ZeRO-1/2: one flat fp32 partition per parameter group (`single_partition_of_fp32_groups[i]`): rank r's
+            slice of the group's flat buffer, in which each parameter sits at a known offset; the part of a
+            parameter inside the slice is a 1-D range of the flattened parameter.
   ZeRO-3:   every parameter is cut into dp contiguous ranges of `partition_numel()` elements: rank r holds
             [r n, (r + 1) n) of the flattened parameter (the last range padded); DeepSpeed's local API
             (`safe_get_local_fp32_param`, `safe_get_local_optimizer_state`) gives its fp32 master and moments
@@ -61,18 +60,24 @@ def ensure_state(opt: Any) -> None:
 
 
 def zero12_pieces(opt: Any) -> dict[int, Piece]:
-    """id(parameter) -> this rank's piece of it, at ZeRO-1/2."""
+    """id(parameter) -> this rank's piece of it, at ZeRO-1/2. Read from the flat buffer's own layout (the
+    parameters in `round_robin_bit16_groups` order at `round_robin_bit16_offsets`, rank r owning the r-th of dp
+    equal slices), not from the parameters' `_hp_mapping`: DeepSpeed 0.19.8 links those by the unreordered order,
+    which is wrong once `round_robin_gradients` reorders a group that needs no alignment padding."""
+    import deepspeed.comm as ds_dist
+
     inner, out = opt.optimizer, {}
-    for i, params in enumerate(opt.bit16_groups):
+    for i, params in enumerate(opt.round_robin_bit16_groups):
         flat = opt.single_partition_of_fp32_groups[i]
         state = inner.state[flat]
-        for p in params:
-            mapping = getattr(p, "_hp_mapping", None)
-            if mapping is None:  # no element of p in this rank's partition
+        size = opt.bit16_groups_flat[i].numel() // ds_dist.get_world_size(group=opt.real_dp_process_group[i])
+        lo = ds_dist.get_rank(group=opt.real_dp_process_group[i]) * size
+        for p, meta, offset in zip(params, opt.round_robin_bit16_meta[i], opt.round_robin_bit16_offsets[i]):
+            a, z = max(lo, offset), min(lo + size, offset + meta.numel())
+            if a >= z:  # no element of p in this rank's partition
                 continue
-            at, n = mapping.hp_fragment_address.start, mapping.hp_fragment_address.numel
-            views = {"master": flat.narrow(0, at, n), **{k: state[k].narrow(0, at, n) for k in MOMENTS}}
-            out[id(p)] = Piece(mapping.lp_fragment_address.start, views)
+            views = {"master": flat.narrow(0, a - lo, z - a), **{k: state[k].narrow(0, a - lo, z - a) for k in MOMENTS}}
+            out[id(p)] = Piece(a - offset, views)
     return out
 
 
