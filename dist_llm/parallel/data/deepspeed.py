@@ -204,15 +204,6 @@ class DeepSpeedDataParallel(DataParallel):
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
-    def _gathered(self, *, modify: bool) -> contextlib.AbstractContextManager:
-        """ZeRO-3 partitions the module's parameters: gather them whole for reading or writing (stage 0 only, whose
-        optimizer keeps no partitions to save from)."""
-        if self.cfg.parallel.zero_stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
-
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=0 if modify else None)
-
     def _zero3(self) -> bool:
         return hasattr(self.optimizer, "fp32_partitioned_groups_flat")
 
@@ -224,9 +215,8 @@ class DeepSpeedDataParallel(DataParallel):
         """This rank's partitions as chunks of the full tensors (deepspeed_shards.py): the fp32 masters under
         model.<fqn> (every name, the tied lm_head.weight too) and the moments under optim.state.<fqn>, the keys
         every layout reads. Stage 0 (no partitions) saves the module's weights only."""
-        if not self._partitioned():
-            with self._gathered(modify=False):
-                model_sd = {k: v.detach().float().clone() for k, v in get_model_state_dict(self.module).items()}
+        if not self._partitioned():  # (the module holds every parameter whole)
+            model_sd = {k: v.detach().float().clone() for k, v in get_model_state_dict(self.module).items()}
             return {"model": model_sd, "optim": {"state": {}}}
         shards.ensure_state(self.optimizer)
         if self._zero3():
@@ -244,7 +234,7 @@ class DeepSpeedDataParallel(DataParallel):
         """After DCP filled the chunks of `checkpoint_state()`'s tensors (this rank's fp32 masters and moments, in
         place): the step count, then the compute-dtype parameters from the masters."""
         if not self._partitioned():
-            with self._gathered(modify=True), torch.no_grad():
+            with torch.no_grad():
                 for name, p in self.module.named_parameters():
                     p.copy_(state["model"][name].to(p.dtype))
             refresh = getattr(self.optimizer, "refresh_fp32_params", None)
