@@ -11,7 +11,8 @@ VmHWM read and reset at each phase boundary; on CUDA also max_memory_allocated) 
   1. LoRA from a sharded Hugging Face Llama (made here once with transformers: random init, bf16,
      save_pretrained with max_shard_size) at dp=4 ZeRO-3 and at tp=4;
   2. pretraining a GPT (Llama-shaped, so it exports) at tp=4, dp=4 ZeRO-1, dp=4 ZeRO-2 and dp=2 x pp=2;
-  3. the same at dp=2 (ZeRO-1, ZeRO-2), against dp=4 of case 2: per-rank memory should fall with the shard;
+  3. the same at dp=2 (ZeRO-1, ZeRO-2, and DeepSpeed's ZeRO-3), against dp=4 of case 2: per-rank memory should
+     fall with the shard;
   convert: `dist-llm convert --to-hf` of case 2's dp=4 ZeRO-1 checkpoint (its peak RSS from wait4);
   convert-from-hf: `dist-llm convert --from-hf` of case 1's sharded Llama (the same).
 Each training case runs twice: a fresh run to step 2 (start-up, step 1, save) and a resumed one to step 3
@@ -79,7 +80,9 @@ def cases() -> list[Case]:
             Case("2", "dp=4 ZeRO-2", 4, {**gpt, "parallel.dp": 4, "parallel.zero_stage": 2}),
             Case("2", "dp=2 x pp=2", 4, {**gpt, "parallel.dp": 2, "parallel.pp": 2}),
             Case("3", "dp=2 ZeRO-1", 2, {**gpt, "parallel.dp": 2, "parallel.zero_stage": 1}),
-            Case("3", "dp=2 ZeRO-2", 2, {**gpt, "parallel.dp": 2, "parallel.zero_stage": 2})]
+            Case("3", "dp=2 ZeRO-2", 2, {**gpt, "parallel.dp": 2, "parallel.zero_stage": 2}),
+            Case("3", "dp=2 DeepSpeed ZeRO-3", 2, {**gpt, "parallel.dp": 2, "parallel.zero_stage": 3,
+                                                   "parallel.backend": "deepspeed"})]
 
 
 # -- inputs, made once ------------------------------------------------------------------------------------

@@ -3,14 +3,15 @@
 The GPT is built on the meta device (shapes, no storage), its layers already tensor-parallel when built
 through TensorParallelFactory. `parallelize` then, in this order:
   1. cuts the pipeline stage (other stages' blocks are dropped while they are still meta);
-  2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated;
+  2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated
+     (DeepSpeed's ZeRO-3 instead takes the meta model and partitions each parameter as it draws it);
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
      rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
      under QLoRA each block linear is allocated, filled and quantised to NF4 one at a time (peft/qlora.py);
   4. PEFT (LoRA on the NF4 base, adapters), activation checkpointing, compile;
-  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed
-     hold those in full by design).
+  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed's
+     ZeRO-1/2 hold those in full by design).
 Peak memory of the build: this rank's parameters plus the largest single parameter at full size.
 """
 
@@ -27,7 +28,7 @@ from dist_llm.config import Config
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.data import DataParallel, build_data_parallel, uses_fsdp
+from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
 from dist_llm.peft import apply_peft, peft_parameter_names, qlora, reset_peft_parameters
@@ -116,10 +117,11 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
         log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, blocks.start, blocks.stop - 1,
                  ", embedding" if first else "", ", head and loss" if last else "")
     t = cfg.train
-    # FSDP2 shards the meta model and each rank then allocates only its shards; LoRA and adapters are added on
-    # the meta device too and drawn once allocated. QLoRA quantises real weights, so under it the
-    # tensor-parallel-local model is materialised first and sharded after.
-    shard_on_meta = wrap and uses_fsdp(cfg, ctx) and cfg.peft.method != "qlora"
+    # FSDP2 shards the meta model and each rank then allocates only its shards (DeepSpeed's ZeRO-3 likewise,
+    # one parameter at a time); LoRA and adapters are added on the meta device too and drawn once allocated.
+    # QLoRA quantises real weights, so under it the tensor-parallel-local model is materialised first and
+    # sharded after.
+    shard_on_meta = wrap and builds_on_meta(cfg, ctx) and cfg.peft.method != "qlora"
 
     def adapt_and_compile() -> None:
         if cfg.peft.method != "none":

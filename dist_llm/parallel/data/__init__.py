@@ -17,6 +17,14 @@ def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
     return cfg.parallel.backend == "native" and cfg.parallel.zero_stage == 3 and not (ctx.dp == 1 and ctx.mesh is None)
 
 
+def builds_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
+    """Whether the data-parallel form takes the model on the meta device and materialises only this rank's
+    part of it: FSDP2, and DeepSpeed's ZeRO-3 from a random start (deepspeed_shards.build_partitioned)."""
+    from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
+
+    return uses_fsdp(cfg, ctx) or builds_partitioned(cfg)
+
+
 def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
                         materialize: Callable[[nn.Module], None] | None = None) -> DataParallel:
     """Wrap `model` for `parallel.zero_stage` over the context's dp group (the plain form at dp=1; stage 3
@@ -30,12 +38,12 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
         from dist_llm.parallel.data.fsdp import FSDPDataParallel
 
         return FSDPDataParallel(model, cfg, ctx, materialize=materialize)
-    if materialize is not None:
-        materialize(model)
-    if cfg.parallel.backend == "deepspeed":
+    if cfg.parallel.backend == "deepspeed":  # (at ZeRO-3 it partitions each parameter as it materialises it)
         from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
 
-        return DeepSpeedDataParallel(model, cfg, ctx)
+        return DeepSpeedDataParallel(model, cfg, ctx, materialize=materialize)
+    if materialize is not None:
+        materialize(model)
     if ctx.dp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over
         return DataParallel(model, cfg, ctx)
     if stage == 0:
@@ -47,4 +55,4 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
     return ZeroDataParallel(model, cfg, ctx, stage=stage)
 
 
-__all__ = ["DataParallel", "build_data_parallel", "uses_fsdp"]
+__all__ = ["DataParallel", "build_data_parallel", "builds_on_meta", "uses_fsdp"]

@@ -9,15 +9,16 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-Checkpoints hold the model weights in our format (so they load into any native layout) and, at ZeRO-1/2, each
-rank's own optimizer partition (fp32 master, Adam moments, loss scaler, the engine's step counters) in the step
-folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON (engine_state.py), which our manifest covers.
-Each rank writes and later reads its own file only, with no collective: DeepSpeed's save_checkpoint and
-load_checkpoint are not used (they barrier on the training group, rank 0 writes a 16-bit copy of the whole
-module that the DCP shards already hold, and they read with torch.load(weights_only=False)). Resuming with this
-backend at the same dp size, ZeRO stage and precision puts the partition back through the optimizer's
-load_state_dict, so training goes on as if never stopped; otherwise (or from a checkpoint of another backend)
-it loads the weights and restarts the optimizer moments, and says so.
+At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time
+(deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each rank's partitions as chunks of the full
+tensors, under the keys every layout reads (model.<fqn>: the fp32 master, optim.state.<fqn>: the moments and step),
+so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes here, each rank reading its partitions
+straight from the chunks (deepspeed_shards.py). What is not a tensor of the model (the loss scaler, the engine's
+step counters) goes into the step folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON
+(engine_state.py), which our manifest covers. Each rank writes and later reads its own file only, with no
+collective: DeepSpeed's save_checkpoint and load_checkpoint are not used (they barrier on the training group,
+rank 0 writes a 16-bit copy of the whole module that the DCP shards already hold, and they read with
+torch.load(weights_only=False)). At stage 0 (no partitions) a checkpoint holds the weights only.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import json
 import logging
 import math
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -35,16 +36,19 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.optim import adamw, set_lr
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data import deepspeed_shards as shards
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, tensor_bytes
+from dist_llm.parallel.data.deepspeed_shards import build_partitioned, builds_partitioned
 from dist_llm.parallel.data.engine_state import (
     EngineStateError,
     read_engine_layout,
     read_engine_state,
     write_engine_state,
 )
-from dist_llm.optim import build_optimizer, set_lr
+from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 
 log = logging.getLogger("dist_llm")
 
@@ -99,7 +103,6 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
 def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
     """Our derived ds_config, with `parallel.deepspeed_config` merged over it; where both set a key that our
     config decides, they must agree (a contradiction is a one-line error naming both keys)."""
-    import json
     from pathlib import Path
 
     ours = deepspeed_config(cfg, dp)
@@ -120,11 +123,22 @@ def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
     return _merge(ours, theirs)
 
 
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """optim.param_groups (matrices decay, vectors do not), judged by each parameter's full shape: a ZeRO-3
+    parameter built partitioned holds an empty tensor, its shape in `ds_shape`."""
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if len(getattr(p, "ds_shape", p.shape)) >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
 class DeepSpeedDataParallel(DataParallel):
     name = "deepspeed"
     handles_loss_scaling = True
 
-    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *,
+                 materialize: Callable[[nn.Module], None] | None = None) -> None:
         try:
             import deepspeed
         except ImportError:
@@ -135,12 +149,21 @@ class DeepSpeedDataParallel(DataParallel):
         self.cfg, self.ctx = cfg, ctx
         self.module = model
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
-        optimizer = build_optimizer(model, cfg.optim, ctx.device)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
-                                               config=merged_deepspeed_config(cfg, ctx.dp))
+        ds_config = merged_deepspeed_config(cfg, ctx.dp)
+        if materialize is not None:  # a meta-device model: ZeRO-3 partitions it as it is drawn, the others whole
+            if builds_partitioned(cfg):
+                build_partitioned(model, cfg.train.seed, ctx.device, ds_config)
+            else:
+                materialize(model)
+        elif cfg.parallel.zero_stage == 3:
+            log.warning("parallel.backend=deepspeed at parallel.zero_stage=3 with model.init_from or peft.method: "
+                        "each rank materialises the whole model before DeepSpeed partitions it")
+        optimizer = adamw(_param_groups(model, cfg.optim.weight_decay), cfg.optim, ctx.device)
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
+        self.tp_layout = TensorParallelState(model, ctx)  # where each tp slice sits in its full tensor
         self._skipped = 0  # whether the engine skipped the last step
         self._grad_bytes: int | None = None  # gradients held at the first step (see _held_grad_bytes)
 
@@ -181,27 +204,48 @@ class DeepSpeedDataParallel(DataParallel):
     def zero_grad(self) -> None:
         self.engine.zero_grad()
 
-    def _gathered(self, *, modify: bool) -> contextlib.AbstractContextManager:
-        """ZeRO-3 partitions the module's parameters: gather them whole for reading or writing."""
-        if self.cfg.parallel.zero_stage != 3:
-            return contextlib.nullcontext()
-        import deepspeed
+    def _zero3(self) -> bool:
+        return hasattr(self.optimizer, "fp32_partitioned_groups_flat")
 
-        return deepspeed.zero.GatheredParameters(list(self.module.parameters()), modifier_rank=0 if modify else None)
+    def _partitioned(self) -> bool:
+        """Whether the optimizer keeps flat fp32 partitions this backend saves from (ZeRO-1, 2 and 3)."""
+        return self._zero3() or self._zero_optimizer()
 
     def checkpoint_state(self) -> dict[str, Any]:
-        # every key the native model has (the tied lm_head.weight too), in fp32
-        with self._gathered(modify=False):
+        """This rank's partitions as chunks of the full tensors (deepspeed_shards.py): the fp32 masters under
+        model.<fqn> (every name, the tied lm_head.weight too) and the moments under optim.state.<fqn>, the keys
+        every layout reads. Stage 0 (no partitions) saves the module's weights only."""
+        if not self._partitioned():  # (the module holds every parameter whole)
             model_sd = {k: v.detach().float().clone() for k, v in get_model_state_dict(self.module).items()}
-        return {"model": model_sd, "optim": {"state": {}}}
+            return {"model": model_sd, "optim": {"state": {}}}
+        shards.ensure_state(self.optimizer)
+        if self._zero3():
+            params = [p for p in self.module.parameters()]
+            pieces = shards.zero3_pieces(params, dist.get_rank(group=self.optimizer.dp_process_group))
+            model_sd: dict[str, Any] = {}  # (a frozen PEFT base is partitioned too, and not saved)
+        else:
+            pieces = shards.zero12_pieces(self.optimizer)
+            model_sd = get_model_state_dict(self.module)  # the frozen (PEFT) parameters are held whole here
+        flat = shards.flat_partitions(self.optimizer)[0]
+        step = self.optimizer.optimizer.state[flat]["step"]
+        return shards.state_of(self.module, pieces, step, self.tp_layout, flat.device, model_sd)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        with self._gathered(modify=True), torch.no_grad():
-            for name, p in self.module.named_parameters():
-                p.copy_(state["model"][name].to(p.dtype))
-        refresh = getattr(self.optimizer, "refresh_fp32_params", None)
-        if refresh is not None:  # DeepSpeed's fp32 master partitions follow the loaded weights
-            refresh()
+        """After DCP filled the chunks of `checkpoint_state()`'s tensors (this rank's fp32 masters and moments, in
+        place): the step count, then the compute-dtype parameters from the masters."""
+        if not self._partitioned():
+            with torch.no_grad():
+                for name, p in self.module.named_parameters():
+                    p.copy_(state["model"][name].to(p.dtype))
+            refresh = getattr(self.optimizer, "refresh_fp32_params", None)
+            if refresh is not None:  # DeepSpeed's fp32 master copies follow the loaded weights
+                refresh()
+            return
+        shards.set_step(self.optimizer, state["optim"]["state"])
+        if self._zero3():
+            shards.zero3_from_masters(self.optimizer)
+        else:
+            self.optimizer.update_lp_params()  # this rank's partition from its masters, then all-gathered
 
     def _engine_file(self, path: Path) -> Path:
         # named by rank like rng/rank_KKKKK.json, so checksums.written_by gives each rank its own file to hash;
@@ -214,45 +258,36 @@ class DeepSpeedDataParallel(DataParallel):
         return isinstance(self.optimizer, DeepSpeedZeroOptimizer)
 
     def save_engine_state(self, path: Path) -> None:
-        """This rank's ZeRO-1/2 partition (fp32 master, Adam moments, loss scaler) and the engine's step counters
-        into path/deepspeed/rank_KKKKK.safetensors: each rank writes only its own share, with no collective
-        (DeepSpeed's save_checkpoint would add its barriers on the training group and a 16-bit copy of the
-        whole module, which the DCP shards already hold)."""
-        if not self._zero_optimizer():
-            return  # other stages resume the weights only (load_engine_state says so)
-        from deepspeed.checkpoint.constants import PARAM_SLICE_MAPPINGS
+        """What DeepSpeed keeps besides the tensors of `checkpoint_state` (ZeRO-1/2/3): its loss scaler and the
+        engine's step counters, into path/deepspeed/rank_KKKKK.safetensors. Each rank writes its own small file,
+        with no collective (DeepSpeed's save_checkpoint would add its barriers on the training group and a 16-bit
+        copy of the whole module)."""
+        if not self._partitioned():
+            return  # stage 0 resumes the weights only (load_engine_state says so)
         from deepspeed.runtime.fp16.loss_scaler import LossScalerBase
 
-        # the slice mappings serve only DeepSpeed's universal checkpoints (and are not tensors or numbers)
-        optim = {k: v for k, v in self.optimizer.state_dict().items() if k != PARAM_SLICE_MAPPINGS}
         counters = {k: getattr(self.engine, k) for k in _COUNTERS}
         self._engine_file(path).parent.mkdir(exist_ok=True)
-        write_engine_state(self._engine_file(path), {"optimizer": optim, "engine": counters},
-                           objects=(LossScalerBase,), layout=self._partition_layout())
+        write_engine_state(self._engine_file(path), {"loss_scaler": self.optimizer.loss_scaler, "engine": counters},
+                           objects=(LossScalerBase,), layout=self._engine_layout())
 
-    def _partition_layout(self) -> dict[str, Any]:
-        """What decides where each value sits in this rank's flat ZeRO partitions: the engine's effective
-        zero_optimization settings (e.g. round_robin_gradients reorders the parameters inside a partition, sizes
-        unchanged), as a hash, and each parameter group's partition size and padding. Two engines whose layouts
-        differ cannot exchange partitions, even at the same dp, stage and precision."""
-        import hashlib
-
-        zero = self.engine._config.zero_config.model_dump(mode="json")
-        text = json.dumps(zero, sort_keys=True, default=str)
-        return {"zero_optimization_sha256": hashlib.sha256(text.encode()).hexdigest(),
-                "partition_sizes": [int(n) for n in self.optimizer.partition_size],
-                "paddings": [int(n) for n in self.optimizer.groups_padding]}
+    def _engine_layout(self) -> dict[str, Any]:
+        """What the file's values depend on: the precision decides the loss scaler's kind (fp16's dynamic one,
+        a static one otherwise). Counters and scaler mean the same at any dp size and stage."""
+        return {"precision": self.cfg.train.precision}
 
     def load_engine_state(self, path: Path, group: Any = None) -> None:
-        """This rank's partition and the engine's counters from path/deepspeed/, when they fit this engine; only
-        this rank's file is read. Collective over `group` (the checkpoint group): the ranks agree first on
-        whether the files fit (the first rank's reason not to load holds for all), then on the outcome, so a
-        file that fails on one rank raises the same one-line ConfigError on every rank."""
+        """The loss scaler and the engine's counters from path/deepspeed/, when they fit this engine; only this
+        rank's file is read (the weights and moments came with `load_checkpoint_state`, from any layout).
+        Collective over `group` (the checkpoint group): the ranks agree first on whether the files fit (the first
+        rank's reason not to load holds for all), then on the outcome, so a file that fails on one rank raises
+        the same one-line ConfigError on every rank."""
         file = self._engine_file(path)
         reason = comm.shared_error(self._engine_state_mismatch_or_error(path), group)
         if reason is not None:
-            log.warning("parallel.backend=deepspeed: resumed the model weights only; optimizer moments start "
-                        "afresh (%s)", reason)
+            what = ("the weights only; optimizer moments start afresh" if not self._partitioned() else
+                    "the weights and optimizer moments; DeepSpeed's loss scaler and step counters start afresh")
+            log.warning("parallel.backend=deepspeed: resumed %s (%s)", what, reason)
             return
         try:
             self._load_own_engine_state(file)
@@ -263,11 +298,11 @@ class DeepSpeedDataParallel(DataParallel):
         error = comm.shared_error(error, group)
         if error is not None:
             raise ConfigError(error)
-        log.info("parallel.backend=deepspeed: resumed DeepSpeed's optimizer state from %s", file)
+        log.info("parallel.backend=deepspeed: resumed DeepSpeed's loss scaler and step counters from %s", file)
 
     def _engine_state_mismatch_or_error(self, path: Path) -> str | None:
-        """`_engine_state_mismatch`, or what kept it from being decided (an unreadable config.yaml): either way,
-        a reason to load the weights only, never an exception that leaves the peers waiting."""
+        """`_engine_state_mismatch`, or what kept it from being decided: either way, a reason not to load the
+        file, never an exception that leaves the peers waiting."""
         try:
             return self._engine_state_mismatch(path)
         except Exception as e:  # noqa: BLE001 - see above
@@ -275,49 +310,30 @@ class DeepSpeedDataParallel(DataParallel):
 
     def _load_own_engine_state(self, file: Path) -> None:
         scaler = self.optimizer.loss_scaler
+        # (decoding sets the saved attributes on the live scaler, each checked against it first)
         saved = read_engine_state(file, objects={type(scaler).__name__: scaler})
         if not isinstance(saved, dict) or not isinstance(saved.get("engine"), dict):
-            raise EngineStateError(f"{file}: no optimizer and engine entries")
-        optim, counters = saved["optimizer"], saved["engine"]
-        # DeepSpeed's load takes one state per saved partition and, when the dp size is unchanged (checked
-        # above), reads only this rank's entry: the others stay None rather than being read from disk
-        parts: list[Any] = [None] * self.ctx.dp
-        parts[self.ctx.dp_rank] = optim
-        # the saved param groups carry the old run's hyperparameters; this run's config decides them (as under
-        # the native backends): kept across the load (the lr is set at each step by the schedule)
-        inner = getattr(self.optimizer, "optimizer", self.optimizer)
-        configured = [{k: g[k] for k in ("betas", "eps", "weight_decay") if k in g} for g in inner.param_groups]
-        self.optimizer.load_state_dict(parts, load_optimizer_states=True, load_from_fp32_weights=True)
-        for group, values in zip(inner.param_groups, configured, strict=True):
-            group.update(values)
+            raise EngineStateError(f"{file}: no loss scaler and engine entries")
+        counters = saved["engine"]
+        values = {}
         for name in _COUNTERS:
-            setattr(self.engine, name, int(counters[name]))
+            if not isinstance(counters.get(name), int):
+                raise EngineStateError(f"{file}: the engine's {name} is not an integer")
+            values[name] = counters[name]
+        for name, value in values.items():
+            setattr(self.engine, name, value)
 
     def _engine_state_mismatch(self, path: Path) -> str | None:
-        """Why DeepSpeed's files in checkpoint `path` cannot go into this engine (None when they can): its
-        ZeRO partitions are cut for one dp size, and named and typed for one stage and precision."""
-        import yaml
-
-        if not self._zero_optimizer():
-            return (f"DeepSpeed's optimizer state is saved at zero_stage 1 and 2 only, this run has "
+        """Why DeepSpeed's file in checkpoint `path` cannot go into this engine (None when it can)."""
+        if not self._partitioned():
+            return (f"DeepSpeed's optimizer state is saved at zero_stage 1, 2 and 3 only, this run has "
                     f"{self.cfg.parallel.zero_stage}")
         if not self._engine_file(path).is_file():
             return (f"{path} holds no {self._engine_file(path).relative_to(path)}: saved by another backend, "
-                    f"another stage or an older dist_llm")
-        saved_cfg = yaml.safe_load((path / "config.yaml").read_text())
-        saved_dp = json.loads((path / "manifest.json").read_text())["layout"]["dp"]
-        then = (saved_dp, saved_cfg["parallel"]["zero_stage"], saved_cfg["train"]["precision"])
-        now = (self.ctx.dp, self.cfg.parallel.zero_stage, self.cfg.train.precision)
-        if then != now:
-            return f"{path} was saved at dp, zero_stage, precision = {then}, this run has {now}"
+                    f"stage 0 or with more ranks")
         saved = read_engine_layout(self._engine_file(path))
-        if saved is None:
-            return f"{self._engine_file(path)} holds no partition layout: saved by an older dist_llm"
-        ours = self._partition_layout()
-        if saved != ours:
-            what = ", ".join(k for k in sorted(ours) if saved.get(k) != ours[k]) or "its keys"
-            return (f"{self._engine_file(path)} was cut for another partition layout ({what} differ: a change to "
-                    f"DeepSpeed's zero_optimization settings)")
+        if saved != self._engine_layout():
+            return f"{self._engine_file(path)} was saved with {saved}, this run has {self._engine_layout()}"
         return None
 
     def _held_grad_bytes(self) -> int:

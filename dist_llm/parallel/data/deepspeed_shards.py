@@ -1,0 +1,195 @@
+"""DeepSpeed's ZeRO partitions as checkpoint chunks, and its ZeRO-3 model built one parameter at a time.
+
+A checkpoint holds every tensor at its full shape under the keys every layout reads: `model.<fqn>` (the fp32
+master) and `optim.state.<fqn>.{step, exp_avg, exp_avg_sq}`. DeepSpeed keeps each rank's share in flat fp32
+partitions, with the inner torch AdamW's moments alongside, of the same length:
+  ZeRO-1/2: one flat fp32 partition per parameter group (`single_partition_of_fp32_groups[i]`): rank r's
+            slice of the group's flat buffer, in which each parameter sits at a known offset; the part of a
+            parameter inside the slice is a 1-D range of the flattened parameter.
+  ZeRO-3:   every parameter is cut into dp contiguous ranges of `partition_numel()` elements: rank r holds
+            [r n, (r + 1) n) of the flattened parameter (the last range padded); DeepSpeed's local API
+            (`safe_get_local_fp32_param`, `safe_get_local_optimizer_state`) gives its fp32 master and moments
+            as views of the flat sub-group they live in.
+Each range becomes rectangles of the full tensor (`shards.range_rectangles`) that view the live partitions:
+DCP writes them as they are and, on resume, reads straight into them, resharding from whatever layout saved.
+Nothing is gathered and no rank holds more than its own partition.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_llm.parallel.shards import range_rectangles
+from dist_llm.parallel.tensor.checkpoint import TensorParallelState
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass
+class Piece:
+    """This rank's range of one parameter: where it starts among the flattened parameter's elements, and the
+    flat fp32 views of it (the master, then each moment)."""
+
+    start: int
+    views: dict[str, torch.Tensor]
+
+
+def flat_partitions(opt: Any) -> list[torch.Tensor]:
+    """The flat fp32 tensors the inner optimizer steps (this rank's partitions)."""
+    if hasattr(opt, "fp32_partitioned_groups_flat"):  # ZeRO-3
+        return list(opt.fp32_partitioned_groups_flat)
+    return list(opt.single_partition_of_fp32_groups)  # ZeRO-1/2
+
+
+def ensure_state(opt: Any) -> None:
+    """The inner AdamW's state for every flat partition, made now if no step made it yet (a resume loads into
+    it): AdamW's own first step makes the same zeros and step 0, and keeps state it finds."""
+    inner = opt.optimizer
+    for flat in flat_partitions(opt):
+        if inner.state.get(flat):
+            continue
+        fused = inner.defaults.get("fused") or inner.defaults.get("capturable")
+        step_device = flat.device if fused else "cpu"
+        inner.state[flat] = {"step": torch.zeros((), dtype=torch.float32, device=step_device),
+                             **{k: torch.zeros_like(flat, memory_format=torch.preserve_format) for k in MOMENTS}}
+
+
+def zero12_pieces(opt: Any) -> dict[int, Piece]:
+    """id(parameter) -> this rank's piece of it, at ZeRO-1/2. Read from the flat buffer's own layout (the
+    parameters in `round_robin_bit16_groups` order at `round_robin_bit16_offsets`, rank r owning the r-th of dp
+    equal slices), not from the parameters' `_hp_mapping`: DeepSpeed 0.19.8 links those by the unreordered order,
+    which is wrong once `round_robin_gradients` reorders a group that needs no alignment padding."""
+    import deepspeed.comm as ds_dist
+
+    inner, out = opt.optimizer, {}
+    for i, params in enumerate(opt.round_robin_bit16_groups):
+        flat = opt.single_partition_of_fp32_groups[i]
+        state = inner.state[flat]
+        size = opt.bit16_groups_flat[i].numel() // ds_dist.get_world_size(group=opt.real_dp_process_group[i])
+        lo = ds_dist.get_rank(group=opt.real_dp_process_group[i]) * size
+        for p, meta, offset in zip(params, opt.round_robin_bit16_meta[i], opt.round_robin_bit16_offsets[i]):
+            a, z = max(lo, offset), min(lo + size, offset + meta.numel())
+            if a >= z:  # no element of p in this rank's partition
+                continue
+            views = {"master": flat.narrow(0, a - lo, z - a), **{k: state[k].narrow(0, a - lo, z - a) for k in MOMENTS}}
+            out[id(p)] = Piece(a - offset, views)
+    return out
+
+
+def zero3_pieces(params: list[nn.Parameter], dp_rank: int) -> dict[int, Piece]:
+    """id(parameter) -> this rank's piece of it, at ZeRO-3 (trainable parameters: frozen ones have no master)."""
+    from deepspeed.utils import safe_get_local_fp32_param, safe_get_local_optimizer_state
+
+    out = {}
+    for p in params:
+        if not p.requires_grad:
+            continue
+        n = p.partition_numel()
+        lo = dp_rank * n
+        held = max(0, min(lo + n, p.ds_numel) - lo)  # the last rank's range is padded past the end
+        views = {"master": safe_get_local_fp32_param(p).narrow(0, 0, held),
+                 **{k: safe_get_local_optimizer_state(p, k).narrow(0, 0, held) for k in MOMENTS}}
+        out[id(p)] = Piece(lo, views)
+    return out
+
+
+def chunked(tp: TensorParallelState, fqn: str, shape: torch.Size, piece: Piece | None, key: str,
+            device: torch.device) -> torch.Tensor:
+    """Parameter `fqn`'s full tensor (its tp-local `shape` placed by `tp`), of which this rank holds `piece`'s
+    `key` view, as chunks: the 1-D range cut into rectangles (a partial first row, full rows, a partial last)."""
+    views = []
+    if piece is not None:
+        flat, at = piece.views[key], 0
+        for rect in range_rectangles(shape, piece.start, piece.start + flat.numel()):
+            n = math.prod(rect[1])
+            views.append((flat[at : at + n].view(rect[1]), rect))
+            at += n
+    return tp.chunked(fqn, views, shape, torch.float32, device)
+
+
+def state_of(module: nn.Module, pieces: dict[int, Piece], step: torch.Tensor, tp: TensorParallelState,
+             device: torch.device, model_sd: dict[str, Any]) -> dict[str, Any]:
+    """The checkpoint state: every name of a trained parameter (tied aliases too) gets the fp32 master's
+    chunks, its first name the moments' chunks and the step count; `model_sd` gives the other entries."""
+    optim: dict[str, Any] = {}
+    first: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if not p.requires_grad:
+            continue  # frozen (PEFT): a checkpoint keeps the trained tensors only
+        shape = torch.Size(getattr(p, "ds_shape", p.shape))
+        piece = pieces.get(id(p))
+        model_sd[name] = chunked(tp, name, shape, piece, "master", device)
+        if id(p) not in first:
+            first.add(id(p))
+            optim[name] = {"step": step.detach().to("cpu", torch.float32, copy=True),
+                           **{k: chunked(tp, name, shape, piece, k, device) for k in MOMENTS}}
+    return {"model": model_sd, "optim": {"state": optim}}
+
+
+def set_step(opt: Any, optim_state: dict[str, Any]) -> None:
+    """The step count a checkpoint gave (one for all parameters) into every flat partition's state."""
+    step = next(iter(optim_state.values()))["step"] if optim_state else torch.tensor(0.0)
+    for flat in flat_partitions(opt):
+        opt.optimizer.state[flat]["step"].copy_(step)
+
+
+@torch.no_grad()
+def zero3_from_masters(opt: Any) -> None:
+    """ZeRO-3, after DCP filled the fp32 masters: the compute-dtype partitions follow them (as DeepSpeed's own
+    load does), and the parameters it keeps gathered (`ds_persist`, small ones) are gathered again."""
+    opt.checkpoint_event_prologue()  # every parameter back to its partition, the persistent ones too
+    for i, fp32 in enumerate(opt.fp32_partitioned_groups_flat):
+        flat16 = opt.fp16_partitioned_groups_flat[i]
+        if fp32.numel():
+            flat16.copy_(fp32)
+        for part, view in zip(opt.fp16_partitioned_groups[i], opt.unflatten(flat16, opt.fp16_partitioned_groups[i])):
+            part.data = view.data
+    opt.checkpoint_event_epilogue()
+
+
+# -- the ZeRO-3 build: one parameter at a time ------------------------------------------------------------------
+@torch.no_grad()
+def build_partitioned(model: nn.Module, seed: int, device: torch.device, ds_config: dict[str, Any],
+                      group: Any = None) -> None:
+    """Materialise a meta-device model straight into DeepSpeed's ZeRO-3 partitions: each parameter in turn is
+    allocated whole, drawn as model/init.py draws it (from its own generator: the values of the one-process
+    model), cast to the engine's dtype and handed to DeepSpeed's partitioner, which keeps this rank's range and
+    frees the rest. A rank holds its partitions plus one parameter at full size, never the whole model.
+    Buffers (small, recomputed) are allocated whole."""
+    import deepspeed
+
+    # (not entered: no module class is patched; only its converter, the one deepspeed.initialize would use on a
+    # whole model, is applied to each parameter)
+    partitioner = deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=group)
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding a parameter (tied ones: two)
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, pname))
+    for name, meta in list(model.named_parameters()):  # (a shared parameter once, under its first name)
+        p = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
+        for attr, value in vars(meta).items():  # parameter marks (parallel/marks.py)
+            setattr(p, attr, value)
+        for module, pname in owners[id(meta)]:
+            module._parameters[pname] = p
+        model.reset_parameters(seed, only=[name])
+        p.data = p.data.to(partitioner.dtype)
+        # (DeepSpeed broadcasts rank 0's values over the group first: every rank drew the same ones anyway)
+        partitioner._convert_to_zero_parameters([p])
+    model.reset_buffers()
+
+
+def builds_partitioned(cfg: Any) -> bool:
+    """Whether the DeepSpeed backend builds the model straight into ZeRO-3 partitions (`build_partitioned`):
+    at zero_stage 3 from a random start. `model.init_from` and PEFT load or adapt a whole model first."""
+    p = cfg.parallel
+    return p.backend == "deepspeed" and p.zero_stage == 3 and not cfg.model.init_from and cfg.peft.method == "none"
