@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 from pathlib import Path
 
 RUN_LOCK = "run.lock"
+log = logging.getLogger("dist_llm")
 
 
 def job_id() -> str | None:
@@ -58,9 +60,14 @@ def take(path: Path) -> str | None:
         if their_host == host:
             if pid != os.getpid() and _alive(pid):
                 return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir"
+            if pid != os.getpid():
+                log.warning("%s: taking over the lock of process %d, which is gone (a run that did not end "
+                            "cleanly)", path, pid)
             path.unlink(missing_ok=True)  # ours already, or its process is gone
             continue
         if their_job is not None and their_job == job_id():
+            log.warning("%s: taking over the lock of process %d on host %s: an earlier attempt of this job %s",
+                        path, pid, their_host, their_job)
             path.unlink(missing_ok=True)  # an earlier attempt of this very job, restarted on another host
             continue
         return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
