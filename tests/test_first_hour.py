@@ -1,0 +1,241 @@
+"""Issue 18, "the first hour", through the CLI as a new user meets it: an unwritable out_dir, two runs in one
+out_dir, Ctrl-C, resume (metrics, incomplete checkpoints, a finished run), config errors, --help, sampling a
+LoRA checkpoint from elsewhere. One tiny run is shared by the tests that only read or resume it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO, tiny_overrides
+
+
+def cli(*args: str, cwd: Path = REPO, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "dist_llm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env)
+
+
+def tiny(out_dir: Path, **extra: object) -> list[str]:
+    """A one-block model on the stdlib corpus (cached), three steps, a checkpoint at step 2 and at the end."""
+    return tiny_overrides(out_dir, **{"model__n_layer": 1, "train__max_steps": 3, "train__ckpt_interval": 2,
+                                      "train__eval_interval": 0, "train__keep_checkpoints": 5, **extra})
+
+
+def one_error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The process failed with `code` and said so in exactly one line, no traceback."""
+    assert proc.returncode == code, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("dist-llm: error: ")]
+    assert errors == lines[-1:] and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # (after set-up's log lines)
+    return lines[-1].removeprefix("dist-llm: error: ")
+
+
+def records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished three-step run (checkpoints at steps 2 and 3), made once for the module."""
+    out = tmp_path_factory.mktemp("first_hour") / "run"
+    proc = cli("train", *tiny(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"starting fresh: no complete checkpoint in {out / 'checkpoints'}" in proc.stderr
+    return out
+
+
+# -- 1. an unwritable out_dir ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_an_unwritable_out_dir_is_one_line_before_anything_starts(tmp_path: Path, nproc: str) -> None:
+    (tmp_path / "file").write_text("kept")
+    out = tmp_path / "file" / "run"
+    said = one_error_line(cli("train", "--nproc-per-node", nproc, *tiny(out, parallel__dp=int(nproc))))
+    assert said == f"train.out_dir: cannot write {out}: {tmp_path / 'file'} is a file, not a folder"
+    assert (tmp_path / "file").read_text() == "kept"  # nothing written before is lost
+
+
+# -- 2. one run per out_dir -----------------------------------------------------------------------------------
+def test_a_second_run_in_a_busy_out_dir_is_refused_and_a_stale_lock_taken_over(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / "run.lock"
+    host = os.uname().nodename
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": host, "job": None}))  # this live test process
+    said = one_error_line(cli("train", *tiny(out, train__max_steps=1)))
+    assert said == f"train.out_dir: {lock}: in use by process {os.getpid()} on this host; wait for it, or use another train.out_dir"
+    assert json.loads(lock.read_text())["pid"] == os.getpid()  # the holder's lock is left alone
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    lock.write_text(json.dumps({"pid": gone.pid, "host": host, "job": None}))
+    proc = cli("train", *tiny(out, train__max_steps=1))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{lock}: taking over the lock of process {gone.pid}, which is gone" in proc.stderr
+    assert not lock.exists()  # released at the end
+
+
+# -- 3. Ctrl-C --------------------------------------------------------------------------------------------------
+def interrupt(out: Path, *args: str, times: int = 1) -> tuple[subprocess.CompletedProcess, float]:
+    """Start `dist-llm train` as a terminal would (its own process group), press Ctrl-C `times` times once it has
+    logged a step; (the finished process, seconds from the last Ctrl-C to its end)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "dist_llm.cli", "train", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and '"loss"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    for _ in range(times):
+        os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C in the terminal does: the whole foreground group
+        time.sleep(0.05)
+    pressed = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), time.monotonic() - pressed
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_ctrl_c_saves_at_the_step_boundary_and_says_how_to_resume(tmp_path: Path, nproc: int) -> None:
+    """Every rank stops at the same step (the ranks agree at each step boundary), saves, and the command exits 130
+    with one line naming the checkpoint; resuming goes on from it."""
+    out = tmp_path / "run"
+    args = tiny(out, train__max_steps=100_000, train__ckpt_interval=0, parallel__dp=nproc)
+    proc, _ = interrupt(out, "--nproc-per-node", str(nproc), *args)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    [step_dir] = (out / "checkpoints").iterdir()
+    step = int(step_dir.name.removeprefix("step_"))
+    assert (step_dir / "manifest.json").is_file()
+    said = [line[line.index("interrupted (Ctrl-C)"):] for line in proc.stderr.replace("\r", "\n").splitlines()
+            if "interrupted (Ctrl-C)" in line]
+    assert said == [f"interrupted (Ctrl-C) after step {step}: saved {step_dir}; run the same command again to "
+                    "resume from it"]
+    beats = [json.loads((out / "heartbeat" / f"rank_{r}.json").read_text())["step"] for r in range(nproc)]
+    assert beats == [step] * nproc  # no rank went past the agreed step
+    if nproc == 1:
+        again = cli("train", *tiny(out, train__max_steps=step + 1))
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert f"resumed from {step_dir} at step {step}" in again.stderr
+
+
+def test_a_second_ctrl_c_aborts_at_once_without_saving(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc, seconds = interrupt(out, *tiny(out, train__max_steps=100_000, train__ckpt_interval=0), times=2)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith("interrupted: nothing saved since the last complete checkpoint (during training, a single "
+                         "Ctrl-C saves one at the end of the step)")
+    # (the second Ctrl-C may come during the save the first began: that half checkpoint is removed)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "run.lock").exists()
+    assert seconds < 30  # (no save, no report: a step and the interpreter's exit)
+
+
+# -- 4, 5, 6 and 15: resume -------------------------------------------------------------------------------------
+def test_resume_warns_of_an_incomplete_checkpoint_and_keeps_one_metrics_line_per_step(run_dir: Path,
+                                                                                      tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir, out)
+    (out / "checkpoints" / "step_000003" / "manifest.json").unlink()  # a save that did not finish
+    before = records(out)
+    proc = cli("train", *tiny(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"ignoring checkpoint {out / 'checkpoints' / 'step_000003'}: it has no manifest.json (its save did not "
+            "finish)") in proc.stderr
+    assert f"resumed from {out / 'checkpoints' / 'step_000002'} at step 2" in proc.stderr
+    after = records(out)
+    losses = [r["step"] for r in after if "loss" in r]
+    assert losses == [1, 2, 3]  # step 3 once: the earlier run's line was dropped, the re-run's written
+    assert after[:len(before)][:3] == before[:3]  # the lines up to the checkpoint's step are kept as they were
+    starts = [r["step"] for r in after if r.get("event") == "start"]
+    assert starts == [0, 2]
+
+
+def test_rerunning_a_finished_run_says_it_is_complete_and_how_to_go_on(run_dir: Path) -> None:
+    before = (run_dir / "metrics.jsonl").read_text()
+    proc = cli("train", *tiny(run_dir))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"nothing to train: {run_dir} is complete at step 3 (train.max_steps=3); to train on, raise "
+            "train.max_steps (e.g. train.max_steps=6); to start over, train.resume=never") in proc.stderr
+    assert (run_dir / "metrics.jsonl").read_text() == before
+    assert not (run_dir / "run.lock").exists()
+
+
+def test_a_checkpoint_of_another_shape_names_the_key(run_dir: Path) -> None:
+    said = one_error_line(cli("train", *tiny(run_dir, model__n_embd=64)))
+    assert said == (f"train.resume: {run_dir / 'checkpoints' / 'step_000003'} holds a different model than the "
+                    "model.* settings describe: model.n_embd is 32 there, 64 here; start over with "
+                    "train.resume=never (the earlier run is moved aside) or use another train.out_dir")
+
+
+# -- 15. config errors --------------------------------------------------------------------------------------------
+def test_config_errors_say_why_and_suggest_the_section(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layer: 2\n n_head: 3\n")
+    said = one_error_line(cli("train", "--config", str(bad)))
+    assert said == (f"--config: {bad} is not valid YAML at line 3, column 2: expected <block end>, but found "
+                    "'<block mapping start>'")
+    said = one_error_line(cli("train", "modle.n_layer=2"))
+    assert said == "unknown config key 'modle.n_layer' (did you mean 'model.n_layer'?)"
+    said = one_error_line(cli("train", "train.max_steps=1.5"))
+    assert said == "train.max_steps: expected an integer, got 1.5"
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("train:\n  max_steps: 1e3\n  eval_steps: 2.0\n")
+    listed = cli("memory", "--config", str(ok), "--json", "train.global_batch_size=4e1", "train.micro_batch_size=8")
+    assert listed.returncode == 0, listed.stderr  # integral floats are taken for integer keys
+
+
+# -- 16. --help and the sample command ------------------------------------------------------------------------------
+def test_help_lists_keys_version_and_sample_options(tmp_path: Path) -> None:
+    helped = cli("sample", "--help").stdout
+    assert "0 is greedy" in helped and "(default: 200)" in helped and "(default: 0.8)" in helped
+    assert "dist-llm train --list-keys" in cli("train", "--help").stdout
+    assert "{0,1,2,3}" in cli("memory", "--help").stdout
+    from dist_llm import __version__
+
+    assert cli("--version").stdout.strip() == f"dist-llm {__version__}"
+    keys = cli("train", "--list-keys").stdout.splitlines()
+    from dist_llm.config import all_keys
+
+    assert [line.split()[0] for line in keys] == all_keys()
+    assert any(line.split()[:2] == ["train.max_steps", "1000"] and len(line.split()) > 3 for line in keys)
+    said = one_error_line(cli("sample", "--checkpoint", str(tmp_path / "nowhere")))
+    assert said == f"--checkpoint: {tmp_path / 'nowhere'} not found"
+    said = one_error_line(cli("sample", "--checkpoint", str(tmp_path), "--max-new-tokens", "-5"))
+    assert said == "--max-new-tokens: must be at least 1, got -5"
+
+
+def test_greedy_sampling_is_deterministic(run_dir: Path) -> None:
+    a = cli("sample", "--checkpoint", str(run_dir), "--temperature", "0", "--max-new-tokens", "8", "--seed", "1")
+    b = cli("sample", "--checkpoint", str(run_dir), "--temperature", "0", "--max-new-tokens", "8", "--seed", "2")
+    assert a.returncode == 0, a.stderr[-3000:]
+    assert a.stdout == b.stdout  # greedy: the seed does not matter
+
+
+# -- 9. a LoRA checkpoint sampled from another directory -----------------------------------------------------------
+def test_lora_checkpoint_stores_its_base_resolved_and_names_it_when_missing(run_dir: Path, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(run_dir / "checkpoints" / "step_000003", base)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "lora"
+    proc = cli("train", *tiny(out, train__max_steps=1, peft__method="lora", peft__rank=2,
+                              model__init_from="ckpt:../base"), cwd=work)  # relative to where it was started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"init_from: ckpt:{base.resolve()}\n" in (out / "config.yaml").read_text()
+    elsewhere = cli("sample", "--checkpoint", str(out), "--max-new-tokens", "4", cwd=tmp_path)
+    assert elsewhere.returncode == 0, elsewhere.stderr[-3000:]
+    base.rename(tmp_path / "moved")
+    ckpt = out / "checkpoints" / "step_000001"
+    said = one_error_line(cli("sample", "--checkpoint", str(out), "--max-new-tokens", "4"))
+    assert said == (f"model.init_from in {ckpt / 'config.yaml'}: the base model directory {base.resolve()} is not "
+                    "found; give where it is now with --init-from ckpt:DIR")
+    moved = cli("sample", "--checkpoint", str(out), "--max-new-tokens", "4", "--init-from", f"ckpt:{tmp_path / 'moved'}")
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert moved.stdout == elsewhere.stdout
