@@ -126,10 +126,13 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
         cmd += ["--config", str(args.config)]
     cmd += list(args.overrides)
     interrupts = [0]
-    proc = subprocess.Popen(cmd, start_new_session=True)
+    started: list[subprocess.Popen] = []
 
     def on_interrupt(signum: int, frame: object) -> None:
         interrupts[0] += 1
+        if not started:
+            return
+        proc = started[0]
         workers = _children(proc.pid)
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
@@ -138,8 +141,12 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGINT if interrupts[0] == 1 else signal.SIGKILL)
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)
+    previous = signal.signal(signal.SIGINT, on_interrupt)  # (before the start: a handler is not inherited)
     try:
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        started.append(proc)
+        if interrupts[0]:  # pressed while it was starting
+            os.killpg(proc.pid, signal.SIGINT)
         code = proc.wait()
     finally:
         signal.signal(signal.SIGINT, previous)

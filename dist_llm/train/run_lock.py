@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import socket
+from datetime import datetime, timezone
 from pathlib import Path
 
 RUN_LOCK = "run.lock"
@@ -37,7 +38,8 @@ def _create(path: Path) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": job_id()}, f)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": job_id(),
+                   "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, f)
     return True
 
 
