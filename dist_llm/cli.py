@@ -176,6 +176,12 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
     cfg = load_config(args.config, args.overrides)  # validate before starting any process
     check_out_dir(cfg.run_dir())
+    if not _under_torchrun():  # a busy out_dir before anything is built (under torchrun rank 0 takes the lock)
+        from dist_llm.train.run_lock import RUN_LOCK, held_elsewhere
+
+        busy = held_elsewhere(cfg.run_dir() / RUN_LOCK)
+        if busy:
+            raise ConfigError(f"train.out_dir: {busy}")
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
     if args.nproc_per_node > 1 and not _under_torchrun():
@@ -224,8 +230,6 @@ def add_sample_args(p: argparse.ArgumentParser) -> None:
 
 @guarded
 def cmd_sample(args: argparse.Namespace) -> int:
-    from dist_llm.sample import sample_text
-
     if args.max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens: must be at least 1, got {args.max_new_tokens}")
     if args.temperature < 0:
@@ -234,6 +238,8 @@ def cmd_sample(args: argparse.Namespace) -> int:
         raise ConfigError(f"--top-k: must be >= 0 (0 keeps every token), got {args.top_k}")
     if not args.checkpoint.exists():
         raise ConfigError(f"--checkpoint: {args.checkpoint} not found")
+    from dist_llm.sample import sample_text  # (after the checks: they need no torch)
+
     print(sample_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k or None, seed=args.seed, device=args.device, init_from=args.init_from))
     return 0

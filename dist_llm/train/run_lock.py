@@ -77,6 +77,25 @@ def take(path: Path) -> str | None:
     return f"{path}: cannot be created (another run keeps taking it)"
 
 
+def held_elsewhere(path: Path) -> str | None:
+    """Why a run may not start in this out_dir (take()'s refusal for a live holder), checked without taking
+    the lock: before any process is started or anything built. A stale lock is left for take() to take over."""
+    try:
+        holder = json.loads(path.read_text())
+        pid, their_host, their_job = int(holder["pid"]), str(holder["host"]), holder.get("job")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path} exists but names no process; if no run uses this out_dir, remove it"
+    if their_host == socket.gethostname():
+        alive = pid != os.getpid() and _alive(pid)
+        return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir" if alive else None
+    if their_job is not None and their_job == job_id():
+        return None
+    return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
+            "that run has ended, remove the file")
+
+
 def release(path: Path) -> None:
     """Remove the lock if this process holds it."""
     try:
