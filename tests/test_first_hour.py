@@ -216,3 +216,15 @@ def test_lora_checkpoint_stores_its_base_resolved_and_names_it_when_missing(run_
     moved = cli("sample", "--checkpoint", str(out), "--max-new-tokens", "4", "--init-from", f"ckpt:{tmp_path / 'moved'}",
                 cwd=tmp_path)
     assert moved.returncode == 0, moved.stderr[-3000:]
+
+
+def test_truncating_metrics_keeps_the_lines_up_to_the_step_and_drops_a_torn_one(tmp_path: Path) -> None:
+    from dist_llm.train.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    kept = ['{"event": "start", "step": 0}', '{"step": 1, "loss": 2.0}', '{"step": 2, "val_loss": 1.5}']
+    path.write_text("\n".join([*kept, '{"step": 3, "loss": 1.0}', '{"step": 4, "lo']))  # killed mid-write
+    assert truncate_after(path, 2) == 2
+    assert path.read_text() == "".join(f"{line}\n" for line in kept)
+    assert truncate_after(path, 2) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
