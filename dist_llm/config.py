@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import difflib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -286,7 +287,7 @@ def _field_docs(cls: type) -> dict[str, str]:
 
     body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for field_stmt, after in zip(body, body[1:]):
+    for field_stmt, after in itertools.pairwise(body):
         if (isinstance(field_stmt, ast.AnnAssign) and isinstance(field_stmt.target, ast.Name)
                 and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
                 and isinstance(after.value.value, str)):

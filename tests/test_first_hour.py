@@ -23,7 +23,7 @@ from tests.conftest import REPO, tiny_overrides
 def cli(*args: str, cwd: Path = REPO, timeout: float = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "dist_llm.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd, env=env)
+                          timeout=timeout, cwd=cwd, env=env, check=False)
 
 
 def tiny(out_dir: Path, **extra: object) -> list[str]:
@@ -110,8 +110,8 @@ def test_ctrl_c_saves_at_the_step_boundary_and_says_how_to_resume(tmp_path: Path
     assert (step_dir / "manifest.json").is_file()
     said = [line[line.index("interrupted (Ctrl-C)"):] for line in proc.stderr.replace("\r", "\n").splitlines()
             if "interrupted (Ctrl-C)" in line]
-    assert said == [f"interrupted (Ctrl-C) after step {step}: saved {step_dir}; run the same command again to "
-                    "resume from it"]
+    assert said == [(f"interrupted (Ctrl-C) after step {step}: saved {step_dir}; run the same command again to "
+                     "resume from it")]
     beats = [json.loads((out / "heartbeat" / f"rank_{r}.json").read_text())["step"] for r in range(nproc)]
     assert beats == [step] * nproc  # no rank went past the agreed step
 

@@ -18,7 +18,7 @@ class Preemption:
         self.signal_name: str | None = None  # "SIGTERM" or "SIGINT": what asked the run to stop
         self._previous: dict[int, Any] = {}
 
-    def install(self) -> "Preemption":
+    def install(self) -> Preemption:
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
             if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (ignored when started in the background)
