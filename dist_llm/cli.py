@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -52,7 +54,7 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
     """Turn the errors a user can cause into one line and an exit code instead of a traceback."""
 
     def run(args: argparse.Namespace) -> int:
-        from dist_llm.train.trainer import CollectiveError, TrainingError
+        from dist_llm.train.errors import CollectiveError, TrainingError  # (light: no torch to import)
 
         try:
             return fn(args)
@@ -65,25 +67,58 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
             rank = os.environ.get("RANK")
             return fail(f"{f'rank {rank}: ' if rank else ''}{where}{e.strerror or e}", code=1, every_rank=True)
         except KeyboardInterrupt:
-            return fail("interrupted", code=130)
+            return fail("interrupted: nothing saved since the last complete checkpoint (during training, a single "
+                        "Ctrl-C saves one at the end of the step)", code=130)
 
     return run
 
 
 # -- train ------------------------------------------------------------------------------------------------
 def add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", type=Path, default=None, help="YAML config file")
+    p.add_argument("--config", type=Path, default=None, help="YAML config file (e.g. configs/tiny.yaml)")
     p.add_argument("--nproc-per-node", type=int, default=1,
                    help="start this many processes on this machine (re-launches under torchrun)")
-    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument("--list-keys", action="store_true",
+                   help="print every config key with its default and description, and exit")
+    p.add_argument("overrides", nargs="*", metavar="section.key=value",
+                   help="config overrides, e.g. model.n_layer=6 optim.lr=1e-3 (every key: dist-llm train --list-keys; "
+                        "each is described in dist_llm/config.py)")
+
+
+def list_keys() -> str:
+    """Every config key, its default and its one-line description (the docstring under each field)."""
+    from dist_llm.config import describe_keys
+
+    rows = describe_keys()
+    width = max(len(key) for key, _, _ in rows)
+    return "\n".join(f"{key:<{width}}  {default!r:<14} {about}" for key, default, about in rows)
 
 
 def _under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
 
 
+def _children(pid: int) -> list[int]:
+    """The processes whose parent is `pid` (Linux /proc; none elsewhere): torchrun's workers."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "pid (comm)": state, ppid, ...
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
 def relaunch_under_torchrun(args: argparse.Namespace) -> int:
-    """`--nproc-per-node N`: run this same command as N local processes through torchrun."""
+    """`--nproc-per-node N`: run this same command as N local processes through torchrun.
+
+    torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches this process only, which hands it
+    to the workers directly: the first makes every rank save at the same step boundary and exit 0 (0, so that
+    torchrun neither restarts the group nor prints a failure summary), and this process then exits 130; the
+    second makes them stop at once, and torchrun is ended with them."""
+    import signal
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
@@ -91,12 +126,63 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
     if args.config is not None:
         cmd += ["--config", str(args.config)]
     cmd += list(args.overrides)
-    return subprocess.call(cmd)
+    interrupts = [0]
+    started: list[subprocess.Popen] = []
+
+    def on_interrupt(signum: int, frame: object) -> None:
+        interrupts[0] += 1
+        if not started:
+            return
+        proc = started[0]
+        workers = _children(proc.pid)
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)
+        if not workers or interrupts[0] > 1:  # still starting, or aborting: torchrun goes too
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGINT if interrupts[0] == 1 else signal.SIGKILL)
+
+    previous = signal.signal(signal.SIGINT, on_interrupt)  # (before the start: a handler is not inherited)
+    try:
+        proc = subprocess.Popen(cmd, start_new_session=True)
+        started.append(proc)
+        if interrupts[0]:  # pressed while it was starting
+            os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 130 if interrupts[0] and code in (0, -signal.SIGKILL) else code
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """train.out_dir must be a folder this process can write: checked before any process starts, so an unwritable
+    one is one line naming the key, not a traceback from every rank. Nothing in it is touched."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out_dir, prefix=".write-test-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if isinstance(e, (NotADirectoryError, FileExistsError)):  # the folder, or a folder above it, is a file
+            blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
+            reason = f"{blocker} is a file, not a folder" if blocker is not None else reason
+        raise ConfigError(f"train.out_dir: cannot write {out_dir}: {reason}") from None
 
 
 @guarded
 def cmd_train(args: argparse.Namespace) -> int:
+    if args.list_keys:
+        print(list_keys())
+        return 0
     cfg = load_config(args.config, args.overrides)  # validate before starting any process
+    check_out_dir(cfg.run_dir())
+    if not _under_torchrun():  # a busy out_dir before anything is built (under torchrun rank 0 takes the lock)
+        from dist_llm.train.run_lock import RUN_LOCK, held_elsewhere
+
+        busy = held_elsewhere(cfg.run_dir() / RUN_LOCK)
+        if busy:
+            raise ConfigError(f"train.out_dir: {busy}")
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
     if args.nproc_per_node > 1 and not _under_torchrun():
@@ -115,30 +201,48 @@ def cmd_train(args: argparse.Namespace) -> int:
     setup_logging(int(os.environ.get("RANK", "0")), cfg.run_dir() / "logs")
     ctx = ParallelContext.from_config(cfg)
     try:
-        Trainer(cfg, ctx).fit()
+        trainer = Trainer(cfg, ctx)
+        trainer.fit()
     finally:
         ctx.destroy()
-    return 0
+    # 130 after a Ctrl-C that saved a checkpoint; under torchrun 0, which its launcher turns into 130 (a failed
+    # worker would make torchrun restart the group, or print a failure summary)
+    return 0 if _under_torchrun() else trainer.exit_code
 
 
 # -- sample -----------------------------------------------------------------------------------------------
 def add_sample_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", type=Path, required=True,
                    help="a checkpoint directory, or a run directory (its newest checkpoint is used)")
-    p.add_argument("--prompt", default="\n", help="text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--top-k", type=int, default=50)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.8,
+                   help="softmax temperature; 0 is greedy, always the likeliest token (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=50,
+                   help="sample among the k likeliest tokens only; 0 for all of them (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="random seed: the same seed gives the same text (default: "
+                                                        "%(default)s)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                   help="auto: a GPU when there is one (default: %(default)s)")
+    p.add_argument("--init-from", default=None, metavar="hf:DIR|ckpt:DIR",
+                   help="for a LoRA/QLoRA/adapter checkpoint: where its base model is now, when it moved since "
+                        "training (default: the model.init_from it was trained with)")
 
 
 @guarded
 def cmd_sample(args: argparse.Namespace) -> int:
-    from dist_llm.sample import sample_text
+    if args.max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens: must be at least 1, got {args.max_new_tokens}")
+    if args.temperature < 0:
+        raise ConfigError(f"--temperature: must be >= 0 (0 is greedy), got {args.temperature:g}")
+    if args.top_k < 0:
+        raise ConfigError(f"--top-k: must be >= 0 (0 keeps every token), got {args.top_k}")
+    if not args.checkpoint.exists():
+        raise ConfigError(f"--checkpoint: {args.checkpoint} not found")
+    from dist_llm.sample import sample_text  # (after the checks: they need no torch)
 
     print(sample_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k, seed=args.seed, device=args.device))
+                      top_k=args.top_k or None, seed=args.seed, device=args.device, init_from=args.init_from))
     return 0
 
 
@@ -187,8 +291,11 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: dp*tp*pp of the config, dp>=1)")
     p.add_argument("--params", type=float, default=None, help="shorthand without a config: a parameter count")
     p.add_argument("--dp", type=int, default=1, help="with --params: data-parallel ranks")
-    p.add_argument("--zero-stage", type=int, default=0, help="with --params: ZeRO stage 0-3")
-    p.add_argument("--precision", default="mixed", help="with --params: mixed (fp16/bf16 + fp32 master) or fp32")
+    # (choices shown, checked by memory.paper_model_states: argparse's own refusal would be two lines)
+    p.add_argument("--zero-stage", type=int, default=0, metavar="{0,1,2,3}",
+                   help="with --params: ZeRO stage (default: %(default)s)")
+    p.add_argument("--precision", default="mixed", metavar="{mixed,fp32}",
+                   help="with --params: mixed (fp16/bf16 + fp32 master) or fp32 (default: %(default)s)")
     p.add_argument("--gpu-memory", default=None, help="with --suggest: the memory of one device, e.g. 80GiB")
     p.add_argument("--suggest", action="store_true", help="list the layouts that fit --gpu-memory")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
@@ -265,7 +372,10 @@ COMMANDS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None], Callab
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    from dist_llm import __version__
+
     parser = argparse.ArgumentParser(prog="dist-llm", description="Train GPT models on one or many processes.")
+    parser.add_argument("--version", action="version", version=f"dist-llm {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     subparsers = {}
     for name, (help_text, add_args, _) in COMMANDS.items():

@@ -6,9 +6,11 @@ in `validate()`, so a bad config fails in one place with one line naming the key
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -267,8 +269,45 @@ def all_keys() -> list[str]:
     return keys
 
 
+def describe_keys() -> list[tuple[str, Any, str]]:
+    """(key, default, description) for every config key; the description is the docstring under the field."""
+    rows: list[tuple[str, Any, str]] = [("name", Config().name, _field_docs(Config).get("name", ""))]
+    defaults = Config()
+    for section, cls in SECTIONS.items():
+        docs = _field_docs(cls)
+        for f in fields(cls):
+            rows.append((f"{section}.{f.name}", getattr(getattr(defaults, section), f.name), docs.get(f.name, "")))
+    return rows
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """A dataclass's field docstrings (a string statement right after the field), read from its source."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for field_stmt, after in itertools.pairwise(body):
+        if (isinstance(field_stmt, ast.AnnAssign) and isinstance(field_stmt.target, ast.Name)
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant)
+                and isinstance(after.value.value, str)):
+            docs[field_stmt.target.id] = " ".join(after.value.value.split())
+    return docs
+
+
 def _unknown(key: str) -> ConfigError:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.5)
+    """An unknown key with the closest known one; a misspelled section is matched as a section first (`modle.n_layer`
+    means model.n_layer, not the key nearest as a whole string)."""
+    keys = all_keys()
+    section, _, name = key.partition(".")
+    if name and section not in SECTIONS:
+        near = difflib.get_close_matches(section, list(SECTIONS), n=1, cutoff=0.6)
+        if near:
+            in_section = [k for k in keys if k.startswith(f"{near[0]}.")]
+            close = difflib.get_close_matches(f"{near[0]}.{name}", in_section, n=1, cutoff=0.5)
+            hint = f"'{close[0]}'" if close else f"a key of section '{near[0]}'"
+            return ConfigError(f"unknown config key '{key}' (did you mean {hint}?)")
+    close = difflib.get_close_matches(key, keys, n=1, cutoff=0.5)
     hint = f" (did you mean '{close[0]}'?)" if close else ""
     return ConfigError(f"unknown config key '{key}'{hint}")
 
@@ -300,7 +339,10 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
     if hints is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float) and value.is_integer():
+        if isinstance(value, str):  # YAML 1.1 reads 1e3 (no dot) as a string
+            with contextlib.suppress(ValueError):
+                value = float(value)
+        if isinstance(value, float) and value.is_integer():  # 1e3 or 1000.0: exactly an integer
             return int(value)
         raise ConfigError(f"{key}: expected an integer, got {value!r}")
     if hints is float:
@@ -395,17 +437,27 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         try:
             tree = read_yaml(p.read_text()) or {}
         except yaml.YAMLError as e:
-            line = getattr(getattr(e, "problem_mark", None), "line", None)
-            at = f" at line {line + 1}" if line is not None else ""
-            raise ConfigError(f"--config: {p} is not valid YAML{at}") from None
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            why = getattr(e, "problem", None) or str(e).splitlines()[0]
+            raise ConfigError(f"--config: {p} is not valid YAML{at}: {why}") from None
         if "name" not in tree:
             cfg.name = p.stem
         for key, value in _flatten(tree):
             _apply(cfg, key, value)
     for text in overrides:
         _apply(cfg, *parse_override(text))
+    _resolve_init_from(cfg)
     validate(cfg)
     return cfg
+
+
+def _resolve_init_from(cfg: Config) -> None:
+    """model.init_from as an absolute path: it is saved in config.yaml and the manifest, and read again by
+    `dist-llm sample` or a resume, which may run from another directory."""
+    kind, sep, where = cfg.model.init_from.partition(":")
+    if sep and kind in ("hf", "ckpt") and where:
+        cfg.model.init_from = f"{kind}:{Path(where).expanduser().resolve()}"
 
 
 def config_from_dict(tree: dict[str, Any], *, check: bool = True) -> Config:

@@ -25,15 +25,19 @@ def resolve_checkpoint(path: Path) -> Path:
     raise ConfigError(f"--checkpoint: no complete checkpoint at {path}")
 
 
-def load_model(path: Path, device: torch.device) -> tuple[GPT, Path]:
+def load_model(path: Path, device: torch.device, *, init_from: str | None = None) -> tuple[GPT, Path]:
+    """The checkpoint's model in eval mode; `init_from` replaces the base model a PEFT checkpoint names."""
     path = resolve_checkpoint(path)
     cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), check=False)
+    if init_from is not None:
+        cfg.model.init_from = init_from
     if cfg.peft.method == "none":
         model = GPT(cfg.model).to(device)
         ckpt.load_model_weights(path, model)
         return model.eval(), path
     # A PEFT checkpoint holds the trained tensors only: rebuild its base as training did (from
     # model.init_from, or the seeded random init), add the PEFT modules, then load those tensors.
+    _check_base(cfg.model.init_from, path, overridden=init_from is not None)
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.trainer import build_model
 
@@ -44,10 +48,20 @@ def load_model(path: Path, device: torch.device) -> tuple[GPT, Path]:
     return model.eval(), path
 
 
+def _check_base(init_from: str, path: Path, *, overridden: bool) -> None:
+    """A PEFT checkpoint holds its adapters only: the base it adapts must still be where training read it."""
+    kind, _, where = init_from.partition(":")
+    if kind not in ("hf", "ckpt") or Path(where).is_dir():
+        return
+    source = "--init-from" if overridden else f"model.init_from in {path / 'config.yaml'}"
+    raise ConfigError(f"{source}: the base model directory {where} is not found; give where it is now with "
+                      f"--init-from {kind}:DIR")
+
+
 def sample_text(path: Path, prompt: str, *, max_new_tokens: int, temperature: float, top_k: int | None,
-                seed: int, device: str = "auto") -> str:
+                seed: int, device: str = "auto", init_from: str | None = None) -> str:
     dev = pick_device(device, 0)
-    model, path = load_model(path, dev)
+    model, path = load_model(path, dev, init_from=init_from)
     tok_file = path / "tokenizer.json"
     tokenizer = load_tokenizer(str(tok_file) if tok_file.is_file() else "byte")
     ids = tokenizer.encode(prompt) or [0]

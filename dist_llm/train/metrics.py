@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_llm.config import ConfigError
-from dist_llm.fileio import atomic_path
+from dist_llm.fileio import atomic_path, atomic_write_text
 
 
 class MetricsLog:
@@ -66,6 +66,28 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def truncate_after(path: Path, step: int) -> int:
+    """Drop the records of metrics.jsonl after `step`: a run resumed from that step's checkpoint writes them again,
+    and the file should read as one run. The kept lines are written to a temporary file renamed over the old one,
+    so a crash leaves the old file or the new, never half of one. A torn last line (a run killed mid-write) is
+    dropped too. Returns how many lines were dropped. Call it on the main rank only."""
+    if not path.is_file():
+        return 0
+    lines = path.read_text().splitlines()
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if not isinstance(record, dict) or not isinstance(record.get("step", 0), int) or record.get("step", 0) <= step:
+            kept.append(line)
+    dropped = len(lines) - len(kept)
+    if dropped:
+        atomic_write_text(path, "".join(f"{line}\n" for line in kept))
+    return dropped
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:

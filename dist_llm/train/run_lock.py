@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
+from datetime import datetime, timezone
 from pathlib import Path
 
 RUN_LOCK = "run.lock"
+log = logging.getLogger("dist_llm")
 
 
 def job_id() -> str | None:
@@ -35,7 +38,8 @@ def _create(path: Path) -> bool:
     except FileExistsError:
         return False
     with os.fdopen(fd, "w") as f:
-        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": job_id()}, f)
+        json.dump({"pid": os.getpid(), "host": socket.gethostname(), "job": job_id(),
+                   "started": datetime.now(timezone.utc).isoformat(timespec="seconds")}, f)
     return True
 
 
@@ -58,14 +62,38 @@ def take(path: Path) -> str | None:
         if their_host == host:
             if pid != os.getpid() and _alive(pid):
                 return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir"
+            if pid != os.getpid():
+                log.warning("%s: taking over the lock of process %d, which is gone (a run that did not end "
+                            "cleanly)", path, pid)
             path.unlink(missing_ok=True)  # ours already, or its process is gone
             continue
         if their_job is not None and their_job == job_id():
+            log.warning("%s: taking over the lock of process %d on host %s: an earlier attempt of this job %s",
+                        path, pid, their_host, their_job)
             path.unlink(missing_ok=True)  # an earlier attempt of this very job, restarted on another host
             continue
         return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
                 "that run has ended, remove the file")
     return f"{path}: cannot be created (another run keeps taking it)"
+
+
+def held_elsewhere(path: Path) -> str | None:
+    """Why a run may not start in this out_dir (take()'s refusal for a live holder), checked without taking
+    the lock: before any process is started or anything built. A stale lock is left for take() to take over."""
+    try:
+        holder = json.loads(path.read_text())
+        pid, their_host, their_job = int(holder["pid"]), str(holder["host"]), holder.get("job")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError):
+        return f"{path} exists but names no process; if no run uses this out_dir, remove it"
+    if their_host == socket.gethostname():
+        alive = pid != os.getpid() and _alive(pid)
+        return f"{path}: in use by process {pid} on this host; wait for it, or use another train.out_dir" if alive else None
+    if their_job is not None and their_job == job_id():
+        return None
+    return (f"{path}: in use by process {pid} on host {their_host}, which cannot be checked from here; if "
+            "that run has ended, remove the file")
 
 
 def release(path: Path) -> None:

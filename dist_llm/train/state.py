@@ -8,6 +8,7 @@ what a checkpoint saves and a resume restores.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
+import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dist_llm.config import Config, ConfigError
@@ -28,6 +30,7 @@ from dist_llm.precision import LossScaler
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train import run_lock
 from dist_llm.train.errors import CheckpointError
+from dist_llm.train.metrics import truncate_after
 from dist_llm.train.run_lock import RUN_LOCK
 
 log = logging.getLogger("dist_llm")
@@ -138,9 +141,12 @@ class RunState:
         None for a fresh start."""
         choice = self.cfg.train.resume
         if choice == "never":
+            log.info("starting fresh: train.resume=never (an earlier run's checkpoints and metrics in %s are moved "
+                     "aside)", self.out_dir)
             return None
         path = self._pick_checkpoint() if choice == "auto" else Path(choice).expanduser()
         if path is None:
+            log.info("starting fresh: no complete checkpoint in %s", self.ckpt_root)
             return None
         if not ckpt.is_complete(path):
             raise ConfigError(f"train.resume: {path} is not a complete checkpoint (no {ckpt.MANIFEST})")
@@ -150,7 +156,9 @@ class RunState:
                 raise ConfigError(f"train.resume: {problem}")
         manifest = ckpt.read_json(path / ckpt.MANIFEST)
         if manifest.get("model_fingerprint") != self.cfg.fingerprint():
-            raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe")
+            raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe"
+                              f"{self._first_difference(path)}; start over with train.resume=never (the earlier "
+                              "run is moved aside) or use another train.out_dir")
         if self.cfg.peft.method != "none" and manifest.get("peft_base") != self.peft_base():
             raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
                               f"model.init_from describes ({self.peft_base()})")
@@ -172,7 +180,23 @@ class RunState:
         self.sampler.load_state_dict(state["sampler"])
         self.scaler.load_state_dict(state["scaler"])
         log.info("resumed from %s at step %d", path, self.step)
+        dropped = self._on_main(lambda: truncate_after(self.out_dir / "metrics.jsonl", self.step))
+        if dropped:
+            log.info("metrics.jsonl: dropped %d line(s) after step %d, which this run writes again", dropped, self.step)
         return path
+
+    def _first_difference(self, path: Path) -> str:
+        """': model.KEY is A there, B here' for the first model setting in which the checkpoint's config.yaml
+        differs from this run's ('' if it cannot be told)."""
+        try:
+            saved = yaml.safe_load((path / "config.yaml").read_text()).get("model", {})
+        except (OSError, yaml.YAMLError, AttributeError):
+            return ""
+        here = dataclasses.asdict(self.cfg.model)
+        for key, value in here.items():
+            if key != "init_from" and key in saved and saved[key] != value:
+                return f": model.{key} is {saved[key]} there, {value} here"
+        return ""
 
     def _on_main(self, fn: Any) -> Any:
         """on_main(): fn() on the main rank, its result (or its failure, raised on every rank) on every rank."""
@@ -198,7 +222,11 @@ class RunState:
         aside into checkpoints/damaged-<time>/ (a re-save of their step would replace them); when none matches
         but some are damaged, the run stops with one line and touches nothing: never a silent fresh start."""
         damaged: dict[Path, str] = {}
-        for path in reversed(self._step_dirs(complete=True)):
+        complete = self._step_dirs(complete=True)
+        for path in self._step_dirs(complete=False):
+            if path not in complete:
+                log.warning("ignoring checkpoint %s: it has no %s (its save did not finish)", path, ckpt.MANIFEST)
+        for path in reversed(complete):
             problem = self._verify(path)
             if problem is None:
                 if damaged:
@@ -315,6 +343,10 @@ class RunState:
         mine = [ours]
         try:
             yield lambda: mine.__setitem__(0, True)
+        except KeyboardInterrupt:  # a second Ctrl-C during the save: stop at once, leave no half checkpoint
+            if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
+                shutil.rmtree(path, ignore_errors=True)
+            raise
         except (OSError, CheckpointException) as e:
             if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
                 shutil.rmtree(path, ignore_errors=True)  # (resume=auto would ignore it anyway: no manifest)

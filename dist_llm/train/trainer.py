@@ -6,9 +6,7 @@ import json
 import logging
 import math
 import os
-import signal
 import socket
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +31,7 @@ from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.errors import CheckpointError, CollectiveError, TrainingError  # noqa: F401 - importable here as before
 from dist_llm.train.metrics import MetricsLog, plot_losses
+from dist_llm.train.preemption import Preemption
 from dist_llm.train.report import write_report
 from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
@@ -43,28 +42,6 @@ from dist_llm.train.saved_tensors import SavedTensorMeter
 from dist_llm.train.state import RunState, on_main, take_run_lock
 
 log = logging.getLogger("dist_llm")
-
-
-class Preemption:
-    """SIGTERM (a scheduler's preemption, torchrun stopping the job) asks the run to stop: the step in flight
-    finishes, a checkpoint is saved, and the process exits 0, ready for `train.resume=auto`."""
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous: Any = None
-
-    def install(self) -> "Preemption":
-        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
-        return self
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.requested = True
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
 
 
 @dataclass
@@ -165,6 +142,7 @@ class Trainer:
         self.state_bytes: dict[str, int] | None = None
         self.activation_bytes: int | None = None  # peak bytes saved for backward, measured in the first step
         self.comm_bytes: dict[str, int] = {}
+        self.exit_code = 0  # 130 once a Ctrl-C stopped the run (with a checkpoint)
         self.run_state = RunState(cfg, ctx, dp=self.dp, tp_state=self.tp_state, sampler=self.sampler,
                                   scaler=self.scaler, tokenizer_spec=self.data.tokenizer_spec, n_params=self.n_params)
         self.out_dir, self.ckpt_root = self.run_state.out_dir, self.run_state.ckpt_root
@@ -317,14 +295,15 @@ class Trainer:
         comm.all_reduce(t, self.ctx.dp_group, None)
         return t / self.ctx.dp
 
-    def _agree_to_stop(self, requested: bool, flag: torch.Tensor) -> bool:
-        """Every rank must stop at the same step: a SIGTERM seen by any rank stops them all. One process
-        needs no collective (and no host sync)."""
+    def _agree_to_stop(self, requested: int, flag: torch.Tensor) -> int:
+        """Every rank must stop at the same step: a SIGTERM (1) or Ctrl-C (2, Preemption.code) seen by any rank
+        stops them all, and all take the largest code. Every rank calls this at every step boundary (the same
+        collective in the same order). One process needs no collective (and no host sync)."""
         if self.ctx.world_size == 1:
             return requested
         flag.fill_(float(requested))  # a host tensor over the gloo group: no wait for the GPU
         comm.all_reduce(flag, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
-        return bool(flag.item())
+        return int(flag.item())
 
     def _heartbeat(self) -> None:
         """out_dir/heartbeat/rank_K.json: the last step this rank finished, when, and its process (to find a
@@ -503,10 +482,44 @@ class Trainer:
         self.metrics.close()
         self.run_state.release_run_lock()
 
+    def _say_stopped(self, code: int) -> None:
+        """The one line a stop on a signal ends with: where the checkpoint is and how to go on; after Ctrl-C
+        (code 2) the process then exits 130 (`exit_code`)."""
+        where = ckpt.step_dir(self.ckpt_root, self.step)
+        if code == 2:
+            self.exit_code = 130
+            if self.ctx.is_main:
+                again = ("run the same command again" if self.cfg.train.resume == "auto" else
+                         "run the command again with train.resume=auto")
+                log.warning("interrupted (Ctrl-C) after step %d: saved %s; %s to resume from it", self.step, where,
+                            again)
+        elif self.ctx.is_main:
+            log.warning("SIGTERM: stopped after step %d with a checkpoint (%s); train.resume=auto goes on from it",
+                        self.step, where)
+
+    def _already_complete(self, stop: int) -> bool:
+        """A run resumed at (or past) its last step has nothing to do: say so and how to go on, or start over."""
+        if self.step < stop:
+            return False
+        t = self.cfg.train
+        if t.stop_after_step and t.stop_after_step < t.max_steps:
+            where, go_on = f"train.stop_after_step={stop}", f"raise or drop train.stop_after_step (max_steps={t.max_steps})"
+        else:
+            where, go_on = f"train.max_steps={stop}", f"raise train.max_steps (e.g. train.max_steps={2 * stop})"
+        log.warning("nothing to train: %s is complete at step %d (%s); to train on, %s; to start over, "
+                    "train.resume=never (the earlier run is moved aside, not deleted)", self.out_dir, self.step, where,
+                    go_on)
+        self.metrics.close()
+        self.run_state.close()
+        self.run_state.release_run_lock()
+        return True
+
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
         t = self.cfg.train
         stop = t.stop_after_step or t.max_steps
+        if self._already_complete(stop):
+            return {}
         self._announce()
         last: dict[str, Any] = {}
         bar = tqdm(total=stop, initial=self.step, desc="train", unit="step", disable=not self.ctx.is_main,
@@ -532,14 +545,13 @@ class Trainer:
                 paused = time.perf_counter()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
                     self._evaluate_into(last, bar)
-                preempted = self._agree_to_stop(preemption.requested, stop_flag)
+                preempted = self._agree_to_stop(preemption.code, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self._save_at_step(clock)
                 self._heartbeat()
                 clock.window_start += time.perf_counter() - paused  # eval and saving are not training throughput
                 if preempted:
-                    log.warning("SIGTERM: stopped after step %d with a checkpoint; train.resume=auto goes on from it",
-                                self.step)
+                    self._say_stopped(preempted)
                     break
             self._end_of_run()
         except RuntimeError as e:

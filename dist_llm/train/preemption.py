@@ -1,0 +1,43 @@
+"""Stopping a run on a signal: SIGTERM (a scheduler's preemption, torchrun stopping the job) and Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any
+
+
+class Preemption:
+    """SIGTERM or a first Ctrl-C (SIGINT) asks the run to stop: the step in flight finishes, a checkpoint is
+    saved, and the process exits (0 after SIGTERM, 130 after Ctrl-C), ready for `train.resume=auto`. A second
+    Ctrl-C aborts at once (KeyboardInterrupt, no save), and from then on SIGINT has its default action, so a
+    third one ends the process even inside a blocking call."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.signal_name: str | None = None  # "SIGTERM" or "SIGINT": what asked the run to stop
+        self._previous: dict[int, Any] = {}
+
+    def install(self) -> Preemption:
+        if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
+            self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+            if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (ignored when started in the background)
+                self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
+        return self
+
+    @property
+    def code(self) -> int:
+        """0: go on; 1: SIGTERM; 2: Ctrl-C (what the ranks agree on: the largest any of them saw)."""
+        return {None: 0, "SIGTERM": 1, "SIGINT": 2}[self.signal_name]
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signal_name = self.signal_name or signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}

@@ -1,0 +1,236 @@
+"""Issue 18, "the first hour", through the CLI as a new user meets it: an unwritable out_dir, two runs in one
+out_dir, Ctrl-C, resume (metrics, incomplete checkpoints, a finished run), config errors, --help, sampling a
+LoRA checkpoint from elsewhere. One tiny run is shared by the tests that read or resume it; each training
+process costs seconds of CPU (torch's import, a save), so they are few and the refusals come before any."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dist_llm.train.checkpoint import latest_checkpoint
+from tests.conftest import REPO, tiny_overrides
+
+
+def cli(*args: str, cwd: Path = REPO, timeout: float = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, "-m", "dist_llm.cli", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=cwd, env=env, check=False)
+
+
+def tiny(out_dir: Path, **extra: object) -> list[str]:
+    """A one-block model on the stdlib corpus (cached), three steps, a checkpoint at step 2 and at the end."""
+    return tiny_overrides(out_dir, **{"model__n_layer": 1, "train__max_steps": 3, "train__ckpt_interval": 2,
+                                      "train__eval_interval": 0, "train__keep_checkpoints": 5, **extra})
+
+
+def one_error_line(proc: subprocess.CompletedProcess, code: int = 2) -> str:
+    """The process failed with `code` and said so in exactly one line, no traceback."""
+    assert proc.returncode == code, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    errors = [line for line in lines if line.startswith("dist-llm: error: ")]
+    assert errors == lines[-1:] and "Traceback" not in proc.stderr, proc.stderr[-3000:]  # (after set-up's log lines)
+    return lines[-1].removeprefix("dist-llm: error: ")
+
+
+def records(out_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- 1. an unwritable out_dir ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_an_unwritable_out_dir_is_one_line_before_anything_starts(tmp_path: Path, nproc: str) -> None:
+    (tmp_path / "file").write_text("kept")
+    out = tmp_path / "file" / "run"
+    said = one_error_line(cli("train", "--nproc-per-node", nproc, *tiny(out, parallel__dp=int(nproc))))
+    assert said == f"train.out_dir: cannot write {out}: {tmp_path / 'file'} is a file, not a folder"
+    assert (tmp_path / "file").read_text() == "kept"  # nothing written before is lost
+
+
+# -- 2. one run per out_dir (a stale lock's takeover: in the resume test below) ------------------------------------
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_second_run_in_a_busy_out_dir_is_refused_before_anything_starts(tmp_path: Path, nproc: str) -> None:
+    out = tmp_path / "run"
+    out.mkdir()
+    lock = out / "run.lock"
+    lock.write_text(json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "job": None}))  # this live process
+    said = one_error_line(cli("train", "--nproc-per-node", nproc, *tiny(out, parallel__dp=int(nproc))))
+    assert said == f"train.out_dir: {lock}: in use by process {os.getpid()} on this host; wait for it, or use another train.out_dir"
+    assert json.loads(lock.read_text())["pid"] == os.getpid()  # the holder's lock is left alone
+    assert sorted(p.name for p in out.iterdir()) == ["run.lock"]  # nothing started
+
+
+# -- 3. Ctrl-C --------------------------------------------------------------------------------------------------
+def interrupt(out: Path, *args: str, times: int = 1, after_step: int = 1) -> tuple[subprocess.CompletedProcess, float]:
+    """Start `dist-llm train` as a terminal would (its own process group), press Ctrl-C `times` times once it has
+    logged `after_step`; (the finished process, seconds from the last Ctrl-C to its end)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen([sys.executable, "-m", "dist_llm.cli", "train", *args], cwd=REPO, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    metrics = out / "metrics.jsonl"
+    deadline = time.monotonic() + 120
+    while not (metrics.is_file() and f'"step": {after_step}, "loss"' in metrics.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
+        time.sleep(0.1)
+    for _ in range(times):
+        os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C in the terminal does: the whole foreground group
+        time.sleep(0.05)
+    pressed = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), time.monotonic() - pressed
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """A two-rank run stopped by Ctrl-C after step 3 or later (checkpoints every 2 steps and where it stopped),
+    made once: the Ctrl-C test reads it, the resume and LoRA tests start from copies of it."""
+    out = tmp_path_factory.mktemp("first_hour") / "run"
+    proc, _ = interrupt(out, "--nproc-per-node", "2", *tiny(out, train__max_steps=100_000, parallel__dp=2),
+                        after_step=3)
+    return out, proc
+
+
+def test_ctrl_c_saves_at_the_step_boundary_and_says_how_to_resume(run_dir: tuple) -> None:
+    """Every rank stops at the same step (the ranks agree at each step boundary), saves, and the command exits 130
+    with one line naming the checkpoint."""
+    out, proc = run_dir
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert f"starting fresh: no complete checkpoint in {out / 'checkpoints'}" in proc.stderr
+    beats = [json.loads((out / "heartbeat" / f"rank_{r}.json").read_text())["step"] for r in range(2)]
+    step = beats[0]
+    assert beats == [step, step] and step >= 3  # no rank went past the agreed step
+    step_dir = out / "checkpoints" / f"step_{step:06d}"
+    assert latest_checkpoint(out / "checkpoints") == step_dir
+    said = [line[line.index("interrupted (Ctrl-C)"):] for line in proc.stderr.replace("\r", "\n").splitlines()
+            if "interrupted (Ctrl-C)" in line]
+    assert said == [(f"interrupted (Ctrl-C) after step {step}: saved {step_dir}; run the same command again to "
+                     "resume from it")]
+    assert "Traceback" not in proc.stderr and not (out / "run.lock").exists()
+
+
+def test_a_second_ctrl_c_aborts_at_once_without_saving(tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    proc, seconds = interrupt(out, *tiny(out, train__max_steps=100_000, train__ckpt_interval=0), times=2)
+    assert proc.returncode == 130, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1].endswith("interrupted: nothing saved since the last complete checkpoint (during training, a single "
+                         "Ctrl-C saves one at the end of the step)")
+    # (the second Ctrl-C may come during the save the first began: that half checkpoint is removed)
+    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    assert not (out / "run.lock").exists()
+    assert seconds < 30  # (no save, no report: a step and the interpreter's exit)
+
+
+# -- 2, 4, 5, 6: resume (15: a checkpoint of another shape is in test_reliability, on a trainer in-process) ---
+def test_resume_warns_of_an_incomplete_checkpoint_and_keeps_one_metrics_line_per_step(run_dir: tuple,
+                                                                                      tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    shutil.copytree(run_dir[0], out)
+    newest = latest_checkpoint(out / "checkpoints")
+    last = int(newest.name.removeprefix("step_"))
+    (newest / "manifest.json").unlink()  # a save that did not finish
+    previous = latest_checkpoint(out / "checkpoints")
+    resumed = int(previous.name.removeprefix("step_"))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    (out / "run.lock").write_text(json.dumps({"pid": gone.pid, "host": socket.gethostname(), "job": None}))
+    before = records(out)
+    proc = cli("train", *tiny(out, train__max_steps=last))  # (one process now: a checkpoint loads into any layout)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"{out / 'run.lock'}: taking over the lock of process {gone.pid}, which is gone" in proc.stderr
+    assert not (out / "run.lock").exists()  # released at the end
+    assert f"ignoring checkpoint {newest}: it has no manifest.json (its save did not finish)" in proc.stderr
+    assert f"resumed from {previous} at step {resumed}" in proc.stderr
+    after = records(out)
+    assert [r["step"] for r in after if "loss" in r] == list(range(1, last + 1))  # each step once
+    kept = [r for r in before if r.get("step", 0) <= resumed]
+    assert after[:len(kept)] == kept  # the lines up to the checkpoint's step, as they were
+    assert [r["step"] for r in after if r.get("event") == "start"] == [0, resumed]
+    # 6. run again, it is complete: nothing is trained or written, and it says how to go on
+    done = cli("train", *tiny(out, train__max_steps=last))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (f"nothing to train: {out} is complete at step {last} (train.max_steps={last}); to train on, raise "
+            f"train.max_steps (e.g. train.max_steps={2 * last}); to start over, train.resume=never") in done.stderr
+    assert records(out) == after
+    assert not (out / "run.lock").exists()
+
+
+# -- 15. config errors --------------------------------------------------------------------------------------------
+def test_config_errors_say_why_and_suggest_the_section(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  n_layer: 2\n n_head: 3\n")
+    said = one_error_line(cli("train", "--config", str(bad)))
+    assert said == (f"--config: {bad} is not valid YAML at line 3, column 2: expected <block end>, but found "
+                    "'<block mapping start>'")
+    said = one_error_line(cli("train", "modle.n_layer=2"))
+    assert said == "unknown config key 'modle.n_layer' (did you mean 'model.n_layer'?)"
+    said = one_error_line(cli("train", "train.max_steps=1.5"))
+    assert said == "train.max_steps: expected an integer, got 1.5"
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("train:\n  max_steps: 1e3\n  eval_steps: 2.0\n")
+    (tmp_path / "file").write_text("")
+    # integral floats are taken for integer keys: the config loads, and the next check (no torch needed) speaks
+    said = one_error_line(cli("train", "--config", str(ok), "train.global_batch_size=4e1", "train.micro_batch_size=8",
+                              f"train.out_dir={tmp_path / 'file'}"))
+    assert said == f"train.out_dir: cannot write {tmp_path / 'file'}: {tmp_path / 'file'} is a file, not a folder"
+
+
+# -- 16. --help and the sample command ------------------------------------------------------------------------------
+def test_help_lists_keys_version_and_sample_options(tmp_path: Path) -> None:
+    helped = cli("sample", "--help").stdout
+    assert "0 is greedy" in helped and "(default: 200)" in helped and "(default: 0.8)" in helped
+    assert "dist-llm train --list-keys" in cli("train", "--help").stdout
+    assert "{0,1,2,3}" in cli("memory", "--help").stdout
+    from dist_llm import __version__
+
+    assert cli("--version").stdout.strip() == f"dist-llm {__version__}"
+    keys = cli("train", "--list-keys").stdout.splitlines()
+    from dist_llm.config import all_keys
+
+    assert [line.split()[0] for line in keys] == all_keys()
+    assert any(line.split()[:2] == ["train.max_steps", "1000"] and len(line.split()) > 3 for line in keys)
+    said = one_error_line(cli("sample", "--checkpoint", str(tmp_path / "nowhere")))
+    assert said == f"--checkpoint: {tmp_path / 'nowhere'} not found"
+    said = one_error_line(cli("sample", "--checkpoint", str(tmp_path), "--max-new-tokens", "-5"))
+    assert said == "--max-new-tokens: must be at least 1, got -5"
+
+
+# -- 9. a LoRA checkpoint sampled from another directory -----------------------------------------------------------
+def test_lora_checkpoint_stores_its_base_resolved_and_names_it_when_missing(run_dir: tuple, tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    shutil.copytree(latest_checkpoint(run_dir[0] / "checkpoints"), base)
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "lora"
+    proc = cli("train", *tiny(out, train__max_steps=1, peft__method="lora", peft__rank=2,
+                              model__init_from="ckpt:../base"), cwd=work)  # relative to where it was started
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"init_from: ckpt:{base.resolve()}\n" in (out / "config.yaml").read_text()
+    base.rename(tmp_path / "moved")
+    ckpt = out / "checkpoints" / "step_000001"
+    said = one_error_line(cli("sample", "--checkpoint", str(out), "--max-new-tokens", "4"))
+    assert said == (f"model.init_from in {ckpt / 'config.yaml'}: the base model directory {base.resolve()} is not "
+                    "found; give where it is now with --init-from ckpt:DIR")
+    moved = cli("sample", "--checkpoint", str(out), "--max-new-tokens", "4", "--init-from", f"ckpt:{tmp_path / 'moved'}",
+                cwd=tmp_path)
+    assert moved.returncode == 0, moved.stderr[-3000:]
+
+
+def test_truncating_metrics_keeps_the_lines_up_to_the_step_and_drops_a_torn_one(tmp_path: Path) -> None:
+    from dist_llm.train.metrics import truncate_after
+
+    path = tmp_path / "metrics.jsonl"
+    kept = ['{"event": "start", "step": 0}', '{"step": 1, "loss": 2.0}', '{"step": 2, "val_loss": 1.5}']
+    path.write_text("\n".join([*kept, '{"step": 3, "loss": 1.0}', '{"step": 4, "lo']))  # killed mid-write
+    assert truncate_after(path, 2) == 2
+    assert path.read_text() == "".join(f"{line}\n" for line in kept)
+    assert truncate_after(path, 2) == 0
+    assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
