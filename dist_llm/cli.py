@@ -117,41 +117,64 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
     torchrun runs in a session of its own, so a Ctrl-C in the terminal reaches this process only, which hands it
     to the workers directly: the first makes every rank save at the same step boundary and exit 0 (0, so that
     torchrun neither restarts the group nor prints a failure summary), and this process then exits 130; the
-    second makes them stop at once, and torchrun is ended with them."""
-    import signal
-    import subprocess
-
+    second makes them stop at once, and torchrun is ended with them. A SIGTERM or SIGHUP sent to this process (a
+    scheduler, a closed terminal) is passed to the workers as SIGTERM: they save at the step boundary, and this
+    process exits 128 + the signal's number."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
            "-m", "dist_llm.train"]
     if args.config is not None:
         cmd += ["--config", str(args.config)]
     cmd += list(args.overrides)
+    return run_launcher(cmd)
+
+
+def run_launcher(cmd: list[str]) -> int:
+    """Run the launcher `cmd` (torchrun) in a session of its own, handing signals to its workers (see
+    relaunch_under_torchrun); its exit code, or 130 / 128 + the signal after a signal that saved."""
+    import signal
+    import subprocess
+
     interrupts = [0]
+    terminated: list[int] = []  # a SIGTERM/SIGHUP passed on (a scheduler's preemption, a closed terminal)
     started: list[subprocess.Popen] = []
 
-    def on_interrupt(signum: int, frame: object) -> None:
-        interrupts[0] += 1
-        if not started:
-            return
+    def to_workers(signum: int, *, abort: bool = False) -> None:
         proc = started[0]
         workers = _children(proc.pid)
         for pid in workers:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGINT)
-        if not workers or interrupts[0] > 1:  # still starting, or aborting: torchrun goes too
+                os.kill(pid, signum)
+        if not workers or abort:  # still starting, or aborting: torchrun goes too
             with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGINT if interrupts[0] == 1 else signal.SIGKILL)
+                os.killpg(proc.pid, signal.SIGKILL if abort else signum)
 
-    previous = signal.signal(signal.SIGINT, on_interrupt)  # (before the start: a handler is not inherited)
+    def on_interrupt(signum: int, frame: object) -> None:
+        interrupts[0] += 1
+        if started:
+            to_workers(signal.SIGINT, abort=interrupts[0] > 1)
+
+    def on_terminate(signum: int, frame: object) -> None:
+        # torchrun is in a session of its own, so what a scheduler or a closing terminal sends this process
+        # would not reach it: pass it on to the workers, which save at the step boundary as on SIGTERM
+        terminated.append(signum)
+        if started:
+            to_workers(signal.SIGTERM)
+
+    handlers = {signal.SIGINT: on_interrupt, signal.SIGTERM: on_terminate, signal.SIGHUP: on_terminate}
+    previous = {sig: signal.signal(sig, handler) for sig, handler in handlers.items()}  # (before the start: a
+    # handler is not inherited)
     try:
         proc = subprocess.Popen(cmd, start_new_session=True)
         started.append(proc)
-        if interrupts[0]:  # pressed while it was starting
-            os.killpg(proc.pid, signal.SIGINT)
+        if interrupts[0] or terminated:  # a signal while it was starting
+            os.killpg(proc.pid, signal.SIGINT if interrupts[0] else signal.SIGTERM)
         code = proc.wait()
     finally:
-        signal.signal(signal.SIGINT, previous)
-    return 130 if interrupts[0] and code in (0, -signal.SIGKILL) else code
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if code in (0, -signal.SIGKILL) and (interrupts[0] or terminated):
+        return 130 if interrupts[0] else 128 + terminated[0]
+    return code
 
 
 def check_out_dir(out_dir: Path) -> None:

@@ -234,3 +234,40 @@ def test_truncating_metrics_keeps_the_lines_up_to_the_step_and_drops_a_torn_one(
     assert path.read_text() == "".join(f"{line}\n" for line in kept)
     assert truncate_after(path, 2) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
+
+
+# -- 3. a SIGTERM to the launching command (a scheduler's preemption) reaches the workers ------------------------
+FAKE_LAUNCHER = """
+import subprocess, sys
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+sys.exit(worker.wait())
+"""
+FAKE_WORKER = """
+import pathlib, signal, sys, time
+out = pathlib.Path(sys.argv[0] if False else {out!r})
+signal.signal(signal.SIGTERM, lambda *_: (out.joinpath("got").write_text("SIGTERM"), sys.exit(0)))
+out.joinpath("ready").write_text("")
+time.sleep(60)
+sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_a_sigterm_to_the_command_reaches_torchruns_workers(tmp_path: Path, sig: int) -> None:
+    """torchrun runs in a session of its own (so that a Ctrl-C reaches only dist-llm, which hands it on): a SIGTERM
+    or SIGHUP sent to dist-llm alone, as a scheduler or a closing terminal does, must be passed to the workers (as
+    SIGTERM: they save at the step boundary), and the command ends with 128 + the signal. A stand-in launcher and
+    worker (no torch) keep it to a second."""
+    worker = FAKE_WORKER.format(out=str(tmp_path))
+    code = ("import sys; from dist_llm.cli import run_launcher; "
+            f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {worker!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.05)
+    time.sleep(0.2)  # (the worker's handler is set before it writes "ready"; the launcher has seen it start)
+    proc.send_signal(sig)  # this process only, not its group
+    assert proc.wait(timeout=30) == 128 + sig, proc.communicate()[1]
+    assert (tmp_path / "got").read_text() == "SIGTERM"
