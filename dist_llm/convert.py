@@ -24,7 +24,6 @@ import dataclasses
 import json
 import os
 import re
-import shutil
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -40,6 +39,7 @@ from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.hf import (HFTensor, read_weight_map, export_family, export_plan, hf_config, hf_tensor, load_hf, plain_state,
                          read_hf_config, weight_shapes)
+from dist_llm.hf_tokenizer import write_hf_tokenizer
 from dist_llm.model import GPT
 from dist_llm.safetensors_shards import (DEFAULT_MAX_SHARD_SIZE, SAFETENSORS_FILE, SAFETENSORS_INDEX, Entry, parse_shard_size,
                              plan_shards, write_file, write_shards)
@@ -275,8 +275,7 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path, *,
     with atomic_folder(out) as building:
         write_shards(building, entries, _hf_stream(plan, weights), max_shard_bytes=limit)
         (building / CONFIG_FILE).write_text(json.dumps(hf_config(cfg.model, EXPORT_DTYPE), indent=2) + "\n")
-        if tok.is_file():
-            shutil.copyfile(tok, building / "tokenizer.json")
+        write_hf_tokenizer(building, tok if tok.is_file() else None, model_max_length=cfg.model.block_size)
     return out
 
 
