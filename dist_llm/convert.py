@@ -49,6 +49,7 @@ from dist_llm.hf import (
     plain_state,
     weight_shapes,
 )
+from dist_llm.hf_tokenizer import write_hf_tokenizer
 from dist_llm.host_malloc import map_large_allocations
 from dist_llm.model import GPT
 from dist_llm.safetensors_shards import (
@@ -236,8 +237,7 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path, *,
     with atomic_folder(out) as building:
         write_shards(building, entries, _hf_stream(plan, weights), max_shard_bytes=limit)
         (building / CONFIG_FILE).write_text(json.dumps(hf_config(cfg.model, EXPORT_DTYPE), indent=2) + "\n")
-        if tok.is_file():
-            shutil.copyfile(tok, building / "tokenizer.json")
+        write_hf_tokenizer(building, tok if tok.is_file() else None, model_max_length=cfg.model.block_size)
     return out
 
 

@@ -562,25 +562,35 @@ _LLAMA_LINEARS = [("self_attn.o_proj", "attn.proj"), ("mlp.gate_proj", "mlp.gate
 
 
 # -- writing: the name and layout mapping (the files are written by dist_llm.convert) ------------------------
+#: the keys each Hugging Face family fixes, with the value it needs (n_kv_head: 0 means n_head, no GQA)
+_FAMILY_NEEDS: dict[str, dict[str, Any]] = {"llama": {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu"},
+                                            "gpt2": {"pos_emb": "learned", "norm": "layernorm", "mlp": "gelu",
+                                                     "n_kv_head": 0}}
+_FAMILY_LABEL = {"llama": "Llama", "gpt2": "GPT-2"}
+
+
+def _family_misses(cfg: ModelConfig, family: str) -> list[str]:
+    """The `model.key=value` settings `cfg` would need to export as `family` (empty: it does)."""
+    needs = dict(_FAMILY_NEEDS[family])
+    misses = [f"model.{k}={v}" for k, v in needs.items() if k != "n_kv_head" and getattr(cfg, k) != v]
+    if "n_kv_head" in needs and cfg.kv_heads != cfg.n_head:
+        misses.append("model.n_kv_head=0")  # GPT-2 has no grouped-query attention
+    return misses
+
+
 def export_family(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face family a model of `cfg` is written as (ConfigError naming the key
-    that makes it unexportable)."""
-    if cfg.pos_emb == "learned":
-        if cfg.norm != "layernorm":
-            raise ConfigError(f"model.norm={cfg.norm}: a model with learned positions exports as GPT-2, which needs "
-                              f"layernorm")
-        if cfg.mlp != "gelu":
-            raise ConfigError(f"model.mlp={cfg.mlp}: a model with learned positions exports as GPT-2, which needs gelu")
-        if cfg.kv_heads != cfg.n_head:
-            raise ConfigError(f"model.n_kv_head={cfg.n_kv_head}: GPT-2 has no grouped-query attention")
-        return "gpt2"
-    if cfg.pos_emb == "rope":
-        if cfg.norm != "rmsnorm":
-            raise ConfigError(f"model.norm={cfg.norm}: a RoPE model exports as Llama, which needs rmsnorm")
-        if cfg.mlp != "swiglu":
-            raise ConfigError(f"model.mlp={cfg.mlp}: a RoPE model exports as Llama, which needs swiglu")
-        return "llama"
-    raise ConfigError(f"model.pos_emb={cfg.pos_emb}: no Hugging Face GPT-2 or Llama equivalent (use learned or rope)")
+    """'gpt2' or 'llama': the Hugging Face family a model of `cfg` is written as. Otherwise a ConfigError that
+    names, in one line, the keys this model has and the settings of the nearer family to train with instead."""
+    options = {family: _family_misses(cfg, family) for family in ("llama", "gpt2")}
+    for family, misses in options.items():
+        if not misses:
+            return family
+    near, far = sorted(options, key=lambda f: (len(options[f]), f != "llama"))  # fewer changes first
+    changed = " ".join(options["llama"] + options["gpt2"])
+    has = " ".join(f"model.{k}={getattr(cfg, k)}" for k in ("pos_emb", "norm", "mlp", "n_kv_head")
+                   if f"model.{k}=" in changed)
+    raise ConfigError(f"{has}: exports as neither GPT-2 nor Llama; to export, train with {' '.join(options[near])} "
+                      f"({_FAMILY_LABEL[near]}) or {' '.join(options[far])} ({_FAMILY_LABEL[far]})")
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -14,6 +14,7 @@ from dist_llm import perf
 from dist_llm.config import ModelConfig
 from dist_llm.data import BatchPrefetcher
 from dist_llm.model import GPT
+from dist_llm.train.report import human_size
 from tests.distributed import run_distributed
 from tests.test_data_parallel import corpus, train  # noqa: F401 - corpus is a fixture
 from tests.test_trainer import losses, make_trainer
@@ -78,7 +79,7 @@ def test_metrics_carry_mfu_peak_memory_and_the_attention_kernel(tmp_path: Path, 
         assert 50 * 2**20 < peak < 8 * 2**30  # a Python process with torch, and a tiny model
     report = (out / "report.md").read_text()
     assert f"- MFU: {100 * steps[-1]['mfu']:.1f}% of the device's peak" in report
-    assert f"- peak memory per rank (host peak RSS): {steps[-1]['peak_memory_bytes'][0] / 2**30:.2f} GiB" in report
+    assert f"- peak memory per rank (host peak RSS): {human_size(steps[-1]['peak_memory_bytes'][0])}" in report
     # no peak given on a CPU: no mfu (a CPU's matmul peak says little about training on it)
     make_trainer(tmp_path / "plain", corpus_file, train__max_steps=1, train__eval_interval=0).fit()
     assert all("mfu" not in json.loads(line) for line in (tmp_path / "plain" / "metrics.jsonl").read_text().splitlines())

@@ -31,7 +31,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
-from dist_llm.peft import apply_peft, peft_parameter_names, qlora, reset_peft_parameters
+from dist_llm.peft import apply_peft, parameter_counts, peft_parameter_names, qlora, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")
 
@@ -126,10 +126,11 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     def adapt_and_compile() -> None:
         if cfg.peft.method != "none":
             apply_peft(model, cfg.peft, seed=t.seed, sequence_parallel=cfg.parallel.sequence_parallel)
-            n = sum(p.numel() for p in model.parameters())
-            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-            log.info("peft %s: %d trainable parameters of %d (%.3f%%), the base frozen", cfg.peft.method, trainable,
-                     n, 100 * trainable / max(1, n))
+            counts = parameter_counts(model)  # (a QLoRA base weight by its elements, not its packed bytes)
+            nf4 = sum(o * i for o, i in counts.nf4_shapes)
+            log.info("peft %s: %d trainable parameters of %d (%.3f%%), the base frozen%s", cfg.peft.method,
+                     counts.trainable, counts.total, 100 * counts.trainable / max(1, counts.total),
+                     f" ({nf4} of its weights stored in 4-bit NF4)" if nf4 else "")
         if t.activation_checkpointing != "none":
             model.set_activation_checkpointing(t.activation_checkpointing)
         if t.compile:

@@ -7,6 +7,7 @@ adapter.json, which base they belong to), and `load_adapter` puts them back on a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dist_llm.config import ConfigError, PeftConfig
+from dist_llm.config import ConfigError, ModelConfig, PeftConfig
 from dist_llm.fileio import atomic_path, atomic_write_text
 from dist_llm.model.init import parameter_name
 from dist_llm.peft.adapter import Adapter, add_adapter
@@ -125,6 +126,41 @@ def merge_into_base(model: nn.Module) -> None:
                     del layer.lora
 
 
+@dataclasses.dataclass(frozen=True)
+class ParameterCounts:
+    trainable: int
+    total: int  # every parameter the model stands for, a QLoRA base weight by its elements
+    nf4_shapes: tuple[tuple[int, int], ...] = ()  # (out, in) of each base weight stored in NF4
+
+
+def parameter_counts(model: nn.Module) -> ParameterCounts:
+    """Trainable and total parameters of `model` (this rank's part). A QLoRA base weight is NF4 buffers, not a
+    parameter: counted by the elements it stands for, not skipped (nor by its packed bytes)."""
+    from dist_llm.peft.nf4 import NF4Linear
+
+    nf4 = tuple((m.out_features, m.in_features) for m in model.modules() if isinstance(m, NF4Linear))
+    params = list(model.parameters())
+    return ParameterCounts(trainable=sum(p.numel() for p in params if p.requires_grad),
+                           total=sum(p.numel() for p in params) + sum(o * i for o, i in nf4), nf4_shapes=nf4)
+
+
+def planned_counts(model_cfg: ModelConfig, peft_cfg: PeftConfig) -> ParameterCounts:
+    """`parameter_counts` of the whole model a PEFT run of these settings trains, worked out on the meta
+    device from the config alone (for report.md): QLoRA counted as LoRA on the weights it would quantise."""
+    from dist_llm.model import GPT
+
+    qlora = peft_cfg.method == "qlora"
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+        apply_peft(model, dataclasses.replace(peft_cfg, method="lora") if qlora else peft_cfg, seed=0)
+    counts = parameter_counts(model)
+    if not qlora:
+        return counts
+    layers = [_get(block, path) for block in model.blocks for path in BLOCK_LINEARS]
+    return dataclasses.replace(counts, nf4_shapes=tuple(tuple(layer.weight.shape) for layer in layers
+                                                        if isinstance(layer, nn.Linear)))
+
+
 def trainable_names(model: nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
@@ -161,6 +197,7 @@ def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
     return json.loads((path / "adapter.json").read_text())
 
 
-__all__ = ["BLOCK_LINEARS", "TARGETS", "Adapter", "LoRA", "adapter_state", "add_adapter", "add_lora", "apply_peft",
-           "load_adapter", "lora_modules", "merge", "merge_into_base", "peft_modules", "peft_parameter_names",
+__all__ = ["BLOCK_LINEARS", "TARGETS", "Adapter", "LoRA", "ParameterCounts", "adapter_state", "add_adapter", "add_lora",
+           "apply_peft", "load_adapter", "lora_modules", "merge", "merge_into_base", "parameter_counts", "peft_modules",
+           "peft_parameter_names", "planned_counts",
            "reset_peft_parameters", "save_adapter", "trainable_names", "unmerge"]

@@ -215,6 +215,13 @@ class _NF4LinearFunction(torch.autograd.Function):
 
 
 # Buffers holding fp32 metadata that `module.to(dtype)` / `.half()` must not cast.
+def nf4_nbytes(numel: int, block_size: int = 64, scale_block_size: int = 256) -> int:
+    """`NF4Weight.nbytes` of a weight of `numel` elements, without quantising one: packed codes (half a byte a
+    value, padded to whole blocks), an int8 scale per block, an fp32 factor per group of scales, the fp32 mean."""
+    blocks = _ceil_div(numel, block_size)
+    return blocks * block_size // 2 + blocks + 4 * _ceil_div(blocks, scale_block_size) + 4
+
+
 _FP32_BUFFERS = ("scale_factor", "scale_mean", "code")
 
 

@@ -1,7 +1,9 @@
 """report.md: one page about a finished run, rebuilt from its files alone (`dist-llm report RUN_DIR`).
 
 It reads config.yaml and metrics.jsonl (the start record, the memory record of the first step, the last
-training and validation records) and links loss.png.
+training and validation records) and links loss.png. Sizes are in binary units (KiB, MiB, GiB); tokens/s is
+given twice, the run's average and the last log window's; a PEFT run's trainable share is counted from the
+config against the whole model (a QLoRA base by its weights, with how they are stored).
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dist_llm.config import ConfigError, config_from_dict
+from dist_llm.config import Config, ConfigError, config_from_dict
 from dist_llm.fileio import atomic_write_text
 from dist_llm.train.metrics import read_metrics
 
@@ -19,8 +21,53 @@ from dist_llm.train.metrics import read_metrics
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L4": 121e12, "A10G": 125e12}
 
 
-def _gb(n: float | None) -> str:
-    return "-" if n is None else f"{n / 1e9:.4f} GB ({n / 2**30:.4f} GiB)"
+def human_size(n: float | None) -> str:
+    """Bytes in the largest binary unit that keeps the number at 1 or more: 812 B, 12.5 MiB, 1.25 GiB."""
+    if n is None:
+        return "-"
+    value, unit = float(n), "B"
+    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024:
+            break
+        value, unit = value / 1024, bigger
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+
+
+def throughput_lines(train: list[dict[str, Any]], tokens_per_step: int) -> list[str]:
+    """The run's average tokens/s (all its tokens over its training wall time, resumes added up) and the last
+    log window's, each labelled: under a varying load the two can differ tenfold."""
+    last = train[-1]
+    lines = []
+    if last.get("elapsed_s"):
+        tokens = last["step"] * tokens_per_step
+        lines.append(f"- tokens/s, run average: {tokens / last['elapsed_s']:,.0f} ({tokens:,} tokens in "
+                     f"{last['elapsed_s']:,.1f} s of training wall time, evaluation and checkpoints included)")
+    first = train[-2]["step"] + 1 if len(train) > 1 else 1
+    lines.append(f"- tokens/s, last window: {last.get('tokens_per_s', 0.0):,.0f} (steps {first}-{last['step']}, "
+                 f"evaluation and checkpoints not counted)")
+    return lines
+
+
+def peft_lines(cfg: Config) -> list[str]:
+    """What a PEFT run trains against the whole model, counted on the meta device from the config: a QLoRA base
+    weight counts as the elements it stands for, and how it is stored is said."""
+    if cfg.peft.method == "none":
+        return []
+    from dist_llm.peft import planned_counts  # (builds a model: only for PEFT reports)
+    from dist_llm.peft.nf4 import nf4_nbytes
+
+    counts = planned_counts(cfg.model, cfg.peft)
+    lines = [f"- peft {cfg.peft.method}: {counts.trainable:,} trainable parameters of {counts.total:,} "
+             f"({100 * counts.trainable / max(1, counts.total):.2f}%), the base frozen"]
+    if counts.nf4_shapes:
+        n = sum(rows * cols for rows, cols in counts.nf4_shapes)
+        stored = sum(nf4_nbytes(rows * cols) for rows, cols in counts.nf4_shapes)
+        lines.append(f"- {n:,} of them, the blocks' linear weights, stored in NF4: 4-bit codes with an int8 scale "
+                     f"per 64 and an fp32 factor per 256 scales, {human_size(stored)} "
+                     f"({8 * stored / max(1, n):.3f} bits a weight) against {human_size(4 * n)} in fp32")
+    return lines
 
 
 def build_report(run_dir: Path) -> str:
@@ -47,7 +94,7 @@ def build_report(run_dir: Path) -> str:
              f"{t.activation_checkpointing}, peft {cfg.peft.method}",
              f"- {start.get('n_params', 0) / 1e6:.2f}M parameters; global batch {t.global_batch_size} x "
              f"{cfg.model.block_size} tokens in {start.get('accum_steps', '?')} micro-step(s) of {t.micro_batch_size}",
-             ""]
+             *peft_lines(cfg), ""]
     lines += ["## Memory per rank (rank 0)", ""]
     if mem:
         pr, me = mem["predicted"], mem["measured"]
@@ -55,7 +102,7 @@ def build_report(run_dir: Path) -> str:
         for key, label in [("params_bytes", "parameters"), ("grads_bytes", "gradients"), ("master_bytes", "fp32 master"),
                            ("optimizer_bytes", "optimizer states"), ("model_states_bytes", "model states"),
                            ("activation_bytes", "saved activations"), ("peak_bytes", "peak")]:
-            lines.append(f"| {label} | {_gb(pr.get(key))} | {_gb(me.get(key))} |")
+            lines.append(f"| {label} | {human_size(pr.get(key))} | {human_size(me.get(key))} |")
         lines += ["", "Measured: the bytes of the tensors the rank holds after its first step; saved activations "
                   "counted with saved_tensors_hooks during that step; the peak is the CUDA allocator's on a GPU.", ""]
     else:
@@ -63,26 +110,26 @@ def build_report(run_dir: Path) -> str:
     lines += ["## Throughput and communication", ""]
     if last:
         tps = last.get("tokens_per_s", 0.0)
-        lines.append(f"- {tps:,.0f} tokens/s at step {last['step']}")
+        lines += throughput_lines(train, t.global_batch_size * cfg.model.block_size)
         flops = start.get("flops_per_token")
         device = str(start.get("device", ""))
         if flops:
-            lines.append(f"- model FLOPs: {flops * tps / 1e12:.3f} TFLOP/s ({flops:.3g} per token)")
+            lines.append(f"- model FLOPs, last window: {flops * tps / 1e12:.3f} TFLOP/s ({flops:.3g} per token)")
             peak = next((v for k, v in PEAK_BF16.items() if k in start.get("device_name", "")), None)
             if last.get("mfu") is not None:
-                lines.append(f"- MFU: {100 * last['mfu']:.1f}% of the device's peak (measured with a matmul at the "
-                             f"start, or train.peak_tflops)")
+                lines.append(f"- MFU: {100 * last['mfu']:.1f}% of the device's peak in the last window (the peak "
+                             f"measured with a matmul at the start, or train.peak_tflops)")
             elif device.startswith("cuda") and peak:
                 lines.append(f"- MFU: {100 * flops * tps / (peak * layout.get('world_size', 1)):.1f}% of "
-                             f"{start.get('device_name')}'s bf16 datasheet peak")
+                             f"{start.get('device_name')}'s bf16 datasheet peak in the last window")
             else:
                 lines.append("- MFU: on a GPU, or with train.peak_tflops")
         if last.get("peak_memory_bytes"):
             lines.append(f"- peak memory per rank ({start.get('peak_memory', 'peak')}): "
-                         + ", ".join(f"{b / 2**30:.2f} GiB" for b in last["peak_memory_bytes"][:16])
+                         + ", ".join(human_size(b) for b in last["peak_memory_bytes"][:16])
                          + (" ..." if len(last["peak_memory_bytes"]) > 16 else ""))
         comm = last.get("comm_bytes") or {}
-        lines.append("- bytes sent per step by rank 0: " + (", ".join(f"{k} {v / 2**20:.3f} MiB" for k, v in comm.items())
+        lines.append("- bytes sent per step by rank 0: " + (", ".join(f"{k} {human_size(v)}" for k, v in comm.items())
                                                             or "none"))
         lines.append(f"- last training loss {last['loss']:.4f}" + (f", validation loss {val[-1]['val_loss']:.4f} at step "
                                                                   f"{val[-1]['step']}" if val else ""))
