@@ -455,9 +455,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 def _resolve_init_from(cfg: Config) -> None:
     """model.init_from as an absolute path: it is saved in config.yaml and the manifest, and read again by
     `dist-llm sample` or a resume, which may run from another directory."""
-    kind, sep, where = cfg.model.init_from.partition(":")
+    cfg.model.init_from = resolved_init_from(cfg.model.init_from)
+
+
+def resolved_init_from(spec: str) -> str:
+    """`hf:DIR` / `ckpt:DIR` with DIR made absolute (relative to the working directory); anything else as is."""
+    kind, sep, where = spec.partition(":")
     if sep and kind in ("hf", "ckpt") and where:
-        cfg.model.init_from = f"{kind}:{Path(where).expanduser().resolve()}"
+        return f"{kind}:{Path(where).expanduser().resolve()}"
+    return spec
 
 
 def config_from_dict(tree: dict[str, Any], *, check: bool = True) -> Config:

@@ -271,3 +271,15 @@ def test_a_sigterm_to_the_command_reaches_torchruns_workers(tmp_path: Path, sig:
     proc.send_signal(sig)  # this process only, not its group
     assert proc.wait(timeout=30) == 128 + sig, proc.communicate()[1]
     assert (tmp_path / "got").read_text() == "SIGTERM"
+
+
+def test_an_older_peft_manifest_with_a_relative_base_still_matches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checkpoints written before model.init_from was stored resolved hold it as typed ("ckpt:../base"): a resume
+    from the directory the run was started in must still recognise its base (it failed as "adapts another base
+    model" when the manifest's path was compared as written)."""
+    from dist_llm.train.state import _same_base
+
+    monkeypatch.chdir(tmp_path)
+    old = {"init_from": "ckpt:../base", "model_fingerprint": "f"}
+    assert _same_base(old) == {"init_from": f"ckpt:{(tmp_path.parent / 'base').resolve()}", "model_fingerprint": "f"}
+    assert _same_base(None) is None and _same_base({"init_from": ""}) == {"init_from": ""}

@@ -20,7 +20,7 @@ import torch
 import yaml
 from torch.distributed.checkpoint.api import CheckpointException
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, resolved_init_from
 from dist_llm.data import GlobalBatchSampler
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel
@@ -159,7 +159,7 @@ class RunState:
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe"
                               f"{self._first_difference(path)}; start over with train.resume=never (the earlier "
                               "run is moved aside) or use another train.out_dir")
-        if self.cfg.peft.method != "none" and manifest.get("peft_base") != self.peft_base():
+        if self.cfg.peft.method != "none" and _same_base(manifest.get("peft_base")) != self.peft_base():
             raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
                               f"model.init_from describes ({self.peft_base()})")
         # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
@@ -358,3 +358,11 @@ class RunState:
         """Until a background save has copied what the next optimizer step changes (a no-op without one)."""
         if self.pending_save is not None:
             self.pending_save.wait_staged()
+
+
+def _same_base(saved: Any) -> Any:
+    """A manifest's `peft_base` as this version writes it: checkpoints made before model.init_from was stored
+    resolved hold the path as typed, relative to the directory the run was started from (taken to be this one)."""
+    if isinstance(saved, dict) and isinstance(saved.get("init_from"), str):
+        return {**saved, "init_from": resolved_init_from(saved["init_from"])}
+    return saved
