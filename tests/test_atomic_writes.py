@@ -132,7 +132,8 @@ def test_convert_to_hf_failing_midway_leaves_no_folder(tmp_path: Path, checkpoin
     monkeypatch.undo()
     out = hf.convert_checkpoint_to_hf(checkpoint, parent / "hf")
     assert sorted(p.name for p in parent.iterdir()) == ["hf"]
-    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors"}
+    assert {p.name for p in out.iterdir()} == {"config.json", "model.safetensors", "tokenizer.json",
+                                               "tokenizer_config.json"}
 
 
 def test_adapter_save_failing_midway_keeps_the_previous_adapter(tmp_path: Path,
@@ -241,7 +242,7 @@ def test_written_files_get_the_umask_mode(tmp_path: Path, checkpoint: Path, umas
         written.pop(name)
     assert written == {name: FILE_MODE for name in [
         "adapter/adapter.json", "adapter/adapter.safetensors", "converted/config.json",
-        "converted/model.safetensors", "hf/config.json", "hf/model.safetensors", "model.safetensors",
+        "converted/model.safetensors", "converted/tokenizer.json", "converted/tokenizer_config.json", "hf/config.json", "hf/model.safetensors", "model.safetensors",
         "run/loss.png", "run/report.md", "state.json"]}
 
 
