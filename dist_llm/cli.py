@@ -67,8 +67,16 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
             rank = os.environ.get("RANK")
             return fail(f"{f'rank {rank}: ' if rank else ''}{where}{e.strerror or e}", code=1, every_rank=True)
         except KeyboardInterrupt:
-            return fail("interrupted: nothing saved since the last complete checkpoint (during training, a single "
+            code = fail("interrupted: nothing saved since the last complete checkpoint (during training, a single "
                         "Ctrl-C saves one at the end of the step)", code=130)
+            if args.__dict__.get("_process_entry"):
+                # "at once": the interpreter's exit would join background threads (the data prefetch, a checkpoint
+                # writer) that the interrupt left mid-task, and could wait on them; nothing is left to save
+                logging.shutdown()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(code)
+            return code
 
     return run
 
@@ -142,8 +150,11 @@ def run_launcher(cmd: list[str]) -> int:
         proc = started[0]
         workers = _children(proc.pid)
         for pid in workers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if abort:  # torchrun starts each worker in a session of its own: killing torchrun's group would
+                    os.killpg(pid, signal.SIGKILL)  # leave them running (a worker stuck in a collective), orphaned
+                else:
+                    os.kill(pid, signum)
         if not workers or abort:  # still starting, or aborting: torchrun goes too
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL if abort else signum)
@@ -407,7 +418,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     return parser, subparsers
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, process_entry: bool = False) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser, subparsers = build_parser()
     if not argv or argv[0] not in subparsers:
@@ -415,8 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     # intermixed, so overrides and options may come in any order
     args = subparsers[argv[0]].parse_intermixed_args(argv[1:])
+    args._process_entry = process_entry
     return COMMANDS[argv[0]][2](args)
 
 
+def entry() -> None:
+    """The `dist-llm` command (and `python -m dist_llm.cli`): `main` as a process of its own."""
+    sys.exit(main(process_entry=True))
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

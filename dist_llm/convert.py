@@ -342,8 +342,10 @@ def _read_converted(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> tor
     """Our full tensor `name` in fp32 (q/k/v stacked, Conv1D transposed, vocabulary padding zero), read from the
     Hugging Face files block of rows by block of rows."""
     out = torch.empty(shape, dtype=EXPORT_DTYPE)
-    if out.dim() == 0 or out.numel() == 0:
-        return src.read_into(name, out) if out.dim() else out
+    if out.numel() == 0:
+        return out
+    if out.dim() == 0:
+        return src.read_into(name, out)
     step = max(1, READ_BLOCK_BYTES // max(1, out[0].nbytes))
     for a in range(0, shape[0], step):
         b = min(shape[0], a + step)

@@ -129,7 +129,11 @@ class ChunkReader:
     def _load_chunk(self, info: Any) -> torch.Tensor:
         try:
             with self.reader.fs.create_stream(self.path / info.relative_path, "rb") as stream:
-                return torch.load(self.reader._slice_file(stream, info), map_location="cpu", weights_only=True)
+                chunk = torch.load(self.reader._slice_file(stream, info), map_location="cpu", weights_only=True)
+            if not isinstance(chunk, torch.Tensor):
+                raise ConfigError(f"{self.path / info.relative_path}: a stored chunk is a {type(chunk).__name__}, "
+                                  "not a tensor (a damaged or foreign checkpoint)")
+            return chunk
         except ConfigError:
             raise
         except Exception as e:  # noqa: BLE001 - a shard that is no plain tensor, a truncated file: one line

@@ -17,7 +17,6 @@ training step of configs/tiny.yaml on one CPU thread (a loop of forward, backwar
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import sys
 
@@ -29,11 +28,12 @@ THRESHOLD_BYTES = 1 << 20  # fixed: glibc's dynamic raise (up to 32 MiB) turned 
 
 def map_large_allocations(threshold: int = THRESHOLD_BYTES) -> bool:
     """Fix glibc's mmap threshold at `threshold` bytes for this process; False where there is no glibc (macOS,
-    musl) or it refused, which costs memory, not correctness."""
+    musl) or it refused, which costs memory, not correctness. The setting is process-wide and stays (a notebook or
+    a program that imports dist_llm's Trainer gets it too)."""
     if not sys.platform.startswith("linux"):
         return False
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc = ctypes.CDLL(None)  # the C library this process already has (find_library would run ldconfig)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False

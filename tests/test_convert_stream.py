@@ -158,3 +158,18 @@ def test_writer_converts_views_and_dtypes_block_by_block(tmp_path: Path, monkeyp
     expected = {"t": a.t().contiguous(), "c": a.to(torch.bfloat16), "v": a[0, :7].clone()}
     got = load_file(tmp_path / "ours.safetensors")
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+
+
+def test_a_stored_chunk_that_is_no_tensor_is_one_line(tmp_path: Path, hf_dirs: dict[str, Path],
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A damaged or foreign checkpoint whose chunk unpickles (weights_only) to a dict, not a tensor: the reader says
+    so in one ConfigError naming the file, not an AttributeError from deep inside."""
+    from dist_llm.config import ConfigError
+    from dist_llm.convert_io import ChunkReader
+
+    ckpt = convert.convert_hf_to_checkpoint(hf_dirs["llama"], tmp_path / "ckpt")
+    reader = ChunkReader(ckpt)
+    real_load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: {"not": real_load(*a, **k)})
+    with pytest.raises(ConfigError, match=r"a stored chunk is a dict, not a tensor"):
+        reader.read_whole("model.lm_head.weight")

@@ -239,7 +239,7 @@ def test_truncating_metrics_keeps_the_lines_up_to_the_step_and_drops_a_torn_one(
 # -- 3. a SIGTERM to the launching command (a scheduler's preemption) reaches the workers ------------------------
 FAKE_LAUNCHER = """
 import subprocess, sys
-worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]])
+worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session=True)  # as torchrun starts them
 sys.exit(worker.wait())
 """
 FAKE_WORKER = """
@@ -283,3 +283,63 @@ def test_an_older_peft_manifest_with_a_relative_base_still_matches(tmp_path: Pat
     old = {"init_from": "ckpt:../base", "model_fingerprint": "f"}
     assert _same_base(old) == {"init_from": f"ckpt:{(tmp_path.parent / 'base').resolve()}", "model_fingerprint": "f"}
     assert _same_base(None) is None and _same_base({"init_from": ""}) == {"init_from": ""}
+
+
+STUCK_WORKER = """
+import os, pathlib, signal, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a worker inside a blocking collective runs no Python handler
+pathlib.Path({out!r}).joinpath("ready").write_text(str(os.getpid()))
+time.sleep(60)
+"""
+
+
+def _gone(pid: int) -> bool:
+    try:  # (a zombie counts as gone: its parent was killed and whatever reaps orphans here may not)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finding torchrun's workers reads /proc (Linux)")
+def test_a_second_ctrl_c_kills_workers_in_their_own_sessions(tmp_path: Path) -> None:
+    """torchrun starts each worker in a session of its own, so killing torchrun's process group does not reach them:
+    a second Ctrl-C must kill every worker's own group, or a worker stuck in a collective is left running, orphaned,
+    holding its GPU and the run lock (the launcher returned 130 while the stand-in worker lived on, before)."""
+    worker = STUCK_WORKER.format(out=str(tmp_path))
+    code = ("import sys; from dist_llm.cli import run_launcher; "
+            f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {worker!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (tmp_path / "ready").exists() or not (tmp_path / "ready").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.05)
+    pid = int((tmp_path / "ready").read_text())
+    time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 130, proc.communicate()[1]
+    deadline = time.monotonic() + 10
+    while not _gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _gone(pid), "the worker outlived the launcher"
+
+
+def test_a_second_ctrl_c_that_dcp_wraps_as_a_save_failure_still_aborts(tmp_path: Path) -> None:
+    """DCP catches what interrupts its writers and raises a CheckpointException holding it: a second Ctrl-C during
+    a save came out as "saving checkpoint ... failed (rank 0: KeyboardInterrupt)", exit 1, not the abort (130).
+    The half checkpoint is removed either way."""
+    from types import SimpleNamespace
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dist_llm.train.state import RunState
+
+    half = tmp_path / "checkpoints" / "step_000003"
+    half.mkdir(parents=True)
+    fake = SimpleNamespace(ctx=SimpleNamespace(is_main=True), ckpt_root=tmp_path / "checkpoints", step=3)
+    with pytest.raises(KeyboardInterrupt), RunState._saving(fake, half) as ours:  # type: ignore[arg-type]
+        ours()
+        raise CheckpointException("save", {0: (KeyboardInterrupt(), None)})
+    assert not half.exists()

@@ -350,6 +350,9 @@ class RunState:
         except (OSError, CheckpointException) as e:
             if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
                 shutil.rmtree(path, ignore_errors=True)  # (resume=auto would ignore it anyway: no manifest)
+            if isinstance(e, CheckpointException) and any(isinstance(inner, KeyboardInterrupt)
+                                                           for inner, _ in e.failures.values()):
+                raise KeyboardInterrupt from None  # (DCP wrapped the second Ctrl-C as this rank's save failure)
             kept = ckpt.latest_checkpoint(self.ckpt_root)
             raise CheckpointError(f"saving checkpoint {path} failed ({_io_reason(e)}); training stopped at step "
                                   f"{self.step}, the last complete checkpoint is {kept or 'none'}") from None
