@@ -85,6 +85,59 @@ def test_zero3_gathers_one_vocabulary_table_at_a_time(tmp_path: Path, extra: dic
             assert kind == "DTensor" and not whole, (name, kind, whole)
 
 
+def _gather_targets(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """One forward and backward; at every gather: (unit, forward or backward, whether the all-gather's buffer was
+    the unsharded parameter's own storage)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
+
+    cfg = load_config(None, tiny_overrides(out_dir, model__tie_embeddings=False, model__n_layer=3,
+                                           parallel__dp=world_size, parallel__zero_stage=3, **extra))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        dp = parallelize(meta_model(cfg, ctx), cfg, ctx).dp
+        names = {id(g): name or "root" for name, m in dp.module.named_modules()
+                 if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups}
+        buffers: dict[int, int] = {}  # param group -> its last all-gather buffer's storage address
+        for group in (g for unit in dp.fsdp_units for g in unit._get_fsdp_state()._fsdp_param_groups):
+            comm, real_allocate = group._all_gather_comm, group._all_gather_comm.allocate
+
+            def allocate(*args: Any, _real: Any = real_allocate, _group: Any = group, **kwargs: Any) -> torch.Tensor:
+                t = _real(*args, **kwargs)
+                buffers[id(_group)] = t.untyped_storage().data_ptr()
+                return t
+
+            comm.allocate = allocate
+        trace: list[tuple[str, str, bool]] = []
+        real = FSDPParamGroup.wait_for_unshard
+
+        def traced(group: FSDPParamGroup) -> None:
+            real(group)
+            phase = "backward" if group._training_state == TrainingState.PRE_BACKWARD else "forward"
+            own = {fp.all_gather_outputs[0].untyped_storage().data_ptr() for fp in group.fsdp_params}
+            trace.append((names[id(group)], phase, buffers.get(id(group)) in own))
+
+        FSDPParamGroup.wait_for_unshard = traced  # (this rank's process only)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+        dp.backward(dp.model(x, x, reduction="sum"))  # (a changed saved weight would fail autograd's version check)
+        dp.finish_grads()
+        FSDPParamGroup.wait_for_unshard = real
+        return trace
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize("extra", [LORA, {}], ids=["lora", "pretrain"])
+def test_zero3_gathers_a_vocabulary_table_into_its_own_storage(tmp_path: Path, extra: dict[str, Any]) -> None:
+    """A unit of one parameter (the untied embedding, the head) is all-gathered straight into the parameter's
+    unsharded storage: no second whole table for FSDP2's copy-out (before: the head took twice its size
+    while gathered, the peak of case 1's ZeRO-3 step). A block, of several parameters, keeps a buffer of its
+    own, which the copy-out splits into them."""
+    for trace in run_distributed(_gather_targets, 2, tmp_path, extra, init_group=False):
+        assert ("lm_head", "forward", True) in trace and ("lm_head", "backward", True) in trace, trace
+        assert ("wte", "forward", True) in trace, trace
+        assert all(not own for unit, _, own in trace if unit.startswith("blocks")), trace
+
+
 _RSS = r"""
 import re, sys, torch
 from dist_llm.host_malloc import map_large_allocations
