@@ -46,13 +46,20 @@ def _step_trace(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]
             phase = "backward" if group._training_state == TrainingState.PRE_BACKWARD else "forward"
             trace.append((groups.get(id(group), "?"), phase, unsharded_tables()))
 
-        FSDPParamGroup.wait_for_unshard = traced  # (this rank's process only)
+        issued: list[tuple[str, list[str]]] = []  # (unit whose all-gather starts, tables whole then)
+        real_unshard = FSDPParamGroup.unshard
+
+        def unshard(group: FSDPParamGroup, *args: Any, **kwargs: Any) -> None:
+            issued.append((groups.get(id(group), "?"), unsharded_tables()))
+            real_unshard(group, *args, **kwargs)
+
+        FSDPParamGroup.wait_for_unshard, FSDPParamGroup.unshard = traced, unshard  # (this rank's process only)
         x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
         dp.backward(dp.model(x, x, reduction="sum"))
         dp.finish_grads()
-        FSDPParamGroup.wait_for_unshard = real
+        FSDPParamGroup.wait_for_unshard, FSDPParamGroup.unshard = real, real_unshard
         after = {name: (type(p).__name__, _whole(dp, p)) for name, p in model.named_parameters()}
-        return {"trace": trace, "after": after,
+        return {"trace": trace, "after": after, "issued": issued,
                 "units": sorted(n for n, m in model.named_modules() if hasattr(m, "_get_fsdp_state"))}
     finally:
         ctx.destroy()
@@ -71,7 +78,7 @@ def _whole(dp: Any, p: torch.nn.Parameter) -> bool:
 @pytest.mark.parametrize("extra", [LORA, {}], ids=["lora", "pretrain"])
 def test_zero3_gathers_one_vocabulary_table_at_a_time(tmp_path: Path, extra: dict[str, Any]) -> None:
     """The untied embedding and head are FSDP2 units of their own: whole only around their own use, never
-    together; the embedding is not gathered again in backward (its gradient needs no table); after the step
+    together nor beside a block's gather; the embedding is not gathered again in backward (its gradient needs no table); after the step
     every parameter is a sharded DTensor with its gathered storage freed. Before, both tables sat in the root
     unit, whole together from the forward's start to its end and again through the whole backward."""
     for rank in run_distributed(_step_trace, 2, tmp_path, extra, init_group=False):
@@ -81,6 +88,8 @@ def test_zero3_gathers_one_vocabulary_table_at_a_time(tmp_path: Path, extra: dic
         assert all("wte" not in tables for _, phase, tables in trace if phase == "backward"), trace
         assert ("wte", "forward", ["wte"]) in trace and ("lm_head", "forward", ["lm_head"]) in trace, trace
         assert ("lm_head", "backward", ["lm_head"]) in trace, trace
+        # no block's gather starts while the head is whole (the head's backward prefetched the last block's)
+        assert not [unit for unit, tables in rank["issued"] if unit.startswith("blocks") and tables], rank["issued"]
         for name, (kind, whole) in rank["after"].items():
             assert kind == "DTensor" and not whole, (name, kind, whole)
 

@@ -127,6 +127,10 @@ class FSDPDataParallel(DataParallel):
         if vocab:  # an embedding's backward reads only the indices and the output's gradient, never the table:
             # without this, backward's prefetch would gather the whole table again after the first block
             vocab[0].set_unshard_in_backward(False)
+            # and the head's backward does not prefetch the last block: its gather (a block's weights) would be
+            # whole beside the whole head; the block gathers itself once the head is resharded. (An empty list
+            # means FSDP2's default prefetch; the head itself, whole when this runs, is a prefetch that does nothing.)
+            vocab[1].set_modules_to_backward_prefetch([vocab[1]])
         units.append(model)
         if ctx.device.type == "cpu":
             # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that
