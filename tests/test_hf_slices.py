@@ -10,8 +10,9 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +22,8 @@ import dist_llm.hf as hf_module
 from dist_llm.config import Config, ConfigError, ModelConfig, load_config
 from dist_llm.hf import HFCheckpoint, load_hf, load_hf_state_dict, read_hf_tensors
 from dist_llm.model import GPT
-from dist_llm.safetensors_read import ShardFile
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.safetensors_read import ShardFile
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed

@@ -41,7 +41,7 @@ def test_every_region_is_what_safetensors_slices_give(weights: Path, block_bytes
     shard = ShardFile(weights, read_header(weights))
     try:
         with safe_open(str(weights), framework="pt") as ref:
-            for key in ref.keys():
+            for key in ref.keys():  # noqa: SIM118 - safe_open is no dict
                 for (r0, r1), cols in REGIONS if key != "bias" else [((0, 29), None), ((4, 17), None)]:
                     want = ref.get_slice(key)[r0:r1] if cols is None else ref.get_slice(key)[r0:r1, cols[0]:cols[1]]
                     got = torch.empty_like(want)
@@ -105,8 +105,8 @@ def test_offsets_that_do_not_hold_the_shape_are_refused_at_the_header(tmp_path: 
 def test_a_file_cut_short_is_one_line_at_its_first_read(tmp_path: Path) -> None:
     """Headers intact, data cut short: opening the checkpoint (headers only) succeeds; the first read of any of
     the file's tensors fails with one line naming the file and tensor."""
-    from tests.test_hf import hf_llama, save
     from dist_llm.hf import model_config_from_hf
+    from tests.test_hf import hf_llama, save
 
     torch.manual_seed(4)
     path = save(hf_llama(), tmp_path / "llama")
@@ -114,9 +114,8 @@ def test_a_file_cut_short_is_one_line_at_its_first_read(tmp_path: Path) -> None:
     file = path / "model.safetensors"
     with open(file, "r+b") as f:
         f.truncate(file.stat().st_size - 1)
-    with HFCheckpoint(path, cfg) as src:  # every header parses
-        with pytest.raises(ConfigError) as e:
-            src.read("ln_f.weight")
+    with HFCheckpoint(path, cfg) as src, pytest.raises(ConfigError) as e:  # every header parses; the read fails
+        src.read("ln_f.weight")
     message = str(e.value)
     assert len(message.splitlines()) == 1
     assert re.fullmatch(rf"{re.escape(str(file))}: cannot read weights for tensor 'model\.norm\.weight' \(the file "
