@@ -333,8 +333,8 @@ def load_checkpoint_model(path: str | Path) -> GPT:
     return model
 
 
-# Rows of one of our tensors read from the Hugging Face files at a time: the slice safetensors returns (in the
-# file's dtype) is one such block, not a second whole tensor.
+# Rows of one of our tensors read from the Hugging Face files at a time (HFCheckpoint reads each region in
+# blocks of at most safetensors_read.BLOCK_BYTES of the file's bytes).
 READ_BLOCK_BYTES = 16 * 2**20
 
 
@@ -349,10 +349,7 @@ def _read_converted(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> tor
     step = max(1, READ_BLOCK_BYTES // max(1, out[0].nbytes))
     for a in range(0, shape[0], step):
         b = min(shape[0], a + step)
-        src.read_into(name, out[a:b], rows=[(a, b)])
-        # safetensors reads through a memory map, whose pages stay in this process until the file is closed:
-        # closed after each block (reopened for the next), so the pages read are one block's, not the model's
-        src.close()
+        src.read_into(name, out[a:b], rows=[(a, b)])  # (explicit reads: no pages of the files stay mapped)
     return out
 
 

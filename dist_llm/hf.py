@@ -21,7 +21,8 @@ tensors have them stripped. `transformers` is not needed here: only `safetensors
 
 Reading is region by region: `hf_layout` says, for each of our parameters, which rows of which Hugging Face
 tensors fill it (names and shapes only), and `HFCheckpoint` reads just the rows and columns a rank keeps
-with safetensors' lazy `get_slice`, so no rank holds the whole model (`dist_llm.train.init_from`).
+(`dist_llm.safetensors_read`: explicit reads of blocks of rows), so no rank holds the whole model
+(`dist_llm.train.init_from`).
 """
 
 from __future__ import annotations
@@ -33,10 +34,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import torch
-from safetensors import safe_open
 
 from dist_llm.config import ConfigError, ModelConfig
 from dist_llm.model import GPT
+from dist_llm.safetensors_read import ShardFile, Stored, read_header
 
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
 #: init_from) keep the value of the `base` config handed to `model_config_from_hf`.
@@ -370,25 +371,10 @@ class _Entry:
     tensor: torch.Tensor | None = None  # pytorch_model.bin only: the (mapped) tensor
 
 
-def _safetensors_header(file: Path) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape from a safetensors file's JSON header (its first 8 + n bytes; no data read)."""
+def _safetensors_header(file: Path) -> dict[str, Stored]:
+    """Tensor name -> where and how it is stored, from a safetensors file's header (no tensor data read)."""
     try:
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            # (read on every rank before anything else: a forged length must not make each allocate gigabytes)
-            if not 2 <= size <= min(file.stat().st_size - 8, _MAX_HEADER):
-                raise ValueError(f"header length {size} does not fit the file or exceeds {_MAX_HEADER} bytes")
-            header = json.loads(f.read(size))
-        shapes = {}
-        for k, v in header.items():
-            if k == "__metadata__":
-                continue
-            if v["dtype"] not in _FLOAT_DTYPES:
-                raise ValueError(f"tensor {k!r} is {v['dtype']}, not a floating-point weight")
-            shapes[k] = tuple(int(n) for n in v["shape"])
-            if any(n < 0 for n in shapes[k]):
-                raise ValueError(f"tensor {k!r} has a negative dimension {shapes[k]}")
-        return shapes
+        return read_header(file)
     except (OSError, ValueError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as e:
         raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
 
@@ -398,17 +384,14 @@ def _first_line(e: BaseException) -> str:
     return text.splitlines()[0] if text else type(e).__name__
 
 
-_MAX_HEADER = 100_000_000  # the bound safetensors itself puts on a header
-_FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})  # what a weight can be read from
-
-
 class HFCheckpoint:
     """The weights of a Hugging Face directory, read region by region under our names.
 
     Only headers are read on opening (every file's, so every rank finds the same errors: a missing, unexpected
     or misshapen tensor, one line naming the file and key). `read_into` then reads just the rows and columns
-    asked for with safetensors' lazy `safe_open(...).get_slice(key)[a:b, c:d]`, in the file's dtype, converted
-    to the destination's dtype tensor by tensor; a shard is opened the first time one of its tensors is read.
+    asked for, in blocks of whole rows of at most 16 MiB read with explicit reads (`safetensors_read`: not a
+    memory map, whose touched pages would stay resident until the file is closed), converted from the file's
+    dtype to the destination's block by block; a shard is opened the first time one of its tensors is read.
     `pytorch_model.bin` (a legacy format) cannot be sliced lazily: it is mapped whole with torch.load(mmap=True)
     (read whole where the file predates the zip format), and its slices are copied from there."""
 
@@ -418,11 +401,13 @@ class HFCheckpoint:
         self.cfg = cfg
         self.layout = hf_layout(cfg, self.family)
         self.entries: dict[str, _Entry] = {}
-        self._handles: dict[Path, Any] = {}
+        self._headers: dict[Path, dict[str, Stored]] = {}
+        self._open: dict[Path, ShardFile] = {}
         kind, files = _weight_files(self.path)
         for file in files:
             if kind == "safetensors":
-                found = {k: (shape, None) for k, shape in _safetensors_header(file).items()}
+                self._headers[file] = _safetensors_header(file)
+                found = {k: (s.shape, None) for k, s in self._headers[file].items()}
             else:
                 found = {k: (tuple(t.shape), t) for k, t in _load_file(file, mmap=True).items()}
             for key, (shape, tensor) in found.items():
@@ -457,19 +442,14 @@ class HFCheckpoint:
             raise ConfigError(f"{self.entries[left[0]].file}: unexpected tensor {left[0]!r}{more}: not a weight of "
                               f"this architecture")
 
-    def _slice(self, entry: _Entry) -> Any:
-        if entry.tensor is not None:
-            return entry.tensor
-        if entry.file not in self._handles:
-            try:
-                self._handles[entry.file] = safe_open(str(entry.file), framework="pt", device="cpu")
-            except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
+    def _shard(self, entry: _Entry) -> ShardFile:
+        if entry.file not in self._open:
+            try:  # (checks that the file holds every byte its header describes: a truncated file fails here)
+                self._open[entry.file] = ShardFile(entry.file, self._headers[entry.file])
+            except (OSError, ValueError) as e:
                 raise ConfigError(f"{entry.file}: cannot read weights for tensor {entry.key!r} "
                                   f"({_first_line(e)})") from None
-        try:
-            return self._handles[entry.file].get_slice(entry.key)
-        except Exception as e:  # noqa: BLE001
-            raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
+        return self._open[entry.file]
 
     def read_into(self, name: str, out: torch.Tensor, rows: Rows | None = None,
                   cols: tuple[int, int] | None = None) -> torch.Tensor:
@@ -493,18 +473,40 @@ class HFCheckpoint:
                     dst.zero_()
                     continue
                 r0, r1 = lo - p.start, hi - p.start
-                src = self._slice(entry)
+                if entry.tensor is not None:  # pytorch_model.bin, mapped
+                    self._copy_mapped(entry, dst, (r0, r1), (c0, c1), vector=len(mapping.shape) == 1,
+                                      transposed=p.transposed)
+                    continue
+                shard = self._shard(entry)
                 try:  # (a file damaged past its header is found here, by the ranks that read that region)
                     if len(mapping.shape) == 1:
-                        dst.copy_(src[r0:r1])
-                    elif p.transposed:  # Conv1D (in, out): our rows are its columns
-                        dst.copy_(src[c0:c1, r0:r1].t())
+                        for i, block in shard.blocks(entry.key, (r0, r1)):
+                            dst[i : i + len(block)].copy_(block)
+                    elif p.transposed:  # Conv1D (in, out): our rows are its columns, our columns its rows
+                        for i, block in shard.blocks(entry.key, (c0, c1), (r0, r1)):
+                            dst[:, i : i + len(block)].copy_(block.t())
                     else:
-                        dst.copy_(src[r0:r1, c0:c1])
-                except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
+                        for i, block in shard.blocks(entry.key, (r0, r1), (c0, c1)):
+                            dst[i : i + len(block)].copy_(block)
+                except (OSError, ValueError) as e:
                     raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
             at += b - a
         return out
+
+    @staticmethod
+    def _copy_mapped(entry: _Entry, dst: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], *,
+                     vector: bool, transposed: bool) -> None:
+        (r0, r1), (c0, c1), src = rows, cols, entry.tensor
+        assert src is not None
+        try:
+            if vector:
+                dst.copy_(src[r0:r1])
+            elif transposed:
+                dst.copy_(src[c0:c1, r0:r1].t())
+            else:
+                dst.copy_(src[r0:r1, c0:c1])
+        except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
+            raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
 
     def read(self, name: str, rows: Rows | None = None, cols: tuple[int, int] | None = None,
              dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -515,7 +517,9 @@ class HFCheckpoint:
         return self.read_into(name, torch.empty((n, *width), dtype=dtype), rows, cols)
 
     def close(self) -> None:
-        self._handles.clear()  # safetensors unmaps a file when its handle goes
+        for shard in self._open.values():
+            shard.close()
+        self._open.clear()
 
     def __enter__(self) -> "HFCheckpoint":
         return self

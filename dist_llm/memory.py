@@ -379,8 +379,8 @@ def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int
 
 def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
     """The largest transient buffer: the fp32 logits and their softmax for the loss, or an FSDP2 unit gathered
-    (a block's parameters, twice with prefetch; the embedding or the head, twice: the all-gather's buffer and
-    FSDP2's copy of it into the parameter live together for a moment). (ZeRO-1/2's in-flight gradients come
+    (a block's parameters, twice with prefetch; the embedding or the head, twice on a GPU: the all-gather's buffer
+    and FSDP2's copy of it into the parameter live together for a moment; once on the CPU, gathered in place). (ZeRO-1/2's in-flight gradients come
     with the model states' plan of buckets: `_zero_in_flight_bytes`.)"""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     logits = 2 * t.micro_batch_size * m.block_size * m.padded_vocab // tp * 4
@@ -388,8 +388,10 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
     if dp > 1 and p.zero_stage == 3:  # a unit gathered: its all-gather buffer and the copy FSDP2 makes of it
         size = 4 if t.precision == "fp32" else 2
         candidates.append(2 * _block_params(cfg) // tp * size)
-        # the embedding or the head (a unit each, parallel/data/fsdp.py): vocabulary x width, often the largest
-        candidates.append(2 * m.padded_vocab * m.n_embd // tp * size)
+        # the embedding or the head (a unit each, parallel/data/fsdp.py): vocabulary x width, often the largest;
+        # on the CPU gathered straight into the parameter (fsdp.GatherIntoParameter), on a GPU beside its buffer
+        copies = 1 if _runs_on_gloo(cfg) else 2
+        candidates.append(copies * m.padded_vocab * m.n_embd // tp * size)
     if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
         layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=p.sequence_parallel and tp > 1)
         candidates.append(round(layer * t.micro_batch_size * m.block_size))

@@ -46,13 +46,20 @@ def _step_trace(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]
             phase = "backward" if group._training_state == TrainingState.PRE_BACKWARD else "forward"
             trace.append((groups.get(id(group), "?"), phase, unsharded_tables()))
 
-        FSDPParamGroup.wait_for_unshard = traced  # (this rank's process only)
+        issued: list[tuple[str, list[str]]] = []  # (unit whose all-gather starts, tables whole then)
+        real_unshard = FSDPParamGroup.unshard
+
+        def unshard(group: FSDPParamGroup, *args: Any, **kwargs: Any) -> None:
+            issued.append((groups.get(id(group), "?"), unsharded_tables()))
+            real_unshard(group, *args, **kwargs)
+
+        FSDPParamGroup.wait_for_unshard, FSDPParamGroup.unshard = traced, unshard  # (this rank's process only)
         x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
         dp.backward(dp.model(x, x, reduction="sum"))
         dp.finish_grads()
-        FSDPParamGroup.wait_for_unshard = real
+        FSDPParamGroup.wait_for_unshard, FSDPParamGroup.unshard = real, real_unshard
         after = {name: (type(p).__name__, _whole(dp, p)) for name, p in model.named_parameters()}
-        return {"trace": trace, "after": after,
+        return {"trace": trace, "after": after, "issued": issued,
                 "units": sorted(n for n, m in model.named_modules() if hasattr(m, "_get_fsdp_state"))}
     finally:
         ctx.destroy()
@@ -71,7 +78,7 @@ def _whole(dp: Any, p: torch.nn.Parameter) -> bool:
 @pytest.mark.parametrize("extra", [LORA, {}], ids=["lora", "pretrain"])
 def test_zero3_gathers_one_vocabulary_table_at_a_time(tmp_path: Path, extra: dict[str, Any]) -> None:
     """The untied embedding and head are FSDP2 units of their own: whole only around their own use, never
-    together; the embedding is not gathered again in backward (its gradient needs no table); after the step
+    together nor beside a block's gather; the embedding is not gathered again in backward (its gradient needs no table); after the step
     every parameter is a sharded DTensor with its gathered storage freed. Before, both tables sat in the root
     unit, whole together from the forward's start to its end and again through the whole backward."""
     for rank in run_distributed(_step_trace, 2, tmp_path, extra, init_group=False):
@@ -81,8 +88,63 @@ def test_zero3_gathers_one_vocabulary_table_at_a_time(tmp_path: Path, extra: dic
         assert all("wte" not in tables for _, phase, tables in trace if phase == "backward"), trace
         assert ("wte", "forward", ["wte"]) in trace and ("lm_head", "forward", ["lm_head"]) in trace, trace
         assert ("lm_head", "backward", ["lm_head"]) in trace, trace
+        # no block's gather starts while the head is whole (the head's backward prefetched the last block's)
+        assert not [unit for unit, tables in rank["issued"] if unit.startswith("blocks") and tables], rank["issued"]
         for name, (kind, whole) in rank["after"].items():
             assert kind == "DTensor" and not whole, (name, kind, whole)
+
+
+def _gather_targets(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> list[tuple[str, str, bool]]:
+    """One forward and backward; at every gather: (unit, forward or backward, whether the all-gather's buffer was
+    the unsharded parameter's own storage)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup, TrainingState
+
+    cfg = load_config(None, tiny_overrides(out_dir, model__tie_embeddings=False, model__n_layer=3,
+                                           parallel__dp=world_size, parallel__zero_stage=3, **extra))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        dp = parallelize(meta_model(cfg, ctx), cfg, ctx).dp
+        names = {id(g): name or "root" for name, m in dp.module.named_modules()
+                 if hasattr(m, "_get_fsdp_state") for g in m._get_fsdp_state()._fsdp_param_groups}
+        buffers: dict[int, int] = {}  # param group -> its last all-gather buffer's storage address
+        for group in (g for unit in dp.fsdp_units for g in unit._get_fsdp_state()._fsdp_param_groups):
+            comm, real_allocate = group._all_gather_comm, group._all_gather_comm.allocate
+
+            def allocate(*args: Any, _real: Any = real_allocate, _group: Any = group, **kwargs: Any) -> torch.Tensor:
+                t = _real(*args, **kwargs)
+                buffers[id(_group)] = t.untyped_storage().data_ptr()
+                return t
+
+            comm.allocate = allocate
+        trace: list[tuple[str, str, bool]] = []
+        real = FSDPParamGroup.wait_for_unshard
+
+        def traced(group: FSDPParamGroup) -> None:
+            real(group)
+            phase = "backward" if group._training_state == TrainingState.PRE_BACKWARD else "forward"
+            own = {fp.all_gather_outputs[0].untyped_storage().data_ptr() for fp in group.fsdp_params}
+            trace.append((names[id(group)], phase, buffers.get(id(group)) in own))
+
+        FSDPParamGroup.wait_for_unshard = traced  # (this rank's process only)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+        dp.backward(dp.model(x, x, reduction="sum"))  # (a changed saved weight would fail autograd's version check)
+        dp.finish_grads()
+        FSDPParamGroup.wait_for_unshard = real
+        return trace
+    finally:
+        ctx.destroy()
+
+
+@pytest.mark.parametrize("extra", [LORA, {}], ids=["lora", "pretrain"])
+def test_zero3_gathers_a_vocabulary_table_into_its_own_storage(tmp_path: Path, extra: dict[str, Any]) -> None:
+    """A unit of one parameter (the untied embedding, the head) is all-gathered straight into the parameter's
+    unsharded storage: no second whole table for FSDP2's copy-out (before: the head took twice its size
+    while gathered, the peak of case 1's ZeRO-3 step). A block, of several parameters, keeps a buffer of its
+    own, which the copy-out splits into them."""
+    for trace in run_distributed(_gather_targets, 2, tmp_path, extra, init_group=False):
+        assert ("lm_head", "forward", True) in trace and ("lm_head", "backward", True) in trace, trace
+        assert ("wte", "forward", True) in trace, trace
+        assert all(not own for unit, _, own in trace if unit.startswith("blocks")), trace
 
 
 _RSS = r"""

@@ -1,6 +1,6 @@
 """`model.init_from=hf:`: each rank reads only the regions of the Hugging Face tensors it keeps.
 
-safetensors' slice reads are counted (elements, dtypes, files opened) and compared with each rank's share
+The reads from safetensors files are counted (elements, dtypes, files opened) and compared with each rank's share
 computed from the shapes alone; the loaded slices give the logits of transformers' model (or equal the whole
 checkpoint's tensors) at tp=2, on a pipeline stage, under FSDP2, and built on the meta device."""
 
@@ -10,6 +10,7 @@ import json
 import math
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from dist_llm.config import Config, ConfigError, ModelConfig, load_config
 from dist_llm.hf import HFCheckpoint, load_hf, load_hf_state_dict, read_hf_tensors
 from dist_llm.model import GPT
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.safetensors_read import ShardFile
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
@@ -37,45 +39,30 @@ class ReadLog:
         self.files: set[str] = set()
 
 
-class _Slice:
-    def __init__(self, inner: Any, key: str, log: ReadLog) -> None:
-        self.inner, self.key, self.log = inner, key, log
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        t = self.inner[index]
-        self.log.elements += t.numel()
-        self.log.by_key[self.key] += t.numel()
-        self.log.dtypes.add(t.dtype)
-        return t
-
-
-class _Handle:
-    def __init__(self, inner: Any, log: ReadLog) -> None:
-        self.inner, self.log = inner, log
-
-    def get_slice(self, key: str) -> _Slice:
-        return _Slice(self.inner.get_slice(key), key, self.log)
-
-
 def count_reads() -> ReadLog:
-    """Replace the safe_open dist_llm.hf uses by one that counts; returns the log (in this process)."""
+    """Count what dist_llm.hf reads from safetensors files (the kept part of each block: elements, dtypes, files
+    read); returns the log (in this process)."""
     log = ReadLog()
-    real = getattr(hf_module.safe_open, "real", hf_module.safe_open)
+    real = getattr(ShardFile.blocks, "real", ShardFile.blocks)
 
-    def opened(file: str, framework: str, device: str = "cpu") -> _Handle:
-        log.files.add(Path(file).name)
-        return _Handle(real(file, framework=framework, device=device), log)
+    def blocks(self: ShardFile, key: str, *args: Any, **kwargs: Any) -> Iterator[tuple[int, torch.Tensor]]:
+        log.files.add(self.file.name)
+        for at, t in real(self, key, *args, **kwargs):
+            log.elements += t.numel()
+            log.by_key[key] += t.numel()
+            log.dtypes.add(t.dtype)
+            yield at, t
 
-    opened.real = real  # type: ignore[attr-defined]
-    hf_module.safe_open = opened  # type: ignore[assignment]
+    blocks.real = real  # type: ignore[attr-defined]
+    ShardFile.blocks = blocks  # type: ignore[method-assign]
     return log
 
 
 @pytest.fixture
 def reads() -> Any:
-    real = hf_module.safe_open
+    real = ShardFile.blocks
     yield count_reads()
-    hf_module.safe_open = real
+    ShardFile.blocks = real  # type: ignore[method-assign]
 
 
 # -- each rank's share, from the shapes alone ----------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, alloc_storage
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dist_llm.config import Config
@@ -48,6 +49,48 @@ class CountedReduceScatter(_Alloc, ReduceScatter):
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: dist.ProcessGroup,
                  op: object, async_op: bool = False) -> object | None:
         return comm.reduce_scatter(output_tensor, input_tensor, group, self.stats, op=op, async_op=async_op)
+
+
+class GatherIntoParameter(CountedAllGather):
+    """The all-gather of a unit holding one parameter sharded on dim 0 (the untied embedding, the head), on the
+    CPU. FSDP2 gathers a unit into a flat buffer (`allocate`) and copies that out into the unsharded parameter
+    (`foreach_all_gather_copy_out`): for a moment a 125 MiB table takes 250 MiB, the step's peak at ZeRO-3.
+    For one parameter the flat buffer's layout is the parameter's (each rank's padded rows in rank order), so
+    the buffer handed out here is the unsharded parameter's own storage: the gather lands in place, and the
+    copy-out copies the data onto itself (`copy_` of a view onto the same view returns at once). The buffer is
+    a tensor of its own over that storage, with its own version counter: writing it must not look, to autograd,
+    like a change to the parameter that the head's matmul saved for backward (FSDP2 re-gathers into the
+    same storage for backward and keeps the parameter's version for that reason). Anything else (several
+    parameters, another placement, offloading, a tensor subclass with its own all-gather) gets a buffer of its
+    own, as before. Not on a GPU: there FSDP2 allocates the buffer on its all-gather streams and the parameter
+    on the compute stream, and handing one's memory to the other would break the caching allocator's stream
+    accounting."""
+
+    def __init__(self, stats: comm.CommStats, unit: FSDPModule) -> None:
+        super().__init__(stats)
+        self.unit = unit
+
+    def allocate(self, size: tuple[int, ...], *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        param = _single_dim0_param(self.unit)
+        numel = math.prod(size)
+        if param is not None and device.type == "cpu":
+            world = param.mesh_info.shard_mesh_size
+            param.init_all_gather_outputs([numel // world], [dtype], world, device)  # (a no-op after the first)
+            outputs = param.all_gather_outputs
+            if len(outputs) == 1 and outputs[0].numel() == numel and outputs[0].dtype == dtype:
+                alloc_storage(outputs[0])  # (FSDP2 frees it at each reshard; the copy-out then finds it allocated)
+                return torch.empty(0, dtype=dtype, device=device).set_(outputs[0].untyped_storage(), 0, (numel,))
+        return super().allocate(size, dtype=dtype, device=device)
+
+
+def _single_dim0_param(unit: FSDPModule) -> FSDPParam | None:
+    """The unit's one FSDP2 parameter where it has exactly one, plain and sharded on dim 0 (else None)."""
+    groups = unit._get_fsdp_state()._fsdp_param_groups
+    if len(groups) != 1 or len(groups[0].fsdp_params) != 1:
+        return None
+    param = groups[0].fsdp_params[0]
+    plain = not param.offload_to_cpu and not hasattr(param._sharded_local_tensor, "fsdp_pre_all_gather")
+    return param if plain and param.fsdp_placement.dim == 0 else None
 
 
 def _vocab_units(model: nn.Module) -> list[nn.Module]:
@@ -84,6 +127,10 @@ class FSDPDataParallel(DataParallel):
         if vocab:  # an embedding's backward reads only the indices and the output's gradient, never the table:
             # without this, backward's prefetch would gather the whole table again after the first block
             vocab[0].set_unshard_in_backward(False)
+            # and the head's backward does not prefetch the last block: its gather (a block's weights) would be
+            # whole beside the whole head; the block gathers itself once the head is resharded. (An empty list
+            # means FSDP2's default prefetch; the head itself, whole when this runs, is a prefetch that does nothing.)
+            vocab[1].set_modules_to_backward_prefetch([vocab[1]])
         units.append(model)
         if ctx.device.type == "cpu":
             # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that
@@ -93,7 +140,8 @@ class FSDPDataParallel(DataParallel):
             model._set_unshard_async_op(True)
         for unit in units:
             assert isinstance(unit, FSDPModule)
-            unit.set_custom_all_gather(CountedAllGather(ctx.comm))
+            unit.set_custom_all_gather(GatherIntoParameter(ctx.comm, unit) if ctx.device.type == "cpu"
+                                       else CountedAllGather(ctx.comm))
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
         self.fsdp_units = units
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them

@@ -1,0 +1,136 @@
+"""Regions of safetensors files read with explicit reads (`os.preadv`), not through a memory map.
+
+safetensors' `safe_open` maps the file, and a slice reads through the mapping: every page it touches stays
+resident in the process (counted in its resident set, VmHWM) until the file is closed. A row-parallel slice
+(`[:, a:b]` of a (rows, cols) tensor) touches pages across the whole tensor, so a tensor-parallel rank loading
+a 1 GiB model held ~250 MiB of mapped shards at its peak beside its own quarter of the model. Read here: the
+bytes of whole rows, in blocks of at most BLOCK_BYTES, into one reused buffer, of which the caller copies the
+columns it keeps (converting to its own dtype); the buffer is the only memory the read takes, whatever the
+tensor's size. The values are those safetensors gives: the same bytes, viewed in the file's dtype.
+
+The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header length N,
+N bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then the
+tensors' bytes, little-endian, C order, `data_offsets` relative to the end of the header. Everything a read
+trusts is checked: the header when it is parsed (`read_header`: the length against the file, each tensor's
+dtype, shape and its offsets against its size), the file's length when it is opened for reading (`ShardFile`:
+a truncated file is found by the first read of any of its tensors, as safe_open found it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+#: the dtypes a weight can be read from (an integer tensor is no weight)
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+MAX_HEADER = 100_000_000  # the bound safetensors itself puts on a header
+#: the most bytes of a file read at once (and held in the read buffer): a block of whole rows
+BLOCK_BYTES = 16 * 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Stored:
+    """A tensor in a safetensors file: its shape and dtype, and where its bytes lie ([begin, end), absolute)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    begin: int
+    end: int
+
+
+def read_header(file: Path) -> dict[str, Stored]:
+    """Tensor name -> Stored from a safetensors file's header (its first 8 + N bytes; no tensor data read).
+    ValueError (or OSError) saying what is wrong where the header is not one of weights this module can read."""
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        # (read on every rank before anything else: a forged length must not make each allocate gigabytes)
+        if not 2 <= size <= min(os.fstat(f.fileno()).st_size - 8, MAX_HEADER):
+            raise ValueError(f"header length {size} does not fit the file or exceeds {MAX_HEADER} bytes")
+        header = json.loads(f.read(size))
+    if not isinstance(header, dict):
+        raise ValueError("the header is not a JSON object")
+    out = {}
+    for k, v in header.items():
+        if k == "__metadata__":
+            continue
+        if v["dtype"] not in DTYPES:
+            raise ValueError(f"tensor {k!r} is {v['dtype']}, not a floating-point weight")
+        shape = tuple(int(n) for n in v["shape"])
+        if any(n < 0 for n in shape):
+            raise ValueError(f"tensor {k!r} has a negative dimension {shape}")
+        dtype = DTYPES[v["dtype"]]
+        begin, end = (int(x) for x in v["data_offsets"])
+        if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"tensor {k!r}: data_offsets [{begin}, {end}] do not hold {shape} of {v['dtype']}")
+        out[k] = Stored(shape, dtype, 8 + size + begin, 8 + size + end)
+    return out
+
+
+class ShardFile:
+    """One safetensors file open for reading regions of its tensors (`blocks`). Opening checks that the file
+    holds every byte its header describes (OSError or ValueError otherwise)."""
+
+    def __init__(self, file: Path, tensors: dict[str, Stored]) -> None:
+        if sys.byteorder != "little":  # pragma: no cover - the format is little-endian; so is every machine we run on
+            raise ValueError("safetensors files are little-endian: this machine is not")
+        self.file = file
+        self.tensors = tensors
+        self.fd = -1
+        self.fd = os.open(file, os.O_RDONLY)
+        try:
+            have = os.fstat(self.fd).st_size
+            need = max((t.end for t in tensors.values()), default=0)
+            if have < need:
+                raise ValueError(f"the file has {have} bytes, its header describes {need}: truncated")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __del__(self) -> None:
+        if getattr(self, "fd", -1) >= 0:
+            self.close()
+
+    def blocks(self, key: str, rows: tuple[int, int], cols: tuple[int, int] | None = None, *,
+               block_bytes: int = BLOCK_BYTES) -> Iterator[tuple[int, torch.Tensor]]:
+        """Rows [rows) (of dim 0) of tensor `key`, and of them columns [cols) (of dim 1; all when None), block
+        by block: (the block's first row, counted from rows[0]; the block in the file's dtype). Each block is a
+        view of one buffer that the next overwrites: copy it out before asking for the next."""
+        t = self.tensors[key]
+        r0, r1 = rows
+        if not 0 <= r0 <= r1 <= (t.shape[0] if t.shape else 1):
+            raise ValueError(f"rows [{r0}, {r1}) out of tensor {key!r} of shape {t.shape}")
+        row_shape = t.shape[1:]
+        row_bytes = math.prod(row_shape) * t.dtype.itemsize
+        if r1 == r0 or row_bytes == 0:
+            return
+        step = max(1, block_bytes // row_bytes)
+        buffer = bytearray(min(r1 - r0, step) * row_bytes)
+        for a in range(r0, r1, step):
+            n = min(step, r1 - a)
+            self._read_into(memoryview(buffer)[: n * row_bytes], t.begin + a * row_bytes)
+            block = torch.frombuffer(buffer, dtype=t.dtype, count=n * row_bytes // t.dtype.itemsize)
+            block = block.view(n, *row_shape)
+            yield a - r0, block if cols is None else block[:, cols[0]:cols[1]]
+
+    def _read_into(self, view: memoryview, offset: int) -> None:
+        done = 0
+        while done < len(view):  # (a read may return fewer bytes than asked)
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got == 0:
+                raise ValueError(f"the file ends at byte {offset + done}, inside tensor data: truncated")
+            done += got
+
+
+__all__ = ["BLOCK_BYTES", "DTYPES", "MAX_HEADER", "ShardFile", "Stored", "read_header"]

@@ -1,0 +1,122 @@
+"""`dist_llm.safetensors_read`: regions of safetensors files read with explicit reads, bit for bit what
+safetensors' own slices give, in bounded blocks of whole rows, without mapping the file; a file damaged or cut
+short is one line naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dist_llm.config import ConfigError, ModelConfig
+from dist_llm.hf import HFCheckpoint
+from dist_llm.safetensors_read import ShardFile, read_header
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+@pytest.fixture
+def weights(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"w_{str(d).removeprefix('torch.')}": (torch.randn(37, 53, generator=g) * 100).to(d) for d in DTYPES}
+    tensors["bias"] = torch.randn(29, generator=g)
+    file = tmp_path / "w.safetensors"
+    save_file(tensors, str(file))
+    return file
+
+
+REGIONS = [((0, 37), None), ((5, 6), (0, 53)), ((3, 30), (7, 41)), ((36, 37), (52, 53)), ((10, 10), (0, 5))]
+
+
+@pytest.mark.parametrize("block_bytes", [1, 300, 1 << 20], ids=["row-by-row", "some-rows", "whole"])
+def test_every_region_is_what_safetensors_slices_give(weights: Path, block_bytes: int) -> None:
+    """Row ranges and column ranges of every float dtype, at block sizes from one row to the whole tensor: the
+    blocks put together equal safetensors' get_slice of the same region exactly, in the file's dtype; no block
+    holds more rows than fit the bound (at least one)."""
+    shard = ShardFile(weights, read_header(weights))
+    try:
+        with safe_open(str(weights), framework="pt") as ref:
+            for key in ref.keys():  # noqa: SIM118 - safe_open is no dict
+                for (r0, r1), cols in REGIONS if key != "bias" else [((0, 29), None), ((4, 17), None)]:
+                    want = ref.get_slice(key)[r0:r1] if cols is None else ref.get_slice(key)[r0:r1, cols[0]:cols[1]]
+                    got = torch.empty_like(want)
+                    for at, block in shard.blocks(key, (r0, r1), cols, block_bytes=block_bytes):
+                        row_bytes = (53 if block.dim() == 2 else 1) * block.element_size()  # whole rows read
+                        assert block.dtype == want.dtype and len(block) <= max(1, block_bytes // row_bytes)
+                        got[at : at + len(block)] = block
+                    assert torch.equal(got, want), (key, r0, r1, cols)
+    finally:
+        shard.close()
+
+
+def _maps(file: Path) -> list[str]:
+    return [line for line in Path("/proc/self/maps").read_text().splitlines() if line.endswith(str(file))]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").is_file(), reason="needs Linux's /proc")
+def test_a_column_slice_maps_no_file(tmp_path: Path) -> None:
+    """A row-parallel rank's slice ([:, a:b]) of a Llama: read, and the file open for more, no page of it is
+    mapped into the process (safe_open mapped the file whole, and the pages a slice touched, across the whole
+    tensor, stayed resident until the file was closed)."""
+    from tests.test_hf import hf_llama, save
+
+    torch.manual_seed(3)
+    path = save(hf_llama(), tmp_path / "llama")
+    from dist_llm.hf import model_config_from_hf
+
+    cfg: ModelConfig = model_config_from_hf(path)
+    file = path / "model.safetensors"
+    with HFCheckpoint(path, cfg) as src:
+        part = src.read("blocks.0.mlp.down.weight", cols=(24, 48))
+        assert src._open and not _maps(file)  # open for the next read, not mapped
+        with safe_open(str(file), framework="pt") as ref:
+            assert torch.equal(part, ref.get_slice("model.layers.0.mlp.down_proj.weight")[:, 24:48])
+            assert _maps(file)  # (the check sees a mapping where there is one)
+
+
+def _forge(file: Path, edit: dict) -> None:
+    """Rewrite `file`'s header with `edit` merged into its first tensor's entry (the data left as it is)."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    key = next(k for k in header if k != "__metadata__")
+    header[key].update(edit)
+    new = json.dumps(header, separators=(",", ":")).encode()
+    new += b" " * (n - len(new)) if len(new) <= n else b""
+    assert len(new) == n, "the forged header must keep its length (the data offsets count from its end)"
+    file.write_bytes(raw[:8] + new + raw[8 + n :])
+
+
+def test_offsets_that_do_not_hold_the_shape_are_refused_at_the_header(tmp_path: Path) -> None:
+    """A header whose data_offsets span other than shape x dtype bytes would read a neighbour's bytes (or past
+    the tensor): refused when the header is read, before any data."""
+    file = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(4, 4), "b": torch.ones(4)}, str(file))
+    _forge(file, {"data_offsets": [0, 32]})  # (a's entry: 64 bytes of 4 x 4 fp32, said to be 32)
+    with pytest.raises(ValueError, match=r"data_offsets \[0, 32\] do not hold \(4, 4\) of F32"):
+        read_header(file)
+
+
+def test_a_file_cut_short_is_one_line_at_its_first_read(tmp_path: Path) -> None:
+    """Headers intact, data cut short: opening the checkpoint (headers only) succeeds; the first read of any of
+    the file's tensors fails with one line naming the file and tensor."""
+    from dist_llm.hf import model_config_from_hf
+    from tests.test_hf import hf_llama, save
+
+    torch.manual_seed(4)
+    path = save(hf_llama(), tmp_path / "llama")
+    cfg = model_config_from_hf(path)
+    file = path / "model.safetensors"
+    with open(file, "r+b") as f:
+        f.truncate(file.stat().st_size - 1)
+    with HFCheckpoint(path, cfg) as src, pytest.raises(ConfigError) as e:  # every header parses; the read fails
+        src.read("ln_f.weight")
+    message = str(e.value)
+    assert len(message.splitlines()) == 1
+    assert re.fullmatch(rf"{re.escape(str(file))}: cannot read weights for tensor 'model\.norm\.weight' \(the file "
+                        r"has \d+ bytes, its header describes \d+: truncated\)", message), message
