@@ -250,3 +250,35 @@ def test_deepspeed_resume_keeps_the_configs_optimizer_hyperparameters(tmp_path: 
     want = [{"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05},
             {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
     assert got == [want, want]
+
+
+@pytest.mark.parametrize(("ds", "key"), [
+    ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types.grad_accum_dtype='fp32', which makes DeepSpeed use "
+                                                   "its BF16_Optimizer"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+    ({"zero_optimization": {"mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
+    ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
+    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+], ids=["bf16-fp32-accum", "nvme-optimizer", "nvme-param", "mics", "quantized-weights", "quantized-grads"])
+def test_ds_config_keys_whose_partitions_cannot_be_checkpointed_are_refused(tmp_path: Path, ds: dict,
+                                                                            key: str) -> None:
+    """bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's usual bf16 setup) silently became a run whose checkpoints
+    held bf16-rounded weights and no moments; NVMe offload, MiCS and quantised partitions move or re-lay-out the
+    partitions the chunks are cut from. Each: one line naming the key, before DeepSpeed starts."""
+    from dist_llm.config import ConfigError, load_config
+    from dist_llm.parallel.data.deepspeed import merged_deepspeed_config
+    from tests.conftest import tiny_overrides
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    cfg = load_config(None, tiny_overrides(tmp_path, parallel__backend="deepspeed", parallel__zero_stage=1,
+                                           train__precision="bf16", parallel__deepspeed_config=str(path)))
+    with pytest.raises(ConfigError) as e:
+        merged_deepspeed_config(cfg, dp=2)
+    assert str(e.value).startswith(f"parallel.deepspeed_config: {path} sets {key}")
+    assert "\n" not in str(e.value)
+    # fp32 accumulation is DeepSpeed's own at ZeRO-2/3 (DeepSpeedZeroOptimizer keeps its fp32 partitions): accepted
+    if "data_types" in ds:
+        cfg.parallel.zero_stage = 2
+        assert merged_deepspeed_config(cfg, dp=2)["data_types"]["grad_accum_dtype"] == "fp32"

@@ -100,6 +100,34 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: ds_config keys that move or re-lay-out the partitions, which the chunk save and resume (deepspeed_shards.py)
+#: do not follow: (path in the JSON, whether a given value is refused, why)
+_REFUSED = [("zero_optimization.offload_optimizer.device", lambda v: v == "nvme", "optimizer state on NVMe"),
+            ("zero_optimization.offload_param.device", lambda v: v == "nvme", "parameters on NVMe"),
+            ("zero_optimization.mics_shard_size", lambda v: isinstance(v, int) and v > 0, "MiCS's sub-group shards"),
+            ("zero_optimization.zero_quantized_weights", bool, "quantised weight partitions"),
+            ("zero_optimization.zero_quantized_nontrainable_weights", bool, "quantised frozen-weight partitions"),
+            ("zero_optimization.zero_quantized_gradients", bool, "quantised gradient partitions")]
+_FP32 = ("fp32", "float32", "float", "torch.float32")
+
+
+def _refuse_unsupported(theirs: dict[str, Any], merged: dict[str, Any], where: str) -> None:
+    """One line naming the first ds_config key whose partitions dist_llm's checkpoints cannot hold."""
+    for ds_key, refused, what in _REFUSED:
+        value = _get(theirs, ds_key)
+        if value is not None and refused(value):
+            raise ConfigError(f"parallel.deepspeed_config: {where} sets {ds_key}={value!r} ({what}), which "
+                              f"dist_llm's checkpoints cannot save or resume; remove it or use parallel.backend=native")
+    accum = _get(theirs, "data_types.grad_accum_dtype")
+    offload = _get(merged, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+    if (isinstance(accum, str) and accum.lower() in _FP32 and _get(merged, "bf16.enabled")
+            and _get(merged, "zero_optimization.stage") == 1 and not offload):
+        raise ConfigError(f"parallel.deepspeed_config: {where} sets data_types.grad_accum_dtype={accum!r}, which makes "
+                          f"DeepSpeed use its BF16_Optimizer, whose partitions dist_llm cannot checkpoint; remove it "
+                          f"(dist_llm's ZeRO keeps fp32 accumulation via parallel.grad_accum_dtype) or use "
+                          f"parallel.backend=native")
+
+
 def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
     """Our derived ds_config, with `parallel.deepspeed_config` merged over it; where both set a key that our
     config decides, they must agree (a contradiction is a one-line error naming both keys)."""
@@ -120,7 +148,9 @@ def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
         if given is not None and given != "auto" and given != derived:
             raise ConfigError(f"parallel.deepspeed_config: {path} sets {ds_key}={given!r} but {our_key} gives "
                               f"{derived!r}; change one of them")
-    return _merge(ours, theirs)
+    merged = _merge(ours, theirs)
+    _refuse_unsupported(theirs, merged, path)
+    return merged
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -163,6 +193,12 @@ class DeepSpeedDataParallel(DataParallel):
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
+        if cfg.parallel.zero_stage >= 1 and not self._partitioned():
+            # (a ds_config path merged_deepspeed_config did not foresee): saving would drop the masters and moments
+            raise ConfigError(f"parallel.deepspeed_config: DeepSpeed chose {type(self.optimizer).__name__} at "
+                              f"parallel.zero_stage={cfg.parallel.zero_stage}, whose partitions dist_llm cannot "
+                              f"checkpoint (e.g. data_types.grad_accum_dtype); remove such keys or use "
+                              f"parallel.backend=native")
         self.tp_layout = TensorParallelState(model, ctx)  # where each tp slice sits in its full tensor
         self._skipped = 0  # whether the engine skipped the last step
         self._grad_bytes: int | None = None  # gradients held at the first step (see _held_grad_bytes)
