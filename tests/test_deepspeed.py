@@ -253,8 +253,8 @@ def test_deepspeed_resume_keeps_the_configs_optimizer_hyperparameters(tmp_path: 
 
 
 @pytest.mark.parametrize(("ds", "key"), [
-    ({"data_types": {"grad_accum_dtype": "fp32"}}, "data_types.grad_accum_dtype='fp32', which makes DeepSpeed use "
-                                                   "its BF16_Optimizer"),
+    ({"data_types": {"grad_accum_dtype": "fp32"}},
+     "data_types.grad_accum_dtype='fp32', which makes DeepSpeed use its BF16_Optimizer"),
     ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "zero_optimization.offload_optimizer.device"),
     ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
     ({"zero_optimization": {"mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
@@ -282,3 +282,28 @@ def test_ds_config_keys_whose_partitions_cannot_be_checkpointed_are_refused(tmp_
     if "data_types" in ds:
         cfg.parallel.zero_stage = 2
         assert merged_deepspeed_config(cfg, dp=2)["data_types"]["grad_accum_dtype"] == "fp32"
+
+
+def test_older_deepspeed_checkpoint_resumes_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A ZeRO-1/2 checkpoint from before the moments moved into the DCP tensors (deepspeed/ files, no optim.*):
+    the resume's one warning says it is the older format whose moments are not read; DeepSpeed's backend then
+    reads none of its files and claims no moments (it said "resumed the weights and optimizer moments")."""
+    import logging
+    from types import SimpleNamespace
+
+    from dist_llm.parallel.data.deepspeed import ENGINE_DIR, DeepSpeedDataParallel
+
+    old = tmp_path / "step_00000004"
+    (old / ENGINE_DIR).mkdir(parents=True)
+    (old / ENGINE_DIR / "rank_00000.safetensors").write_bytes(b"not read")
+    # a ZeRO-3 optimizer as the resume leaves it for a checkpoint without optimizer state: its moments cleared
+    dp = DeepSpeedDataParallel.__new__(DeepSpeedDataParallel)
+    dp.ctx = SimpleNamespace(rank=0)
+    dp.optimizer = SimpleNamespace(fp32_partitioned_groups_flat=[], optimizer=SimpleNamespace(state={}))
+    assert dp.no_optimizer_state_note(old) == (" (an older DeepSpeed format: the moments it kept in "
+                                               "deepspeed/rank_*.safetensors are not read)")
+    assert dp.no_optimizer_state_note(tmp_path) == ""  # (a converted Hugging Face model: no words needed)
+    with caplog.at_level(logging.INFO, logger="dist_llm"):
+        dp.load_engine_state(old)  # (the file is not a safetensors file: reading it would raise)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "resumed the weights only; optimizer moments, loss scaler and step counters start afresh" in caplog.text

@@ -319,11 +319,21 @@ class DeepSpeedDataParallel(DataParallel):
         rank's reason not to load holds for all), then on the outcome, so a file that fails on one rank raises
         the same one-line ConfigError on every rank."""
         file = self._engine_file(path)
+        if not self._partitioned():
+            log.warning("parallel.backend=deepspeed: resumed the weights only; optimizer moments start afresh "
+                        "(DeepSpeed's optimizer state is saved at zero_stage 1, 2 and 3 only, this run has %d)",
+                        self.cfg.parallel.zero_stage)
+            return
+        if not self._optimizer_state_loaded():
+            # the resume warned once already (no_optimizer_state_note): the scaler and counters start afresh with
+            # the moments, and an older DeepSpeed checkpoint's file is not read
+            log.info("parallel.backend=deepspeed: resumed the weights only; optimizer moments, loss scaler and step "
+                     "counters start afresh")
+            return
         reason = comm.shared_error(self._engine_state_mismatch_or_error(path), group)
         if reason is not None:
-            what = ("the weights only; optimizer moments start afresh" if not self._partitioned() else
-                    "the weights and optimizer moments; DeepSpeed's loss scaler and step counters start afresh")
-            log.warning("parallel.backend=deepspeed: resumed %s (%s)", what, reason)
+            log.warning("parallel.backend=deepspeed: resumed the weights and optimizer moments; DeepSpeed's loss "
+                        "scaler and step counters start afresh (%s)", reason)
             return
         try:
             self._load_own_engine_state(file)
@@ -335,6 +345,16 @@ class DeepSpeedDataParallel(DataParallel):
         if error is not None:
             raise ConfigError(error)
         log.info("parallel.backend=deepspeed: resumed DeepSpeed's loss scaler and step counters from %s", file)
+
+    def _optimizer_state_loaded(self) -> bool:
+        """Whether the resume put moments into the partitions (the resume clears them for a checkpoint with none)."""
+        return self._partitioned() and bool(getattr(self.optimizer, "optimizer", self.optimizer).state)
+
+    def no_optimizer_state_note(self, path: Path) -> str:
+        if (path / ENGINE_DIR).is_dir():  # deepspeed/ files beside no optim.* tensors: written before they existed
+            return (f" (an older DeepSpeed format: the moments it kept in {ENGINE_DIR}/rank_*.safetensors are not "
+                    f"read)")
+        return ""
 
     def _engine_state_mismatch_or_error(self, path: Path) -> str | None:
         """`_engine_state_mismatch`, or what kept it from being decided: either way, a reason not to load the
@@ -361,9 +381,6 @@ class DeepSpeedDataParallel(DataParallel):
 
     def _engine_state_mismatch(self, path: Path) -> str | None:
         """Why DeepSpeed's file in checkpoint `path` cannot go into this engine (None when it can)."""
-        if not self._partitioned():
-            return (f"DeepSpeed's optimizer state is saved at zero_stage 1, 2 and 3 only, this run has "
-                    f"{self.cfg.parallel.zero_stage}")
         if not self._engine_file(path).is_file():
             return (f"{path} holds no {self._engine_file(path).relative_to(path)}: saved by another backend, "
                     f"stage 0 or with more ranks")
