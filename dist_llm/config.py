@@ -619,6 +619,9 @@ def _check_pipeline(cfg: Config) -> None:
         raise ConfigError("parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2")
     if p.pp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.pp>1; use backend=native")
+    # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards
+    if p.tp > 1 and p.backend != "native":
+        raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.tp>1; use backend=native")
 
 
 def _check_finetuning(cfg: Config) -> None:

@@ -64,6 +64,8 @@ def test_shipped_configs_load(tmp_path: Path) -> None:
          "parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2"),
         (["parallel.pp=2", "parallel.backend=deepspeed"],
          "parallel.backend: deepspeed is not supported with parallel.pp>1; use backend=native"),
+        (["parallel.tp=2", "parallel.backend=deepspeed"],
+         "parallel.backend: deepspeed is not supported with parallel.tp>1; use backend=native"),
         (["parallel.tp=3"], "model.n_head: 4 is not divisible by parallel.tp=3"),
         (["parallel.tp=4", "model.n_head=12", "model.n_kv_head=6", "model.n_embd=96"],
          "model.n_kv_head: 6 KV heads neither split over parallel.tp=4 nor divide it"),

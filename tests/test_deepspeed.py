@@ -250,3 +250,60 @@ def test_deepspeed_resume_keeps_the_configs_optimizer_hyperparameters(tmp_path: 
     want = [{"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.05},
             {"betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0}]
     assert got == [want, want]
+
+
+@pytest.mark.parametrize(("ds", "key"), [
+    ({"data_types": {"grad_accum_dtype": "fp32"}},
+     "data_types.grad_accum_dtype='fp32', which makes DeepSpeed use its BF16_Optimizer"),
+    ({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}}, "zero_optimization.offload_optimizer.device"),
+    ({"zero_optimization": {"offload_param": {"device": "nvme"}}}, "zero_optimization.offload_param.device"),
+    ({"zero_optimization": {"mics_shard_size": 2}}, "zero_optimization.mics_shard_size"),
+    ({"zero_optimization": {"zero_quantized_weights": True}}, "zero_optimization.zero_quantized_weights"),
+    ({"zero_optimization": {"zero_quantized_gradients": True}}, "zero_optimization.zero_quantized_gradients"),
+], ids=["bf16-fp32-accum", "nvme-optimizer", "nvme-param", "mics", "quantized-weights", "quantized-grads"])
+def test_ds_config_keys_whose_partitions_cannot_be_checkpointed_are_refused(tmp_path: Path, ds: dict,
+                                                                            key: str) -> None:
+    """bf16 ZeRO-1 with fp32 accumulation (DeepSpeed's usual bf16 setup) silently became a run whose checkpoints
+    held bf16-rounded weights and no moments; NVMe offload, MiCS and quantised partitions move or re-lay-out the
+    partitions the chunks are cut from. Each: one line naming the key, before DeepSpeed starts."""
+    from dist_llm.config import ConfigError, load_config
+    from dist_llm.parallel.data.deepspeed import merged_deepspeed_config
+    from tests.conftest import tiny_overrides
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(ds))
+    cfg = load_config(None, tiny_overrides(tmp_path, parallel__backend="deepspeed", parallel__zero_stage=1,
+                                           train__precision="bf16", parallel__deepspeed_config=str(path)))
+    with pytest.raises(ConfigError) as e:
+        merged_deepspeed_config(cfg, dp=2)
+    assert str(e.value).startswith(f"parallel.deepspeed_config: {path} sets {key}")
+    assert "\n" not in str(e.value)
+    # fp32 accumulation is DeepSpeed's own at ZeRO-2/3 (DeepSpeedZeroOptimizer keeps its fp32 partitions): accepted
+    if "data_types" in ds:
+        cfg.parallel.zero_stage = 2
+        assert merged_deepspeed_config(cfg, dp=2)["data_types"]["grad_accum_dtype"] == "fp32"
+
+
+def test_older_deepspeed_checkpoint_resumes_with_one_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A ZeRO-1/2 checkpoint from before the moments moved into the DCP tensors (deepspeed/ files, no optim.*):
+    the resume's one warning says it is the older format whose moments are not read; DeepSpeed's backend then
+    reads none of its files and claims no moments (it said "resumed the weights and optimizer moments")."""
+    import logging
+    from types import SimpleNamespace
+
+    from dist_llm.parallel.data.deepspeed import ENGINE_DIR, DeepSpeedDataParallel
+
+    old = tmp_path / "step_00000004"
+    (old / ENGINE_DIR).mkdir(parents=True)
+    (old / ENGINE_DIR / "rank_00000.safetensors").write_bytes(b"not read")
+    # a ZeRO-3 optimizer as the resume leaves it for a checkpoint without optimizer state: its moments cleared
+    dp = DeepSpeedDataParallel.__new__(DeepSpeedDataParallel)
+    dp.ctx = SimpleNamespace(rank=0)
+    dp.optimizer = SimpleNamespace(fp32_partitioned_groups_flat=[], optimizer=SimpleNamespace(state={}))
+    assert dp.no_optimizer_state_note(old) == (" (an older DeepSpeed format: the moments it kept in "
+                                               "deepspeed/rank_*.safetensors are not read)")
+    assert dp.no_optimizer_state_note(tmp_path) == ""  # (a converted Hugging Face model: no words needed)
+    with caplog.at_level(logging.INFO, logger="dist_llm"):
+        dp.load_engine_state(old)  # (the file is not a safetensors file: reading it would raise)
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "resumed the weights only; optimizer moments, loss scaler and step counters start afresh" in caplog.text

@@ -111,7 +111,8 @@ def _own_bytes(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa:
         ctx.destroy()
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+# (stage 1 saves through the same DeepSpeedZeroOptimizer code as stage 2, zero12_pieces; kept out for CI time)
+@pytest.mark.parametrize("stage", [2, 3])
 def test_deepspeed_save_writes_each_ranks_own_partition(tmp_path: Path, corpus: Path, stage: int) -> None:  # noqa: F811
     """Each rank hands DCP only chunks of its own partition: over both ranks, every element of every master
     (model.<fqn>) and moment (optim.state.<fqn>.exp_avg/_sq) is written exactly once, and neither rank writes
@@ -141,11 +142,13 @@ def test_deepspeed_save_writes_each_ranks_own_partition(tmp_path: Path, corpus: 
         assert abs(own - 4 * 3 * n / 2) <= 4 * 3 * 2 * len(shapes), (own, 4 * 3 * n / 2)
 
 
+# ds2-to-one-process is left out for CI time: stage 2 saves through the same code as stage 1 (zero12_pieces),
+# and the chunks DCP writes are the full tensors' whatever layout reads them; ds1-to-zero1 and ds3-to-fsdp2
+# cover both of DeepSpeed's save paths and two reading layouts
 @pytest.mark.parametrize(("stage", "resume_in"), [
     (1, {"parallel__zero_stage": 1}),  # our ZeRO-1 over flat buckets
-    (2, {}),  # one process
     (3, {"parallel__zero_stage": 3}),  # FSDP2
-], ids=["ds1-to-zero1", "ds2-to-one-process", "ds3-to-fsdp2"])
+], ids=["ds1-to-zero1", "ds3-to-fsdp2"])
 def test_deepspeed_checkpoint_resumes_in_another_layout(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                         corpus: Path, stage: int, resume_in: dict[str, Any]) -> None:  # noqa: F811
     """Saved by DeepSpeed at step 4, resumed by a native layout: steps 5-8 are the uninterrupted one-process
@@ -164,16 +167,16 @@ def test_deepspeed_checkpoint_resumes_in_another_layout(tmp_path: Path, tmp_path
         assert a == pytest.approx(b, rel=1e-5)
 
 
-@pytest.mark.parametrize("stage", [1, 3])
 def test_native_checkpoint_resumes_in_deepspeed(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                corpus: Path, stage: int) -> None:  # noqa: F811
-    """The other way: our ZeRO-1 saves at step 4, DeepSpeed resumes at ZeRO-1 or ZeRO-3 (reading its partitions
-    straight from the chunks) and goes on as the uninterrupted one-process run."""
+                                                corpus: Path) -> None:  # noqa: F811
+    """The other way: our ZeRO-1 saves at step 4, DeepSpeed resumes at ZeRO-3 (reading its partitions straight
+    from the chunks) and goes on as the uninterrupted one-process run. (DeepSpeed ZeRO-1/2 reading chunks into
+    its flat partitions is exercised by test_deepspeed.py's own resume tests; left out here for CI time.)"""
     out = tmp_path / "run"
     run_distributed(train, 2, out, corpus, {"parallel__zero_stage": 1, "train__micro_batch_size": 2,
                                             "train__stop_after_step": 4, "train__ckpt_interval": 4},
                     init_group=False, timeout=600)
-    got = run_distributed(train, 2, out, corpus, {**DS, "parallel__zero_stage": stage}, init_group=False,
+    got = run_distributed(train, 2, out, corpus, {**DS, "parallel__zero_stage": 3}, init_group=False,
                           timeout=600)[0]
     ref = reference(tmp_path_factory, corpus)
     assert len(got["losses"]) == STEPS

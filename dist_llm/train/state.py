@@ -171,7 +171,8 @@ class RunState:
         if wanted["optim"]["state"] and not ckpt.holds_optimizer_state(path):
             # a model converted from Hugging Face: its weights only. What checkpoint_state() made is not a fresh
             # optimizer's state (torch's get_state_dict steps once at lr 0): AdamW makes it afresh at its first step
-            log.warning("%s holds no optimizer state: resuming its weights with a fresh optimizer", path)
+            log.warning("%s holds no optimizer state%s: resuming its weights with a fresh optimizer", path,
+                        self.dp.no_optimizer_state_note(path))
             self.dp.optimizer.state.clear()
         self.dp.load_engine_state(path, self.ckpt_group)
         self.step = state["step"]

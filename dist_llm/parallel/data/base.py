@@ -181,6 +181,11 @@ class DataParallel:
         Collective over `group` (the checkpoint group) where an engine has files: a rank that cannot load its
         file stops every rank."""
 
+    def no_optimizer_state_note(self, path: Path) -> str:
+        """Why checkpoint `path` holds no optimizer state, for the one warning of a resume with a fresh optimizer
+        ('' where it needs no words: a model converted from Hugging Face)."""
+        return ""
+
     def last_step_skipped(self) -> torch.Tensor | None:
         """After `step`: 1.0 where an engine skipped the step by its own decision (DeepSpeed checks overflow
         inside its step), else 0.0; None when the trainer's `found_inf` decided it."""

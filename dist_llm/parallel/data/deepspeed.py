@@ -100,6 +100,34 @@ def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+#: ds_config keys that move or re-lay-out the partitions, which the chunk save and resume (deepspeed_shards.py)
+#: do not follow: (path in the JSON, whether a given value is refused, why)
+_REFUSED = [("zero_optimization.offload_optimizer.device", lambda v: v == "nvme", "optimizer state on NVMe"),
+            ("zero_optimization.offload_param.device", lambda v: v == "nvme", "parameters on NVMe"),
+            ("zero_optimization.mics_shard_size", lambda v: isinstance(v, int) and v > 0, "MiCS's sub-group shards"),
+            ("zero_optimization.zero_quantized_weights", bool, "quantised weight partitions"),
+            ("zero_optimization.zero_quantized_nontrainable_weights", bool, "quantised frozen-weight partitions"),
+            ("zero_optimization.zero_quantized_gradients", bool, "quantised gradient partitions")]
+_FP32 = ("fp32", "float32", "float", "torch.float32")
+
+
+def _refuse_unsupported(theirs: dict[str, Any], merged: dict[str, Any], where: str) -> None:
+    """One line naming the first ds_config key whose partitions dist_llm's checkpoints cannot hold."""
+    for ds_key, refused, what in _REFUSED:
+        value = _get(theirs, ds_key)
+        if value is not None and refused(value):
+            raise ConfigError(f"parallel.deepspeed_config: {where} sets {ds_key}={value!r} ({what}), which "
+                              f"dist_llm's checkpoints cannot save or resume; remove it or use parallel.backend=native")
+    accum = _get(theirs, "data_types.grad_accum_dtype")
+    offload = _get(merged, "zero_optimization.offload_optimizer.device") in ("cpu", "nvme")
+    if (isinstance(accum, str) and accum.lower() in _FP32 and _get(merged, "bf16.enabled")
+            and _get(merged, "zero_optimization.stage") == 1 and not offload):
+        raise ConfigError(f"parallel.deepspeed_config: {where} sets data_types.grad_accum_dtype={accum!r}, which makes "
+                          f"DeepSpeed use its BF16_Optimizer, whose partitions dist_llm cannot checkpoint; remove it "
+                          f"(dist_llm's ZeRO keeps fp32 accumulation via parallel.grad_accum_dtype) or use "
+                          f"parallel.backend=native")
+
+
 def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
     """Our derived ds_config, with `parallel.deepspeed_config` merged over it; where both set a key that our
     config decides, they must agree (a contradiction is a one-line error naming both keys)."""
@@ -120,7 +148,9 @@ def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
         if given is not None and given != "auto" and given != derived:
             raise ConfigError(f"parallel.deepspeed_config: {path} sets {ds_key}={given!r} but {our_key} gives "
                               f"{derived!r}; change one of them")
-    return _merge(ours, theirs)
+    merged = _merge(ours, theirs)
+    _refuse_unsupported(theirs, merged, path)
+    return merged
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -163,6 +193,12 @@ class DeepSpeedDataParallel(DataParallel):
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
+        if cfg.parallel.zero_stage >= 1 and not self._partitioned():
+            # (a ds_config path merged_deepspeed_config did not foresee): saving would drop the masters and moments
+            raise ConfigError(f"parallel.deepspeed_config: DeepSpeed chose {type(self.optimizer).__name__} at "
+                              f"parallel.zero_stage={cfg.parallel.zero_stage}, whose partitions dist_llm cannot "
+                              f"checkpoint (e.g. data_types.grad_accum_dtype); remove such keys or use "
+                              f"parallel.backend=native")
         self.tp_layout = TensorParallelState(model, ctx)  # where each tp slice sits in its full tensor
         self._skipped = 0  # whether the engine skipped the last step
         self._grad_bytes: int | None = None  # gradients held at the first step (see _held_grad_bytes)
@@ -283,11 +319,21 @@ class DeepSpeedDataParallel(DataParallel):
         rank's reason not to load holds for all), then on the outcome, so a file that fails on one rank raises
         the same one-line ConfigError on every rank."""
         file = self._engine_file(path)
+        if not self._partitioned():
+            log.warning("parallel.backend=deepspeed: resumed the weights only; optimizer moments start afresh "
+                        "(DeepSpeed's optimizer state is saved at zero_stage 1, 2 and 3 only, this run has %d)",
+                        self.cfg.parallel.zero_stage)
+            return
+        if not self._optimizer_state_loaded():
+            # the resume warned once already (no_optimizer_state_note): the scaler and counters start afresh with
+            # the moments, and an older DeepSpeed checkpoint's file is not read
+            log.info("parallel.backend=deepspeed: resumed the weights only; optimizer moments, loss scaler and step "
+                     "counters start afresh")
+            return
         reason = comm.shared_error(self._engine_state_mismatch_or_error(path), group)
         if reason is not None:
-            what = ("the weights only; optimizer moments start afresh" if not self._partitioned() else
-                    "the weights and optimizer moments; DeepSpeed's loss scaler and step counters start afresh")
-            log.warning("parallel.backend=deepspeed: resumed %s (%s)", what, reason)
+            log.warning("parallel.backend=deepspeed: resumed the weights and optimizer moments; DeepSpeed's loss "
+                        "scaler and step counters start afresh (%s)", reason)
             return
         try:
             self._load_own_engine_state(file)
@@ -299,6 +345,16 @@ class DeepSpeedDataParallel(DataParallel):
         if error is not None:
             raise ConfigError(error)
         log.info("parallel.backend=deepspeed: resumed DeepSpeed's loss scaler and step counters from %s", file)
+
+    def _optimizer_state_loaded(self) -> bool:
+        """Whether the resume put moments into the partitions (the resume clears them for a checkpoint with none)."""
+        return self._partitioned() and bool(getattr(self.optimizer, "optimizer", self.optimizer).state)
+
+    def no_optimizer_state_note(self, path: Path) -> str:
+        if (path / ENGINE_DIR).is_dir():  # deepspeed/ files beside no optim.* tensors: written before they existed
+            return (f" (an older DeepSpeed format: the moments it kept in {ENGINE_DIR}/rank_*.safetensors are not "
+                    f"read)")
+        return ""
 
     def _engine_state_mismatch_or_error(self, path: Path) -> str | None:
         """`_engine_state_mismatch`, or what kept it from being decided: either way, a reason not to load the
@@ -325,9 +381,6 @@ class DeepSpeedDataParallel(DataParallel):
 
     def _engine_state_mismatch(self, path: Path) -> str | None:
         """Why DeepSpeed's file in checkpoint `path` cannot go into this engine (None when it can)."""
-        if not self._partitioned():
-            return (f"DeepSpeed's optimizer state is saved at zero_stage 1, 2 and 3 only, this run has "
-                    f"{self.cfg.parallel.zero_stage}")
         if not self._engine_file(path).is_file():
             return (f"{path} holds no {self._engine_file(path).relative_to(path)}: saved by another backend, "
                     f"stage 0 or with more ranks")
