@@ -243,13 +243,28 @@ worker = subprocess.Popen([sys.executable, "-c", sys.argv[1]], start_new_session
 sys.exit(worker.wait())
 """
 FAKE_WORKER = """
-import pathlib, signal, sys, time
-out = pathlib.Path(sys.argv[0] if False else {out!r})
+import os, pathlib, signal, sys, time
+out = pathlib.Path({out!r})
 signal.signal(signal.SIGTERM, lambda *_: (out.joinpath("got").write_text("SIGTERM"), sys.exit(0)))
-out.joinpath("ready").write_text("")
+out.joinpath("ready").write_text(str(os.getpid()))
 time.sleep(60)
 sys.exit(3)
 """
+
+
+def stand_in(worker: str, out: Path) -> tuple[subprocess.Popen, int]:
+    """`run_launcher` over a stand-in launcher and `worker` (formatted with `out`), once the worker is up:
+    (the process running run_launcher, the worker's pid)."""
+    code = ("import sys; from dist_llm.cli import run_launcher; "
+            f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {worker.format(out=str(out))!r}]))")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 60
+    while not (out / "ready").exists() or not (out / "ready").read_text():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.05)
+    time.sleep(0.2)  # (the worker's handler is set before it writes "ready"; the launcher has seen it start)
+    return proc, int((out / "ready").read_text())
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
@@ -258,16 +273,7 @@ def test_a_sigterm_to_the_command_reaches_torchruns_workers(tmp_path: Path, sig:
     or SIGHUP sent to dist-llm alone, as a scheduler or a closing terminal does, must be passed to the workers (as
     SIGTERM: they save at the step boundary), and the command ends with 128 + the signal. A stand-in launcher and
     worker (no torch) keep it to a second."""
-    worker = FAKE_WORKER.format(out=str(tmp_path))
-    code = ("import sys; from dist_llm.cli import run_launcher; "
-            f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {worker!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "ready").exists():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-        time.sleep(0.05)
-    time.sleep(0.2)  # (the worker's handler is set before it writes "ready"; the launcher has seen it start)
+    proc, _ = stand_in(FAKE_WORKER, tmp_path)  # (the worker's handler is set before it writes "ready"; the launcher has seen it start)
     proc.send_signal(sig)  # this process only, not its group
     assert proc.wait(timeout=30) == 128 + sig, proc.communicate()[1]
     assert (tmp_path / "got").read_text() == "SIGTERM"
@@ -305,17 +311,7 @@ def test_a_second_ctrl_c_kills_workers_in_their_own_sessions(tmp_path: Path) -> 
     """torchrun starts each worker in a session of its own, so killing torchrun's process group does not reach them:
     a second Ctrl-C must kill every worker's own group, or a worker stuck in a collective is left running, orphaned,
     holding its GPU and the run lock (the launcher returned 130 while the stand-in worker lived on, before)."""
-    worker = STUCK_WORKER.format(out=str(tmp_path))
-    code = ("import sys; from dist_llm.cli import run_launcher; "
-            f"sys.exit(run_launcher([sys.executable, '-c', {FAKE_LAUNCHER!r}, {worker!r}]))")
-    proc = subprocess.Popen([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (tmp_path / "ready").exists() or not (tmp_path / "ready").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
-        time.sleep(0.05)
-    pid = int((tmp_path / "ready").read_text())
-    time.sleep(0.2)
+    proc, pid = stand_in(STUCK_WORKER, tmp_path)
     proc.send_signal(signal.SIGINT)
     time.sleep(0.3)
     proc.send_signal(signal.SIGINT)
