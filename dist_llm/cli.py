@@ -427,6 +427,10 @@ def main(argv: Sequence[str] | None = None, *, process_entry: bool = False) -> i
     # intermixed, so overrides and options may come in any order
     args = subparsers[argv[0]].parse_intermixed_args(argv[1:])
     args._process_entry = process_entry
+    if process_entry:
+        from dist_llm.train.preemption import abort_within
+
+        abort_within(15.0)
     return COMMANDS[argv[0]][2](args)
 
 

@@ -72,6 +72,8 @@ def _large_gather(rank: int, world_size: int) -> dict[str, object]:
     stats = comm.CommStats()
     mine = torch.full((shard,), float(rank + 1))
     out = torch.zeros(n * shard)  # resident before the gather: what it adds is the collective's own
+    # a first small gather sets up gloo's pairs and threads, whose few MiB are not the gather's own
+    comm.all_gather(torch.empty(n), torch.ones(1), dist.group.WORLD, comm.CommStats())
     rose = _peak_above(lambda: comm.all_gather(out, mine, dist.group.WORLD, stats))
     right = torch.equal(out.view(n, -1), torch.arange(1, n + 1, dtype=torch.float32)[:, None].expand(n, shard))
     out.zero_()

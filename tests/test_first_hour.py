@@ -129,6 +129,31 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(tmp_path: Path) -> None:
     assert seconds < 30  # (no save, no report: a step and the interpreter's exit)
 
 
+def test_a_second_ctrl_c_ends_the_process_even_when_clean_up_hangs() -> None:
+    """The second Ctrl-C raises KeyboardInterrupt wherever the main thread is; clean-up after it can wait forever
+    on a lock the interrupt left held (here: a lock taken and never released, as an interrupted `with` leaves
+    it). A process of its own is ended within the grace `abort_within` set, with code 130 and one line."""
+    script = """if True:
+        import os, signal, threading
+        from dist_llm.train.preemption import Preemption, abort_within
+        abort_within(1.0)
+        Preemption().install()
+        held = threading.Lock()
+        held.acquire()
+        try:
+            os.kill(os.getpid(), signal.SIGINT)  # the first: a stop is asked for
+            os.kill(os.getpid(), signal.SIGINT)  # the second: KeyboardInterrupt
+        except KeyboardInterrupt:
+            held.acquire()  # clean-up that never ends
+        """
+    started = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == ("dist-llm: error: interrupted: clean-up after the second "
+                                                    "Ctrl-C did not finish; stopped")
+    assert time.monotonic() - started < 30
+
+
 # -- 2, 4, 5, 6: resume (15: a checkpoint of another shape is in test_reliability, on a trainer in-process) ---
 def test_resume_warns_of_an_incomplete_checkpoint_and_keeps_one_metrics_line_per_step(run_dir: tuple,
                                                                                       tmp_path: Path) -> None:

@@ -2,9 +2,28 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 from typing import Any
+
+# Seconds a second Ctrl-C leaves the process to unwind before it is ended outright (None: never). A process of
+# its own sets it (`abort_within`): the KeyboardInterrupt lands wherever the main thread happens to be, and
+# clean-up after it may wait on a lock or a thread the interrupt left mid-task; a user who pressed Ctrl-C twice
+# wants the prompt back, whatever that clean-up does. A library caller keeps its process.
+_abort_grace_s: float | None = None
+
+
+def abort_within(seconds: float | None) -> None:
+    global _abort_grace_s
+    _abort_grace_s = seconds
+
+
+def _abort(code: int) -> None:
+    sys.stderr.write("dist-llm: error: interrupted: clean-up after the second Ctrl-C did not finish; stopped\n")
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class Preemption:
@@ -33,6 +52,10 @@ class Preemption:
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
             signal.signal(signal.SIGINT, signal.SIG_DFL)
+            if _abort_grace_s is not None:
+                timer = threading.Timer(_abort_grace_s, _abort, args=(130,))
+                timer.daemon = True
+                timer.start()
             raise KeyboardInterrupt
         self.requested = True
         self.signal_name = self.signal_name or signal.Signals(signum).name
