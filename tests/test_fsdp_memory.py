@@ -7,7 +7,6 @@ forward and again for the whole backward; and glibc kept the freed gathers of ev
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path

@@ -348,7 +348,7 @@ def test_bad_weights_are_one_line_naming_file_and_key(tmp_path: Path, llama_dir:
 
     key = "model.layers.1.mlp.up_proj.weight"
     cases = {
-        "missing": (variant("missing", lambda t: t.pop(key)), f"missing tensor 'layers.1.mlp.up_proj.weight'"),
+        "missing": (variant("missing", lambda t: t.pop(key)), "missing tensor 'layers.1.mlp.up_proj.weight'"),
         "shape": (variant("shape", lambda t: t.update({key: t[key][:-1]})),
                   f"model.safetensors: tensor '{key}' has shape (95, 64), the config.json implies (96, 64)"),
         "extra": (variant("extra", lambda t: t.update({"model.layers.0.q_norm.weight": torch.ones(4)})),

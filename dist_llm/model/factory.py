@@ -11,11 +11,11 @@ from __future__ import annotations
 import contextlib
 from typing import Literal
 
-Reduction = Literal["mean", "sum"]
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+Reduction = Literal["mean", "sum"]
 
 LinearRole = Literal["qkv", "attn_out", "mlp_up", "mlp_gate", "mlp_down", "lm_head"]
 
