@@ -74,6 +74,9 @@ class Case:
 def cases() -> list[Case]:
     gpt = {**GPT_SHAPE}
     return [Case("1", "LoRA dp=4 ZeRO-3", 4, {**LORA, "parallel.dp": 4, "parallel.zero_stage": 3}, lora=True),
+            # as fine-tuning is usually run: the blocks recompute in backward instead of saving their activations
+            Case("1", "LoRA dp=4 ZeRO-3 + AC", 4, {**LORA, "parallel.dp": 4, "parallel.zero_stage": 3,
+                                                  "train.activation_checkpointing": "full"}, lora=True),
             Case("1", "LoRA tp=4", 4, {**LORA, "parallel.tp": 4}, lora=True),
             Case("2", "tp=4", 4, {**gpt, "parallel.tp": 4}),
             Case("2", "dp=4 ZeRO-1", 4, {**gpt, "parallel.dp": 4, "parallel.zero_stage": 1}),
