@@ -250,7 +250,7 @@ def test_lora_checkpoint_stores_its_base_resolved_and_names_it_when_missing(run_
 
 
 def test_truncating_metrics_keeps_the_lines_up_to_the_step_and_drops_a_torn_one(tmp_path: Path) -> None:
-    from dist_llm.train.metrics import truncate_after
+    from dist_llm.train.metrics import read_metrics, truncate_after
 
     path = tmp_path / "metrics.jsonl"
     kept = ['{"event": "start", "step": 0}', '{"step": 1, "loss": 2.0}', '{"step": 2, "val_loss": 1.5}']
@@ -259,6 +259,11 @@ def test_truncating_metrics_keeps_the_lines_up_to_the_step_and_drops_a_torn_one(
     assert path.read_text() == "".join(f"{line}\n" for line in kept)
     assert truncate_after(path, 2) == 0
     assert [p.name for p in tmp_path.iterdir()] == ["metrics.jsonl"]  # no temporary left
+    # a line that is not JSON in the middle was not torn by a crash: it stays, as what was written before does
+    path.write_text("\n".join(["a note", *kept, '{"step": 3, "loss": 1.0}']) + "\n")
+    assert truncate_after(path, 2) == 1
+    assert path.read_text() == "".join(f"{line}\n" for line in ["a note", *kept])
+    assert read_metrics(path) == [json.loads(line) for line in kept]  # the plot and report read past it
 
 
 # -- 3. a SIGTERM to the launching command (a scheduler's preemption) reaches the workers ------------------------

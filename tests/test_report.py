@@ -19,6 +19,8 @@ from dist_llm.train.report import build_report, human_size
 def test_human_size() -> None:
     assert [human_size(n) for n in (0, 812, 1024, 12_900_000, 3 * 2**30 // 2, 700 * 2**30, None)] == [
         "0 B", "812 B", "1.00 KiB", "12.3 MiB", "1.50 GiB", "700 GiB", "-"]
+    # just under a unit: the rounded number would read 1024 of the smaller one
+    assert [human_size(n) for n in (1023.6, 2**20 - 100, 2**30 - 2**19)] == ["1.00 KiB", "1.00 MiB", "1.00 GiB"]
 
 
 def write_run(folder: Path, cfg: Config) -> None:

@@ -77,10 +77,12 @@ def truncate_after(path: Path, step: int) -> int:
         return 0
     lines = path.read_text().splitlines()
     kept = []
-    for line in lines:
+    for i, line in enumerate(lines):
         try:
             record = json.loads(line)
         except ValueError:
+            if i < len(lines) - 1:  # not a torn end: a line someone else wrote, not ours to drop
+                kept.append(line)
             continue
         if not isinstance(record, dict) or not isinstance(record.get("step", 0), int) or record.get("step", 0) <= step:
             kept.append(line)
@@ -91,7 +93,17 @@ def truncate_after(path: Path, step: int) -> int:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The records of metrics.jsonl; a line that is not a JSON object (a torn end, a note added by hand) is
+    skipped, so the plot and the report still come out."""
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+    return records
 
 
 def plot_losses(metrics_path: Path, png_path: Path) -> None:

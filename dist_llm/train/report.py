@@ -26,13 +26,18 @@ def human_size(n: float | None) -> str:
     if n is None:
         return "-"
     value, unit = float(n), "B"
-    for bigger in ("KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024:
-            break
-        value, unit = value / 1024, bigger
+    units = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
+    # compare what will be printed, not the value: 1023.9 KiB would print as "1024 KiB", which is 1.00 MiB
+    while unit != units[-1] and abs(float(_digits(value, unit))) >= 1024:
+        value, unit = value / 1024, units[units.index(unit) + 1]
+    return f"{_digits(value, unit)} {unit}"
+
+
+def _digits(value: float, unit: str) -> str:
+    """Three significant digits for a unit's number (bytes as an integer)."""
     if unit == "B":
-        return f"{int(value)} B"
-    return f"{value:.2f} {unit}" if abs(value) < 10 else f"{value:.1f} {unit}" if abs(value) < 100 else f"{value:.0f} {unit}"
+        return f"{round(value)}"
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 100 else f"{value:.0f}"
 
 
 def throughput_lines(train: list[dict[str, Any]], tokens_per_step: int) -> list[str]:
