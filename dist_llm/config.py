@@ -341,6 +341,8 @@ def _coerce(key: str, value: Any, annotation: Any) -> Any:
             return value
         if isinstance(value, str):  # YAML 1.1 reads 1e3 (no dot) as a string
             with contextlib.suppress(ValueError):
+                return int(value, 10)  # "9007199254740993": exact, not through a float
+            with contextlib.suppress(ValueError):
                 value = float(value)
         if isinstance(value, float) and value.is_integer():  # 1e3 or 1000.0: exactly an integer
             return int(value)

@@ -31,6 +31,14 @@ def test_int_accepted_for_float_and_round_trip(tmp_path: Path) -> None:
     assert config_from_dict(cfg.to_dict()) == cfg
 
 
+def test_a_quoted_integer_is_read_exactly(tmp_path: Path) -> None:
+    """A string of digits for an int key is read as an integer, not through a float (2**53 + 1 has no float)."""
+    path = tmp_path / "c.yaml"
+    path.write_text('train:\n  max_steps: "9007199254740993"\n  seed: "1_000"\n')
+    cfg = load_config(path, [])
+    assert (cfg.train.max_steps, cfg.train.seed) == (2**53 + 1, 1000)
+
+
 def test_shipped_configs_load(tmp_path: Path) -> None:
     demo = tmp_path / "demo"  # the fine-tuning configs read files scripts/make_finetune_demo.py writes
     (demo / "hf-base").mkdir(parents=True)
