@@ -107,7 +107,9 @@ WRITE_BLOCK_BYTES = 16 * 2**20
 
 
 def _write_tensor(f: BinaryIO, entry: Entry, t: torch.Tensor) -> None:
-    if tuple(t.shape) != entry.shape or not (t.dtype.is_floating_point or t.dtype == entry.dtype):
+    # a float may be cast to the planned float dtype (fp32 weights exported as bf16); nothing else changes type
+    castable = t.dtype == entry.dtype or (t.dtype.is_floating_point and entry.dtype.is_floating_point)
+    if tuple(t.shape) != entry.shape or not castable:
         raise AssertionError(f"{entry.name}: got {tuple(t.shape)} {t.dtype}, planned {entry.shape} {entry.dtype}")
     t = t.detach().cpu()
     if t.numel() == 0:

@@ -158,6 +158,9 @@ def test_writer_converts_views_and_dtypes_block_by_block(tmp_path: Path, monkeyp
     expected = {"t": a.t().contiguous(), "c": a.to(torch.bfloat16), "v": a[0, :7].clone()}
     got = load_file(tmp_path / "ours.safetensors")
     assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in expected.items())
+    # a float is never cast into an integer entry (a plan that disagrees with the stream is a bug, said as one)
+    with pytest.raises(AssertionError, match=r"i: got \(3,\) torch.float32, planned \(3,\) torch.int64"):
+        write_file(tmp_path / "bad.safetensors", [Entry("i", (3,), torch.int64)], iter([("i", torch.ones(3))]), {})
 
 
 def test_a_stored_chunk_that_is_no_tensor_is_one_line(tmp_path: Path, hf_dirs: dict[str, Path],
