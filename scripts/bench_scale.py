@@ -230,6 +230,18 @@ def rows_of(case: Case, base: dict[str, Any], events: list[dict[str, Any]], idle
             case.rows.append(row)
 
 
+def run_convert(args: list[str], out: Path, log: Path, timeout: float) -> int:
+    """`dist-llm convert ARGS --out OUT` into a fresh OUT; its peak resident set."""
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    code, peak = run([sys.executable, "-m", "dist_llm.cli", "convert", *args, "--out", str(out)], timeout, log)
+    if code:
+        raise RuntimeError(f"exit {code}: {_tail(log)} (log {log})")
+    return peak
+
+
 def convert_row(ckpt_run: Path, work: Path, base: dict[str, Any], overrides: dict[str, Any], idle: int,
                 buffer: int, timeout: float) -> dict[str, Any]:
     import torch
@@ -237,16 +249,7 @@ def convert_row(ckpt_run: Path, work: Path, base: dict[str, Any], overrides: dic
     from dist_llm import memory
     from dist_llm.model import GPT as Model
 
-    out = work / "convert-hf"
-    log = work / "convert.log"
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    code, peak = run([sys.executable, "-m", "dist_llm.cli", "convert", "--to-hf", str(ckpt_run), "--out", str(out)],
-                     timeout, log)
-    if code:
-        raise RuntimeError(f"exit {code}: {_tail(log)} (log {log})")
+    peak = run_convert(["--to-hf", str(ckpt_run)], work / "convert-hf", work / "convert.log", timeout)
     one = {k: v for k, v in {**base, **overrides}.items() if not k.startswith("parallel.")}  # one process
     cfg = resolved_config(one)
     est = memory.predict(cfg, 1)
@@ -267,16 +270,7 @@ def convert_from_hf_row(llama: Path, work: Path, idle: int, buffer: int, timeout
     from dist_llm.memory import largest_tensor_numel
     from dist_llm.model import GPT as Model
 
-    out = work / "convert-from-hf"
-    log = work / "convert-from-hf.log"
-    if out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    code, peak = run([sys.executable, "-m", "dist_llm.cli", "convert", "--from-hf", str(llama), "--out", str(out)],
-                     timeout, log)
-    if code:
-        raise RuntimeError(f"exit {code}: {_tail(log)} (log {log})")
+    peak = run_convert(["--from-hf", str(llama)], work / "convert-from-hf", work / "convert-from-hf.log", timeout)
     model = model_config_from_hf(llama, ModelConfig())
     with torch.device("meta"):
         n_params = Model(model).num_params()
