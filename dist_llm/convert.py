@@ -338,6 +338,18 @@ def load_checkpoint_model(path: str | Path) -> GPT:
 READ_BLOCK_BYTES = 16 * 2**20
 
 
+def _reading_failure(e: BaseException) -> BaseException | None:
+    """The failure behind a DCP save that failed while reading its source tensors: DCP wraps what the planner's
+    reads raised (an I/O error, a damaged shard, a Ctrl-C) as this rank's save failure."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if isinstance(e, CheckpointException) and len(e.failures) == 1:
+        (inner, _), = e.failures.values()
+        if isinstance(inner, (OSError, ConfigError, KeyboardInterrupt)):
+            return inner
+    return None
+
+
 def _read_converted(src: HFCheckpoint, name: str, shape: tuple[int, ...]) -> torch.Tensor:
     """Our full tensor `name` in fp32 (q/k/v stacked, Conv1D transposed, vocabulary padding zero), read from the
     Hugging Face files block of rows by block of rows."""
@@ -386,7 +398,7 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
         "converted_from": str(hf_dir.resolve()),
     }
     shapes = weight_shapes(model_cfg)  # our state dict's names and full shapes (a tied head too, as training saves)
-    created = not out.exists()
+    there_before = set(out.iterdir()) if out.is_dir() else None  # (an empty folder the user made stays)
     with HFCheckpoint(hf_dir, model_cfg) as src:  # every header checked here, before anything is written
         planner = StreamingSavePlanner(lambda fqn: _read_converted(src, fqn.removeprefix("model."),
                                                                    shapes[fqn.removeprefix("model.")]))
@@ -394,9 +406,16 @@ def convert_hf_to_checkpoint(hf_dir: str | Path, out: str | Path, *, pad_vocab_t
             ckpt.save_checkpoint(out, state={"model": placeholders(shapes, EXPORT_DTYPE)}, train_state=train_state,
                                  cfg=cfg, ctx=ctx, extra_files={"tokenizer.json": tok} if tok.is_file() else None,
                                  planner=planner, storage_writer=streaming_writer(out))
-        except BaseException:
-            if created and not ckpt.is_complete(out):  # no half-written checkpoint left behind
-                shutil.rmtree(out, ignore_errors=True)
+        except BaseException as e:
+            if not ckpt.is_complete(out):  # no half-written checkpoint left behind, nothing the user had removed
+                if there_before is None:
+                    shutil.rmtree(out, ignore_errors=True)
+                else:
+                    for path in set(out.iterdir()) - there_before:
+                        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            inner = _reading_failure(e)
+            if inner is not None:  # said as itself (one line naming the file), not as DCP's save failure
+                raise inner from None
             raise
         finally:
             planner.release()

@@ -176,3 +176,27 @@ def test_a_stored_chunk_that_is_no_tensor_is_one_line(tmp_path: Path, hf_dirs: d
     monkeypatch.setattr(torch, "load", lambda *a, **k: {"not": real_load(*a, **k)})
     with pytest.raises(ConfigError, match=r"a stored chunk is a dict, not a tensor"):
         reader.read_whole("model.lm_head.weight")
+
+
+@pytest.mark.parametrize("folder", ["new", "an empty one the user made"])
+def test_a_failed_import_leaves_no_half_checkpoint_and_keeps_what_was_there(tmp_path: Path, hf_dirs: dict[str, Path],
+                                                                           monkeypatch: pytest.MonkeyPatch,
+                                                                           folder: str) -> None:
+    """A read that fails half-way (an I/O error, a Ctrl-C) removes what the import wrote, and says the reader's
+    error as itself, not as DCP's save failure; an empty folder the user made first (--out allows one) stays."""
+    out = tmp_path / "ckpt"
+    if folder != "new":
+        out.mkdir()
+    real, calls = convert._read_converted, []
+
+    def failing(*args: Any) -> torch.Tensor:
+        calls.append(args[1])
+        if len(calls) == 3:
+            raise OSError("the third tensor cannot be read")
+        return real(*args)
+
+    monkeypatch.setattr(convert, "_read_converted", failing)
+    with pytest.raises(OSError, match="^the third tensor cannot be read$"):
+        convert.convert_hf_to_checkpoint(hf_dirs["llama"], out)
+    assert len(calls) == 3
+    assert (out.is_dir() and not any(out.iterdir())) if folder != "new" else not out.exists()
