@@ -451,7 +451,7 @@ class Trainer:
         clock.window_start, clock.window_steps = time.perf_counter(), 0
         return last
 
-    def _evaluate_into(self, last: dict[str, Any], bar: tqdm) -> None:
+    def _evaluate_into(self, last: dict[str, Any]) -> None:
         last["val_loss"] = self.evaluate()
         self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
         log.info("step %d: val_loss %.4f", self.step, last["val_loss"])  # (the console: rank 0's, above its bar)
@@ -546,7 +546,7 @@ class Trainer:
                     last = self._log_step(out, clock, bar, peak_flops=peak_flops, flops_per_token=flops_per_token)
                 paused = time.perf_counter()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
-                    self._evaluate_into(last, bar)
+                    self._evaluate_into(last)
                 preempted = self._agree_to_stop(preemption.code, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self._save_at_step(clock)
