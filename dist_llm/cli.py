@@ -12,30 +12,10 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from dist_llm.config import ConfigError, load_config
+from dist_llm.console import setup_logging
 
 EXIT_BAD_INPUT = 2
 log = logging.getLogger("dist_llm")
-
-
-def setup_logging(rank: int, log_dir: Path | None = None) -> None:
-    """On the console rank 0 speaks at INFO and the others only warn; with `log_dir`, every rank also writes
-    everything it logs to log_dir/rank_K.log."""
-    console = logging.StreamHandler(sys.stderr)
-    console.setFormatter(logging.Formatter("%(message)s" if rank == 0 else f"[rank {rank}] %(message)s"))
-    console.setLevel(logging.INFO if rank == 0 else logging.WARNING)
-    handlers: list[logging.Handler] = [console]
-    if log_dir is not None:
-        log_dir.mkdir(parents=True, exist_ok=True)
-        to_file = logging.FileHandler(log_dir / f"rank_{rank}.log")
-        to_file.setFormatter(logging.Formatter(f"%(asctime)s [rank {rank}] %(levelname)s %(message)s"))
-        to_file.setLevel(logging.DEBUG)  # (the tracebacks behind one-line errors: for a bug report, not the console)
-        handlers.append(to_file)
-    root = logging.getLogger("dist_llm")
-    for old in root.handlers:
-        old.close()
-    root.handlers[:] = handlers
-    root.setLevel(logging.DEBUG)
-    root.propagate = False
 
 
 def fail(message: str, code: int = EXIT_BAD_INPUT, *, every_rank: bool = False) -> int:

@@ -40,15 +40,34 @@ def _digits(value: float, unit: str) -> str:
     return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 100 else f"{value:.0f}"
 
 
+def human_duration(seconds: float) -> str:
+    """45.2 s, 3m 08s, 2h 05m 09s."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes}m {secs:02d}s"
+    return f"{minutes // 60}h {minutes % 60:02d}m {secs:02d}s"
+
+
+def run_average(train: list[dict[str, Any]], tokens_per_step: int) -> tuple[int, float] | None:
+    """(tokens trained, seconds of training wall time) up to the last training record, resumes added up; None
+    before any time was recorded. Their ratio is the run's average tokens/s, in the report and the run's summary."""
+    if not train or not train[-1].get("elapsed_s"):
+        return None
+    return train[-1]["step"] * tokens_per_step, train[-1]["elapsed_s"]
+
+
 def throughput_lines(train: list[dict[str, Any]], tokens_per_step: int) -> list[str]:
     """The run's average tokens/s (all its tokens over its training wall time, resumes added up) and the last
     log window's, each labelled: under a varying load the two can differ tenfold."""
     last = train[-1]
     lines = []
-    if last.get("elapsed_s"):
-        tokens = last["step"] * tokens_per_step
-        lines.append(f"- tokens/s, run average: {tokens / last['elapsed_s']:,.0f} ({tokens:,} tokens in "
-                     f"{last['elapsed_s']:,.1f} s of training wall time, evaluation and checkpoints included)")
+    average = run_average(train, tokens_per_step)
+    if average:
+        tokens, seconds = average
+        lines.append(f"- tokens/s, run average: {tokens / seconds:,.0f} ({tokens:,} tokens in "
+                     f"{seconds:,.1f} s of training wall time, evaluation and checkpoints included)")
     first = train[-2]["step"] + 1 if len(train) > 1 else 1
     lines.append(f"- tokens/s, last window: {last.get('tokens_per_s', 0.0):,.0f} (steps {first}-{last['step']}, "
                  f"evaluation and checkpoints not counted)")
@@ -140,6 +159,34 @@ def build_report(run_dir: Path) -> str:
                                                                   f"{val[-1]['step']}" if val else ""))
     lines += ["", "## Loss", "", "![loss](loss.png)", ""]
     return "\n".join(lines)
+
+
+def summary_lines(run_dir: Path, *, step: int, stop: int, newest: Path | None, command: str) -> list[str]:
+    """The few lines a run ends with on the console, from the same records as report.md: how far it got, its last
+    losses, wall time and average tokens/s, where its files are, and `command` (the sample command) to try it."""
+    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), check=False)
+    records = read_metrics(run_dir / "metrics.jsonl")
+    train = [r for r in records if "loss" in r]
+    val = [r for r in records if "val_loss" in r and "loss" not in r]
+
+    def at(record: dict[str, Any]) -> str:  # (a stop between log steps: the last logged step's loss)
+        return "" if record["step"] == step else f" at step {record['step']}"
+
+    losses = [f"train loss {train[-1]['loss']:.4f}{at(train[-1])}"] if train else []
+    losses += [f"val loss {val[-1]['val_loss']:.4f}{at(val[-1])}"] if val else []
+    lines = [f"{'finished' if step >= stop else 'stopped'} at step {step} of {stop}" + (": " if losses else "")
+             + ", ".join(losses)]
+    average = run_average(train, cfg.train.global_batch_size * cfg.model.block_size)
+    if average:
+        tokens, seconds = average
+        lines.append(f"  wall time {human_duration(seconds)} of training (evaluation and checkpoints included), "
+                     f"{tokens / seconds:,.0f} tokens/s on average")
+    where = [("checkpoints", run_dir / "checkpoints", f" (newest: {newest.name})" if newest else ""),
+             ("report", run_dir / "report.md", ""), ("loss plot", run_dir / "loss.png", "")]
+    lines += [f"  {label + ':':<13}{path}{more}" for label, path, more in where if path.exists()]
+    if newest:
+        lines.append(f"  {'sample:':<13}{command}")
+    return lines
 
 
 def write_report(run_dir: Path) -> Path:

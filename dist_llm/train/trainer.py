@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from dist_llm import memory
 from dist_llm.config import Config, ConfigError, parse_steps, validate
+from dist_llm.console import FILE_ONLY, sample_command, step_line
 from dist_llm import perf
 from dist_llm.host_malloc import map_large_allocations
 from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepare_data, to_device, val_sampler
@@ -32,7 +33,7 @@ from dist_llm.train import checkpoint as ckpt
 from dist_llm.train.errors import CheckpointError, CollectiveError, TrainingError  # noqa: F401 - importable here as before
 from dist_llm.train.metrics import MetricsLog, plot_losses
 from dist_llm.train.preemption import Preemption
-from dist_llm.train.report import write_report
+from dist_llm.train.report import summary_lines, write_report
 from dist_llm.profiling import StepProfiler, span
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from dist_llm.train.memory_phases import PhaseMeter
@@ -445,14 +446,15 @@ class Trainer:
         if self.scaler.skipped_steps:
             last["skipped_steps"] = self.scaler.skipped_steps
         self.metrics.write(last)
+        log.info(step_line(last), extra=FILE_ONLY)  # every rank's log file (the bar shows the loss)
         bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")
         clock.window_start, clock.window_steps = time.perf_counter(), 0
         return last
 
-    def _evaluate_into(self, last: dict[str, Any], bar: tqdm) -> None:
+    def _evaluate_into(self, last: dict[str, Any]) -> None:
         last["val_loss"] = self.evaluate()
         self.metrics.write({"step": self.step, "val_loss": last["val_loss"]})
-        bar.write(f"step {self.step}: val_loss {last['val_loss']:.4f}")
+        log.info("step %d: val_loss %.4f", self.step, last["val_loss"])  # (the console: rank 0's, above its bar)
 
     def _save_at_step(self, clock: _RunClock) -> None:
         self.elapsed_s = clock.elapsed()
@@ -544,7 +546,7 @@ class Trainer:
                     last = self._log_step(out, clock, bar, peak_flops=peak_flops, flops_per_token=flops_per_token)
                 paused = time.perf_counter()
                 if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
-                    self._evaluate_into(last, bar)
+                    self._evaluate_into(last)
                 preempted = self._agree_to_stop(preemption.code, stop_flag)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self._save_at_step(clock)
@@ -564,4 +566,8 @@ class Trainer:
         if self.ctx.is_main:
             plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
             write_report(self.out_dir)
+            newest = ckpt.latest_checkpoint(self.ckpt_root)
+            for line in summary_lines(self.out_dir, step=self.step, stop=stop, newest=newest,
+                                      command=sample_command(self.out_dir)):
+                log.info(line)
         return last
