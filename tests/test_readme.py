@@ -102,12 +102,14 @@ def kind(cmd: Command) -> str:
     tokens, k = program(cmd)
     if tokens[k] == "make":
         return "make"
+    # only a plain argv runs in the shared process: no variables, pipes, redirections or expansions
+    plain = k == 0 and tokens[0] in DIST_LLM and not re.search(r"[|&;<>$`~*?]", cmd.text)
     if {"--help", "--list-keys"} & set(tokens):
-        return "cli" if tokens[k] in DIST_LLM and k == 0 else "shell"
+        return "cli" if plain else "shell"
     if "dist_llm.train" in tokens or tokens[k].startswith("launch/") or tokens[k:k + 2] in (
             [d, "train"] for d in DIST_LLM):
         return "train"
-    return "cli" if tokens[k] in DIST_LLM and k == 0 else "shell"
+    return "cli" if plain else "shell"
 
 
 def with_overrides(text: str, index: int) -> str:
@@ -274,6 +276,8 @@ def test_readme_commands_are_parsed_as_bash_would() -> None:
     assert kind(Command(1, "torchrun --nproc-per-node 2 -m dist_llm.train --config c.yaml")) == "train"
     assert kind(Command(1, "NPROC=2 launch/torchrun_single_node.sh c.yaml")) == "train"
     assert kind(Command(1, "source .venv/bin/activate")) == "shell"
+    assert kind(Command(1, "dist-llm train --list-keys | grep optim")) == "shell"
+    assert kind(Command(1, "dist-llm memory --config c.yaml --json > m.json")) == "shell"
     assert with_overrides("dist-llm train --config c.yaml model.block_size=64", 7) == (
         "dist-llm train --config c.yaml model.block_size=64 train.max_steps=2 train.eval_steps=1 "
         "train.out_dir=runs/readme-7")
