@@ -1,0 +1,285 @@
+"""Every command in README.md's ```bash blocks runs as written (issue 18, item 10), so the README cannot drift.
+
+They run in order, as a user would, in a scratch folder that holds the checkout's configs/, launch/ and scripts/
+and a `.venv` that is the interpreter running the tests (CI's .venv): `dist-llm`, `torchrun`, `accelerate` and
+`python` are that venv's, as after `source .venv/bin/activate`. A command that trains gets a few overrides
+appended (2 steps, a short block, its own `train.out_dir`), nothing else changes; the `make` commands are read
+with `make -n` and the recipe `make train` would run is run. A command that cannot run here is listed in
+NOT_RUN with the reason, and the list must match the README. `dist-llm` commands that do not train run in one
+process per stretch of them (`dist_llm.cli.main`, each argv as written): a Python start costs seconds here."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+README = (REPO / "README.md").read_text()
+DIST_LLM = ("dist-llm", ".venv/bin/dist-llm")
+
+#: what cannot run on this machine, with the reason; each must still be a README command
+NOT_RUN: dict[str, str] = {
+    "NNODES=4 RDZV_ENDPOINT=node0:29500 launch/torchrun_multi_node.sh configs/3d.yaml":
+        "4 hosts (node0...); tests/test_launch.py runs the script as two nodes on 127.0.0.1",
+    "NNODES=4 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 launch/torchrun_multi_node.sh configs/3d.yaml":
+        "4 hosts (node0...); tests/test_launch.py runs the script as two nodes on 127.0.0.1",
+    "sbatch --nodes=4 launch/slurm.sbatch configs/3d.yaml":
+        "a SLURM cluster; tests/test_launch.py runs the script with a stand-in srun",
+    "HOSTFILE=hostfile launch/deepspeed.sh configs/tiny.yaml parallel.backend=deepspeed "
+    "parallel.deepspeed_config=ds_config.json":
+        "a hostfile of several hosts and a ds_config.json the user writes; tests/test_launch.py runs the script",
+    "dist-llm convert --from-hf ~/models/gpt2 --out ckpt/gpt2":
+        "GPT-2 downloaded by the user (no network here); tests/test_hf.py converts a GPT-2 made offline",
+    "dist-llm train --config configs/tiny.yaml model.init_from=hf:$HOME/models/gpt2 train.out_dir=runs/gpt2-lora "
+    "data.source=sft.jsonl peft.method=lora peft.rank=8 peft.alpha=16 peft.targets='[qkv, mlp_up]'":
+        "GPT-2 downloaded and sft.jsonl written by the user; tests/test_finetune.py trains LoRA on a local model",
+    'dist-llm sample --checkpoint runs/gpt2-lora --prompt "Q: ..."': "the run of the GPT-2 command above",
+    "dist-llm convert --to-hf runs/gpt2-lora --out hf/tuned": "the run of the GPT-2 command above",
+}
+#: the run that later commands read (sample, convert, report runs/tiny) keeps the config's out_dir
+MAKES_RUNS_TINY = "dist-llm train --config configs/tiny.yaml"
+#: appended to every command that trains (later overrides win), and those appended only when the command
+#: does not set the key itself
+TRAIN_FORCED = ["train.max_steps=2", "train.eval_steps=1"]
+TRAIN_DEFAULTS = {"model.block_size": "32"}
+
+
+@dataclass(frozen=True)
+class Command:
+    line: int  # where it starts in README.md
+    text: str  # as written: continuation lines joined, the comment dropped
+
+    def __str__(self) -> str:
+        return f"README.md:{self.line}: {self.text}"
+
+
+def readme_commands(md: str = README) -> list[Command]:
+    """The commands of every ```bash block, in order."""
+    commands: list[Command] = []
+    lines = md.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() != "```bash":
+            i += 1
+            continue
+        i += 1
+        while lines[i].strip() != "```":
+            start, text = i + 1, lines[i]
+            while text.rstrip().endswith("\\"):
+                i += 1
+                text = text.rstrip()[:-1].rstrip() + " " + lines[i].strip()
+            i += 1
+            code = re.split(r"(?:^|\s+)#", text, maxsplit=1)[0].strip()
+            if code:
+                # no '#' inside quotes here: cutting at it must leave what bash would run
+                assert shlex.split(code) == shlex.split(text, comments=True), text
+                commands.append(Command(start, " ".join(code.split())))
+        i += 1
+    return commands
+
+
+def program(cmd: Command) -> tuple[list[str], int]:
+    """The tokens and the index of the program (after VAR=value assignments)."""
+    tokens = shlex.split(cmd.text)
+    k = 0
+    while k < len(tokens) and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", tokens[k]):
+        k += 1
+    return tokens, k
+
+
+def kind(cmd: Command) -> str:
+    """make | train (runs with the overrides) | cli (a dist-llm command that does not train) | shell."""
+    tokens, k = program(cmd)
+    if tokens[k] == "make":
+        return "make"
+    # only a plain argv runs in the shared process: no variables, pipes, redirections or expansions
+    plain = k == 0 and tokens[0] in DIST_LLM and not re.search(r"[|&;<>$`~*?]", cmd.text)
+    if {"--help", "--list-keys"} & set(tokens):
+        return "cli" if plain else "shell"
+    if "dist_llm.train" in tokens or tokens[k].startswith("launch/") or tokens[k:k + 2] in (
+            [d, "train"] for d in DIST_LLM):
+        return "train"
+    return "cli" if plain else "shell"
+
+
+def with_overrides(text: str, index: int) -> str:
+    """A training command as run here: the README's text, then the small overrides."""
+    normal = text.replace(".venv/bin/dist-llm", "dist-llm")
+    keys = {t.split("=", 1)[0] for t in shlex.split(normal) if "=" in t}
+    extra = list(TRAIN_FORCED)
+    extra += [f"{k}={v}" for k, v in TRAIN_DEFAULTS.items() if k not in keys]
+    if "train.out_dir" not in keys and normal != MAKES_RUNS_TINY:
+        extra.append(f"train.out_dir=runs/readme-{index}")
+    return f"{normal} {' '.join(extra)}"
+
+
+# one process runs a stretch of non-training dist-llm commands; a marker line after each tells them apart
+_MARK = "@@readme-exit"
+_RUNNER = f"""
+import json, sys
+from dist_llm.cli import main
+for argv in json.loads(sys.argv[1]):
+    try:
+        rc = main(argv)
+    except SystemExit as e:
+        rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    for stream in (sys.stdout, sys.stderr):
+        print("\\n{_MARK}", rc, file=stream, flush=True)
+"""
+
+
+def sandbox(tmp: Path) -> dict[str, str]:
+    """A user's checkout as far as the commands see it; the environment of an activated .venv."""
+    for name in ("configs", "launch", "scripts"):
+        (tmp / name).symlink_to(REPO / name)
+    (tmp / ".venv").symlink_to(sys.prefix)
+    bin_dir = str(Path(sys.prefix) / "bin")
+    return {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "VIRTUAL_ENV": sys.prefix,
+            "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+
+
+def make_recipe(cmd: Command) -> list[str]:
+    """What `make` would run for the README's make command (dry run, every rule as if out of date)."""
+    tokens, k = program(cmd)
+    proc = subprocess.run(["make", "-n", "-B", *tokens[k + 1:]], cwd=REPO, capture_output=True, text=True,
+                          timeout=30, check=False)
+    assert proc.returncode == 0, f"{cmd}: make -n: {proc.stderr}"
+    return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
+
+
+def check_make(cmd: Command, recipe: list[str]) -> str | None:
+    """None when the target does what the README says; for `make train` the command it runs."""
+    joined = "\n".join(recipe)
+    assert "-m venv .venv" in joined and re.search(r"pip install \S* ?-e \.$", joined, re.M), (cmd, joined)
+    target = program(cmd)[0][program(cmd)[1] + 1:]
+    if "test" in target:
+        assert '-e ".[test]"' in joined and recipe[-1].startswith(".venv/bin/python -m pytest "), (cmd, joined)
+        return None
+    if "train" in target:
+        assert recipe[-1].startswith(".venv/bin/dist-llm train --config "), (cmd, joined)
+        assert '".[test]"' not in joined, f"{cmd}: training installs the test extra"
+        return recipe[-1]
+    assert '".[test]"' not in joined, f"{cmd}: the set-up installs the test extra"
+    return None
+
+
+@dataclass
+class Job:
+    commands: list[Command]  # one, or a stretch of dist-llm commands run in one process
+    text: str = ""  # what bash runs (shell jobs)
+
+
+def plan() -> list[Job]:
+    """The README's commands as jobs: the default run first (later commands read runs/tiny), then the rest in
+    README order; every dist-llm command that does not train in one process, a training command that is
+    another's text (make train is the default run) once."""
+    jobs: list[Job] = []
+    cli = Job([])
+    seen: set[str] = set()
+    for index, cmd in enumerate(readme_commands()):
+        if cmd.text in NOT_RUN:
+            continue
+        k = kind(cmd)
+        if k == "cli":
+            cli.commands.append(cmd)
+            continue
+        if k == "make":
+            runs = check_make(cmd, make_recipe(cmd))
+            if runs is None:
+                continue
+            text = with_overrides(runs, index)
+        else:
+            text = with_overrides(cmd.text, index) if k == "train" else cmd.text
+        if text not in seen:
+            seen.add(text)
+            jobs.append(Job([cmd], text))
+    first = next(i for i, job in enumerate(jobs) if job.text == with_overrides(MAKES_RUNS_TINY, 0))
+    return [jobs.pop(first), cli, *jobs]
+
+
+def run_job(job: Job, tmp: Path, env: dict[str, str]) -> list[str]:
+    """The failures of one job, each with its output."""
+    if job.text:
+        proc = subprocess.run(["bash", "-c", job.text], cwd=tmp, env=env, capture_output=True, text=True,
+                              timeout=300, check=False)
+        if proc.returncode == 0:
+            return []
+        return [f"{job.commands[0]}\n  ran: {job.text}\n  exit {proc.returncode}\n{proc.stdout[-1500:]}"
+                f"{proc.stderr[-3000:]}"]
+    argvs = [shlex.split(c.text)[1:] for c in job.commands]
+    proc = subprocess.run([sys.executable, "-c", _RUNNER, json.dumps(argvs)], cwd=tmp, env=env,
+                          capture_output=True, text=True, timeout=300, check=False)
+    outs, errs = proc.stdout.split(_MARK), proc.stderr.split(_MARK)
+    failures = []
+    for n, cmd in enumerate(job.commands):
+        rc = outs[n + 1].split(None, 1)[0] if n + 1 < len(outs) else f"none (the process exited {proc.returncode})"
+        if rc != "0":
+            failures.append(f"{cmd}\n  exit {rc}\n{outs[n][-1500:]}{errs[n][-3000:] if n < len(errs) else ''}")
+    return failures
+
+
+def run_all(tmp: Path) -> list[str]:
+    """Runs the README's commands: the default run, then the others two at a time (each trains into an
+    out_dir of its own, so they are independent; two lanes keep 2 cores busy while one process starts)."""
+    env = sandbox(tmp)
+    first, *rest = plan()
+    failures = run_job(first, tmp, env)
+    if failures:  # everything after reads its run
+        return failures
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for found in pool.map(lambda job: run_job(job, tmp, env), rest):
+            failures += found
+    return failures
+
+
+@pytest.mark.timeout(900)  # each command has its own 300 s; this bounds the whole under a loaded machine
+def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
+    failures = run_all(tmp_path)
+    assert not failures, f"{len(failures)} README command(s) failed:\n\n" + "\n\n".join(failures)
+    # the commands that read the default run found it, and the export loads its tokenizer files
+    assert (tmp_path / "runs/tiny/report.md").is_file()
+    assert (tmp_path / "hf/tiny/tokenizer.json").is_file()
+
+
+def test_the_commands_not_run_are_still_in_the_readme() -> None:
+    """A command left out here that the README no longer shows would hide a new one; each has its reason."""
+    texts = {c.text for c in readme_commands()}
+    assert sorted(set(NOT_RUN) - texts) == []
+    assert MAKES_RUNS_TINY in texts
+    for cmd in readme_commands():
+        # the files a command names exist in the checkout, run or not
+        for token in program(cmd)[0]:
+            path = token.split("=", 1)[-1]
+            if re.match(r"(configs|launch|scripts)/", path):
+                assert (REPO / path).exists(), f"{cmd}: {path} does not exist"
+
+
+def test_readme_commands_are_parsed_as_bash_would() -> None:
+    md = "\n".join(["text", "```bash", "# a comment", "make venv   # set-up", "",
+                    "A=1 dist-llm train --config c.yaml \\", "    x.y='[a, b]'   # trains", "```",
+                    "```", "not bash", "```", "```bash", 'dist-llm sample --prompt "def "', "```"])
+    got = readme_commands(md)
+    assert got == [Command(4, "make venv"), Command(6, "A=1 dist-llm train --config c.yaml x.y='[a, b]'"),
+                   Command(13, 'dist-llm sample --prompt "def "')]
+    assert [kind(c) for c in got] == ["make", "train", "cli"]
+    assert kind(Command(1, ".venv/bin/dist-llm train --help")) == "cli"
+    assert kind(Command(1, "torchrun --nproc-per-node 2 -m dist_llm.train --config c.yaml")) == "train"
+    assert kind(Command(1, "NPROC=2 launch/torchrun_single_node.sh c.yaml")) == "train"
+    assert kind(Command(1, "source .venv/bin/activate")) == "shell"
+    assert kind(Command(1, "dist-llm train --list-keys | grep optim")) == "shell"
+    assert kind(Command(1, "dist-llm memory --config c.yaml --json > m.json")) == "shell"
+    assert with_overrides("dist-llm train --config c.yaml model.block_size=64", 7) == (
+        "dist-llm train --config c.yaml model.block_size=64 train.max_steps=2 train.eval_steps=1 "
+        "train.out_dir=runs/readme-7")
+    assert with_overrides(".venv/bin/dist-llm train --config configs/tiny.yaml", 0) == (
+        f"{MAKES_RUNS_TINY} train.max_steps=2 train.eval_steps=1 model.block_size=32")
