@@ -70,12 +70,19 @@ def test_a_second_run_in_a_busy_out_dir_is_refused_before_anything_starts(tmp_pa
 
 
 # -- 3. Ctrl-C --------------------------------------------------------------------------------------------------
+def as_in_a_terminal() -> None:
+    """A terminal's foreground job takes Ctrl-C; a job started with `&` by a shell without job control (a CI
+    script run in the background) inherits SIGINT ignored, and would then train on through every Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def interrupt(out: Path, *args: str, times: int = 1, after_step: int = 1) -> tuple[subprocess.CompletedProcess, float]:
     """Start `dist-llm train` as a terminal would (its own process group), press Ctrl-C `times` times once it has
     logged `after_step`; (the finished process, seconds from the last Ctrl-C to its end)."""
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen([sys.executable, "-m", "dist_llm.cli", "train", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=as_in_a_terminal)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.is_file() and f'"step": {after_step}, "loss"' in metrics.read_text()):
@@ -147,7 +154,8 @@ def test_a_second_ctrl_c_ends_the_process_even_when_clean_up_hangs() -> None:
             held.acquire()  # clean-up that never ends
         """
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          preexec_fn=as_in_a_terminal)
     assert proc.returncode == 130, proc.stderr
     assert proc.stderr.strip().splitlines()[-1] == ("dist-llm: error: interrupted: clean-up after the second "
                                                     "Ctrl-C did not finish; stopped")
