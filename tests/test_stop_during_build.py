@@ -3,10 +3,10 @@
 (train/preemption.py) are installed only when training starts; before that, a SIGTERM ended the process where
 it stood (the run lock left behind, and under torchrun its failure report and exit 1).
 
-The build of a tiny model takes milliseconds, so the child process is made to pause inside it: a
-`sitecustomize.py` of the test's own, on PYTHONPATH, wraps the function named by $PAUSE_IN (the real one, called
-at its real place in the run) to write a file named by its pid into $PAUSE_MARK and sleep before going on, as a slow build or load would; the
-test signals the process once the mark is there. Nothing of this is in dist_llm."""
+The build of a tiny model takes milliseconds, so the child process is made to pause inside it: a `sitecustomize.py`
+of the test's own, on PYTHONPATH, wraps the function named by $PAUSE_IN (the real one, called at its real place in
+the run) to write a file named by its pid into $PAUSE_MARK and sleep before going on, as a slow build or load
+would; the test signals the process once the mark is there. Nothing of this is in dist_llm."""
 
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ RESUME = "dist_llm.train.state:RunState.resume"  # inside Trainer(), the run loc
 NOTHING_SAVED = "nothing saved since the last complete checkpoint"
 
 
-def _signal_when_paused(tmp_path: Path, pause_in: str, sig: int, *args: str, ranks: int = 1) -> subprocess.CompletedProcess:
+def _signal_when_paused(tmp_path: Path, pause_in: str, sig: int, *args: str,
+                        ranks: int = 1) -> subprocess.CompletedProcess:
     """Run `dist-llm train *args`, and send `sig` once all its `ranks` have paused in `pause_in`."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)

@@ -9,25 +9,25 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time, whether drawn,
-read from model.init_from or a LoRA/adapter tensor (deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each rank's partitions as chunks of the full
-tensors, under the keys every layout reads (model.<fqn>: the fp32 master, optim.state.<fqn>: the moments and step),
-so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes here, each rank reading its partitions
-straight from the chunks (deepspeed_shards.py). What is not a tensor of the model (the loss scaler, the engine's
-step counters) goes into the step folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON
-(engine_state.py), which our manifest covers. Each rank writes and later reads its own file only, with no
-collective: DeepSpeed's save_checkpoint and load_checkpoint are not used (they barrier on the training group,
-rank 0 writes a 16-bit copy of the whole module that the DCP shards already hold, and they read with
+At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time, whether drawn, read from
+model.init_from or a LoRA/adapter tensor (deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each
+rank's partitions as chunks of the full tensors, under the keys every layout reads (model.<fqn>: the fp32 master,
+optim.state.<fqn>: the moments and step), so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes
+here, each rank reading its partitions straight from the chunks (deepspeed_shards.py). What is not a tensor of the
+model (the loss scaler, the engine's step counters) goes into the step folder's `deepspeed/rank_KKKKK.safetensors`,
+tensors plus JSON (engine_state.py), which our manifest covers. Each rank writes and later reads its own file only,
+with no collective: DeepSpeed's save_checkpoint and load_checkpoint are not used (they barrier on the training
+group, rank 0 writes a 16-bit copy of the whole module that the DCP shards already hold, and they read with
 torch.load(weights_only=False)). At stage 0 (no partitions) a checkpoint holds the weights only.
 """
 
 from __future__ import annotations
 
 import contextlib
-from contextlib import AbstractContextManager
 import json
 import logging
 import math
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
