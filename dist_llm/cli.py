@@ -35,6 +35,7 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
 
     def run(args: argparse.Namespace) -> int:
         from dist_llm.train.errors import CollectiveError, TrainingError  # (light: no torch to import)
+        from dist_llm.train.preemption import Terminated
 
         try:
             return fn(args)
@@ -46,9 +47,18 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
             where = f"{e.filename}: " if e.filename else ""
             rank = os.environ.get("RANK")
             return fail(f"{f'rank {rank}: ' if rank else ''}{where}{e.strerror or e}", code=1, every_rank=True)
-        except KeyboardInterrupt:
-            code = fail("interrupted: nothing saved since the last complete checkpoint (during training, a single "
-                        "Ctrl-C saves one at the end of the step)", code=130)
+        except (KeyboardInterrupt, Terminated) as e:
+            if isinstance(e, Terminated):
+                line = (f"terminated ({e}): nothing saved since the last complete checkpoint (during training, "
+                        f"{e} saves one at the end of the step)")
+                code = 128 + e.signum
+            else:
+                line = ("interrupted: nothing saved since the last complete checkpoint (during training, a single "
+                        "Ctrl-C saves one at the end of the step)")
+                code = 130
+            # under torchrun 0, as after a stop that saved: a failed worker would make torchrun restart the group
+            # or print its failure report; dist-llm's launcher, which passed the signal on, exits 130 / 128 + N
+            code = fail(line, code=0 if _under_torchrun() else code)
             if args.__dict__.get("_process_entry"):
                 # "at once": the interpreter's exit would join background threads (the data prefetch, a checkpoint
                 # writer) that the interrupt left mid-task, and could wait on them; nothing is left to save
@@ -212,13 +222,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.trainer import Trainer
 
+    from dist_llm.train.preemption import Terminated, terminate_raises
+
     setup_logging(int(os.environ.get("RANK", "0")), cfg.run_dir() / "logs")
-    ctx = ParallelContext.from_config(cfg)
-    try:
-        trainer = Trainer(cfg, ctx)
-        trainer.fit()
-    finally:
-        ctx.destroy()
+    trainer = None
+    # a SIGTERM while the process group forms, the data is prepared, the model built or loaded, or a checkpoint
+    # resumed: one line and 128 + 15, as a Ctrl-C then is one line and 130 (training installs its own handlers)
+    with terminate_raises():
+        ctx = ParallelContext.from_config(cfg)
+        try:
+            trainer = Trainer(cfg, ctx)
+            trainer.fit()
+        except (KeyboardInterrupt, Terminated):
+            if trainer is not None:  # (stopped between the build and training: the run lock is this run's)
+                trainer.run_state.release_run_lock()
+            raise
+        finally:
+            ctx.destroy()
     # 130 after a Ctrl-C that saved a checkpoint; under torchrun 0, which its launcher turns into 130 (a failed
     # worker would make torchrun restart the group, or print a failure summary)
     return 0 if _under_torchrun() else trainer.exit_code

@@ -158,7 +158,7 @@ def _build_failing_on_rank_1(rank: int, world_size: int, out_dir: Path, extra: d
     from dist_llm.config import ConfigError
     from dist_llm.train import init_from
 
-    def damaged(where: Path, name: str, out: torch.Tensor) -> None:
+    def damaged(reader: Any, where: Path, name: str, out: torch.Tensor) -> None:
         raise OSError(f"{where}: a damaged chunk of {name}")
 
     with pytest.MonkeyPatch.context() as patch:
@@ -179,3 +179,22 @@ def test_a_block_linear_read_failing_on_one_rank_fails_every_rank(tmp_path: Path
     assert errors[0] is not None and errors[0] == errors[1], errors
     assert re.fullmatch(rf"rank 1: model.init_from: OSError: {re.escape(str(base_step))}: a damaged chunk of "
                         r"blocks\.\d+\.attn\.qkv\.weight", errors[0]), errors[0]
+
+
+def test_a_checkpoint_start_reads_its_index_once(tmp_path: Path, base_step: Path) -> None:
+    """The DCP index of a `ckpt:` start is parsed once for the whole build: the checks, the load of everything
+    else and the 16 block linears' reads share one reader (before, each of them opened its own, 18 parses)."""
+    from dist_llm.train import checkpoint as ckpt
+
+    parses: list[Path] = []
+    real = ckpt.load_index
+
+    def counting(file: Any, path: Path) -> Any:
+        parses.append(path)
+        return real(file, path)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(ckpt, "load_index", counting)
+        one = _build(0, 1, tmp_path / "one", {"model__init_from": f"ckpt:{base_step}"})
+    assert one["quantised"] == 16
+    assert parses == [base_step / ".metadata"], parses

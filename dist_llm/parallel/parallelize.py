@@ -4,7 +4,8 @@ The GPT is built on the meta device (shapes, no storage), its layers already ten
 through TensorParallelFactory. `parallelize` then, in this order:
   1. cuts the pipeline stage (other stages' blocks are dropped while they are still meta);
   2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated
-     (DeepSpeed's ZeRO-3 instead takes the meta model and partitions each parameter as it draws it);
+     (DeepSpeed's ZeRO-3 instead takes the meta model, adapters included, and partitions each parameter as it
+     is drawn or read from model.init_from whole, one at a time: `_one_by_one`);
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
      rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
@@ -17,8 +18,10 @@ Peak memory of the build: this rank's parameters plus the largest single paramet
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +42,10 @@ PP_SEED_STRIDE = 100  # the RNG seed of pipeline stage k is train.seed + 100 k
 
 #: loads `model.init_from` into a model whose parameters are allocated but not initialised (train/init_from.py)
 Loader = Callable[[GPT, Config, ParallelContext], None]
+#: fills a whole tensor (by its name in the whole model, at its tp=1 shape) in place
+Fill = Callable[[str, torch.Tensor], None]
+#: opens `model.init_from` to be read one whole tensor at a time (train/init_from.open_initial_tensors)
+Reader = Callable[[Config, ParallelContext], AbstractContextManager[Fill]]
 
 
 @dataclass
@@ -105,11 +112,38 @@ def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader |
         reset_peft_parameters(model, cfg.train.seed)  # the values apply_peft draws on a materialised model
 
 
+def _one_by_one(model: GPT, cfg: Config, ctx: ParallelContext,
+                read: Reader | None) -> Callable[[], AbstractContextManager[Fill]]:
+    """For a build that takes one parameter at a time, whole (DeepSpeed's ZeRO-3): what fills each, as
+    `materialize` would fill it (the one-process values): a LoRA or adapter tensor drawn as apply_peft draws it,
+    a base tensor read from model.init_from through `read`, or drawn from train.seed."""
+
+    @contextlib.contextmanager
+    def opened() -> Iterator[Fill]:
+        adapters = peft_parameter_names(model)
+        if cfg.model.init_from and read is None:
+            raise ValueError("model.init_from is set but parallelize() was given no reader")
+        with read(cfg, ctx) if cfg.model.init_from and read is not None else contextlib.nullcontext() as base:
+
+            def fill(name: str, t: torch.Tensor) -> None:
+                if name in adapters:
+                    reset_peft_parameters(model, cfg.train.seed, only=name)
+                elif base is not None:
+                    base(name, t)
+                else:
+                    model.reset_parameters(cfg.train.seed, only=[name])
+
+            yield fill
+
+    return opened
+
+
 def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = True, wrap: bool = True,
-                load: Loader | None = None) -> Parallelized:
+                load: Loader | None = None, read: Reader | None = None) -> Parallelized:
     """This rank's part of a meta-device GPT (from `meta_model`), materialised on ctx.device and initialised
     identically at every layout; `cut=False` keeps every block (no stage cut), `wrap=False` skips the
-    data-parallel form."""
+    data-parallel form. With model.init_from, `load` fills a materialised model, `read` one tensor at a time
+    (the build DeepSpeed's ZeRO-3 takes)."""
     stage = None
     if cut and ctx.pp > 1:  # keep this pipeline stage's part of the model, while nothing is allocated
         stage = cut_to_stage(model, cfg, ctx.pp, ctx.pp_rank)
@@ -141,7 +175,8 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     dp = None
     if shard_on_meta:  # fully_shard the meta model, then materialise straight into this rank's shards
         adapt_and_compile()
-        dp = build_data_parallel(model, cfg, ctx, materialize=lambda _: materialize(model, cfg, ctx, load=load))
+        dp = build_data_parallel(model, cfg, ctx, materialize=lambda _: materialize(model, cfg, ctx, load=load),
+                                 fill_each=_one_by_one(model, cfg, ctx, read))
     else:
         materialize(model, cfg, ctx, load=load)
         adapt_and_compile()

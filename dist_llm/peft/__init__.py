@@ -89,11 +89,18 @@ def peft_parameter_names(model: nn.Module) -> set[str]:
     return {f"{name}.{p_name}" for name, m in peft_modules(model) for p_name, _ in m.named_parameters()}
 
 
-def reset_peft_parameters(model: nn.Module, seed: int) -> None:
-    """Draw every LoRA and adapter tensor from (seed + 1, its name), as `apply_peft` does: for modules added to
-    a model on the meta device (nothing drawn then) and allocated afterwards."""
+def reset_peft_parameters(model: nn.Module, seed: int, *, only: str | None = None) -> None:
+    """Draw every LoRA and adapter tensor (or only the one called `only` in the whole model) from (seed + 1, its
+    name), as `apply_peft` does: for modules added to a model on the meta device (nothing drawn then) and
+    allocated afterwards, all at once or one parameter at a time (DeepSpeed's ZeRO-3 build)."""
     for name, module in peft_modules(model):
-        module.reset_parameters(seed + 1, name)
+        if only is None:
+            module.reset_parameters(seed + 1, name)
+        elif only.startswith(f"{name}."):
+            module.reset_parameters(seed + 1, name, only=only[len(name) + 1 :])
+            return
+    if only is not None:
+        raise ValueError(f"{only} is not a parameter of a LoRA or adapter module")
 
 
 @torch.no_grad()

@@ -28,11 +28,12 @@ class Adapter(nn.Module):
             mark_sequence_parallel(p, sequence_parallel)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int, prefix: str) -> None:
-        """`down` as nn.Linear's default init, `up` zero; each tensor from (seed, its name `prefix`.down.weight, ...)."""
+    def reset_parameters(self, seed: int, prefix: str, *, only: str | None = None) -> None:
+        """`down` as nn.Linear's default init, `up` zero; each tensor from (seed, its name `prefix`.down.weight, ...);
+        with `only` (e.g. "up.bias"), that tensor alone."""
         fills = {"down.weight": model_init.kaiming_uniform, "down.bias": model_init.fan_in_uniform(self.down.in_features),
                  "up.weight": model_init.zeros, "up.bias": model_init.zeros}
-        for name, fill in fills.items():
+        for name, fill in fills.items() if only is None else [(only, fills[only])]:
             owner, _, pname = name.partition(".")
             model_init.fill_parameter(getattr(self, owner), pname, f"{prefix}.{name}", fill, seed)
 

@@ -92,9 +92,9 @@ class LoRA(nn.Module):
             self.rows.copy_(self.rows_host)
 
     @torch.no_grad()
-    def reset_parameters(self, seed: int, prefix: str) -> None:
-        """Draw A and B from `seed` as this LoRA's tensors named `prefix`.A and `prefix`.B."""
-        for pname in ("A", "B"):
+    def reset_parameters(self, seed: int, prefix: str, *, only: str | None = None) -> None:
+        """Draw A and B (or only the one named `only`) from `seed` as this LoRA's tensors `prefix`.A and `prefix`.B."""
+        for pname in ("A", "B") if only is None else (only,):
             model_init.fill_parameter(self, pname, f"{prefix}.{pname}", self.init_rule(pname), seed)
 
     def _b(self) -> torch.Tensor:

@@ -415,11 +415,11 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def _load(state: dict[str, Any], path: Path, group: Any = None) -> None:
-    """dcp.load through `SafeReader`, coordinating over `group`. The index is read once before, so that a
-    refusal is raised as itself (inside dcp.load, DCP would log it at length and fall back to looking for
-    per-rank indexes)."""
-    reader = SafeReader(str(path))
+def _load(state: dict[str, Any], path: Path, group: Any = None, reader: SafeReader | None = None) -> None:
+    """dcp.load through `SafeReader` (`reader`, whose index may be read already, or a new one), coordinating over
+    `group`. The index is read before, so that a refusal is raised as itself (inside dcp.load, DCP would log it
+    at length and fall back to looking for per-rank indexes)."""
+    reader = reader or SafeReader(str(path))
     reader.read_metadata()
     try:
         dcp.load(state, storage_reader=reader, process_group=group)
@@ -449,10 +449,11 @@ def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = F
     set_model_state_dict(model, state["model"])
 
 
-def load_model_state(path: Path, state: dict[str, Any], group: Any = None) -> None:
+def load_model_state(path: Path, state: dict[str, Any], group: Any = None, *, reader: SafeReader | None = None) -> None:
     """Fill `state` ({"model": {name: tensor}}, plain tensors, DTensors or ChunkedTensors of this rank's part)
-    from the checkpoint in place, resharding as needed; nothing else of it is read."""
-    _load(state, path, group)
+    from the checkpoint in place, resharding as needed; nothing else of it is read. `reader`: a SafeReader of
+    `path` whose index was read already (it is read once per reader)."""
+    _load(state, path, group, reader)
 
 
 def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, group: Any = None) -> dict[str, Any]:

@@ -9,8 +9,10 @@ used when data.tokenizer is left at 'byte'.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -67,44 +69,49 @@ def _checked_checkpoint(cfg: Config) -> Path:
 def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None, ctx: ParallelContext) -> None:
     """DCP reads this rank's chunks of each full weight straight into the model (resharding from whatever
     layout saved them): no rank reads or holds a whole weight it does not keep. QLoRA's block linears, left on
-    the meta device, are then read one at a time, each quantised before the next is allocated."""
+    the meta device, are then read one at a time, each quantised before the next is allocated. One reader
+    serves every read, so the checkpoint's index is read (and checked) once."""
     from dist_llm.train import checkpoint as ckpt
 
     error = None
     try:  # (a pipeline stage checks only its own weights: its verdict must reach the others before DCP's load)
-        where, current = _checked_weights(model, cfg, tp_state)
+        where = _checked_checkpoint(cfg)
+        reader = ckpt.SafeReader(str(where))
+        current = _checked_weights(model, cfg, tp_state, reader)
     except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
         error = _one_line(e, ctx)
     _raise_shared(error)
     state = {"model": {k: v for k, v in current.items() if not v.is_meta}, "optim": {"state": {}}}
     if tp_state is not None:
         state = tp_state.shard_state(state)  # type: ignore[attr-defined]
-    ckpt.load_model_state(where, {"model": state["model"]})  # (collective: DCP shares its own failures)
+    ckpt.load_model_state(where, {"model": state["model"]}, reader=reader)  # (collective: DCP shares its failures)
     try:  # each rank reads its own block linears alone (no_dist: the stages hold different ones)
-        qlora.materialise_quantised(model, ctx.device, lambda name, t: _read_alone(where, name, t))
+        qlora.materialise_quantised(model, ctx.device, lambda name, t: _read_alone(reader, where, name, t))
     except Exception as e:  # noqa: BLE001
         error = _one_line(e, ctx)
     _raise_shared(error)
 
 
-def _checked_weights(model: GPT, cfg: Config, tp_state: object | None) -> tuple[Path, dict[str, torch.Tensor]]:
-    """The checkpoint of a `ckpt:` start and the model's base tensors to fill from it (views of the parameters),
-    each checked to be in it at the shape this model wants."""
-    from dist_llm.train import checkpoint as ckpt
-
-    where = _checked_checkpoint(cfg)
+def _checked_weights(model: GPT, cfg: Config, tp_state: object | None, reader: Any) -> dict[str, torch.Tensor]:
+    """The model's base tensors to fill from the checkpoint `reader` reads (views of the parameters), each
+    checked to be in it at the shape this model wants."""
     adapters = peft_parameter_names(model)  # (drawn by parallelize: a base checkpoint has none)
     current = {k: v for k, v in model.state_dict().items() if k not in adapters}  # views: the load writes into them
-    index = ckpt.SafeReader(str(where)).read_metadata().state_dict_metadata
+    index = reader.read_metadata().state_dict_metadata
     for name, t in current.items():
-        saved = index.get(f"model.{name}")
-        if saved is None:
-            raise ConfigError(f"model.init_from: {cfg.model.init_from} has no weight for {name}")
         want = tp_state.global_shape(name, t.shape) if tp_state is not None else t.shape  # type: ignore[attr-defined]
-        if tuple(saved.size) != tuple(want):
-            raise ConfigError(f"model.init_from: weight {name} has shape {tuple(saved.size)}, this model "
-                              f"wants {tuple(want)}")
-    return where, current
+        _check_saved(index, cfg, name, want)
+    return current
+
+
+def _check_saved(index: dict[str, Any], cfg: Config, name: str, want: tuple[int, ...] | torch.Size) -> None:
+    """That a checkpoint whose DCP index is `index` holds weight `name` at (full) shape `want`."""
+    saved = index.get(f"model.{name}")
+    if saved is None:
+        raise ConfigError(f"model.init_from: {cfg.model.init_from} has no weight for {name}")
+    if tuple(saved.size) != tuple(want):
+        raise ConfigError(f"model.init_from: weight {name} has shape {tuple(saved.size)}, this model "
+                          f"wants {tuple(want)}")
 
 
 def _raise_shared(error: str | None) -> None:
@@ -114,18 +121,69 @@ def _raise_shared(error: str | None) -> None:
         raise ConfigError(error)
 
 
-def _read_alone(where: Path, name: str, out: torch.Tensor) -> None:
-    """Fill `out` (parameter `name`, whole) from checkpoint `where` without talking to other ranks."""
+def _read_alone(reader: Any, where: Path, name: str, out: torch.Tensor) -> None:
+    """Fill `out` (parameter `name`, whole) from checkpoint `where` through its SafeReader `reader` (whose
+    index it read once), without talking to other ranks."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import CheckpointException
 
-    from dist_llm.train.checkpoint import SafeReader
     from dist_llm.train.safe_metadata import load_failure
 
     try:
-        dcp.load({"model": {name: out}}, storage_reader=SafeReader(str(where)), no_dist=True)
+        dcp.load({"model": {name: out}}, storage_reader=reader, no_dist=True)
     except CheckpointException as e:
         raise load_failure(where, e) from None
+
+
+#: fills a whole base tensor (given by its name in the whole model, at its tp=1 shape) in place
+TensorFill = Callable[[str, torch.Tensor], None]
+
+
+@contextlib.contextmanager
+def open_initial_tensors(cfg: Config, ctx: ParallelContext) -> Iterator[TensorFill]:
+    """model.init_from one whole tensor at a time: `fill(name, out)` reads base tensor `name` into `out`, in
+    the file's dtype, converted into out's. For a build that takes each parameter in full, one after another
+    (DeepSpeed's ZeRO-3 partitioner keeps this rank's range of it): the largest temporary is one tensor.
+    Opening and each `fill` are collective over every rank: a failure on one (a damaged file, a missing or
+    misshapen weight) is raised on all as the same one line, so that none waits in DeepSpeed's broadcast."""
+    kind, where = _split(cfg.model.init_from)
+    src: Any = None
+    error = None
+    try:
+        if kind == "hf":
+            from dist_llm.hf import HFCheckpoint
+
+            src = HFCheckpoint(where, cfg.model)
+        else:
+            from dist_llm.train.checkpoint import SafeReader
+
+            where = _checked_checkpoint(cfg)
+            src = SafeReader(str(where))
+            index = src.read_metadata().state_dict_metadata  # (read once, for every tensor)
+    except Exception as e:  # noqa: BLE001 - the peers must hear of it, not wait
+        error = _one_line(e, ctx)
+    _raise_shared(error)
+
+    def fill(name: str, out: torch.Tensor) -> None:
+        error = None
+        try:
+            if kind == "hf":
+                if name not in src.layout:
+                    raise ConfigError(f"model.init_from: {where} has no weight for {name}")
+                src.read_into(name, out)
+            else:
+                _check_saved(index, cfg, name, out.shape)
+                _read_alone(src, where, name, out)
+        except Exception as e:  # noqa: BLE001
+            error = _one_line(e, ctx)
+        _raise_shared(error)
+
+    try:
+        yield fill
+    finally:
+        if kind == "hf":
+            src.close()
+    log.info("initialised from %s", cfg.model.init_from)
 
 
 def _one_line(e: BaseException, ctx: ParallelContext) -> str:

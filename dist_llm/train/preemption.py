@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import threading
-from typing import Any
+from typing import Any, Iterator
 
 # Seconds a second Ctrl-C leaves the process to unwind before it is ended outright (None: never). A process of
 # its own sets it (`abort_within`): the KeyboardInterrupt lands wherever the main thread happens to be, and
@@ -64,3 +65,33 @@ class Preemption:
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
+
+
+class Terminated(BaseException):
+    """A SIGTERM before training began (or after it ended): during the build, the data preparation, a load or a
+    resume, when there is nothing to save. A BaseException, as KeyboardInterrupt is, so that the `except
+    Exception` of code that reports its own failures does not take it for one; what it unwinds cleans up as
+    after a Ctrl-C (the run lock released, files written whole or not at all)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_terminated(signum: int, frame: Any) -> None:
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def terminate_raises() -> Iterator[None]:
+    """While inside, a SIGTERM raises `Terminated` (by default it would end the process at once, leaving the run
+    lock and torchrun's failure report behind); `Preemption` takes over while training runs. A SIGTERM the
+    parent set to be ignored stays ignored; only the main thread can install it."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) is signal.SIG_IGN:
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -35,7 +35,7 @@ from dist_llm.train.metrics import MetricsLog, plot_losses
 from dist_llm.train.preemption import Preemption
 from dist_llm.train.report import summary_lines, write_report
 from dist_llm.profiling import StepProfiler, span
-from dist_llm.train.init_from import load_initial_weights, resolve_architecture
+from dist_llm.train.init_from import load_initial_weights, open_initial_tensors, resolve_architecture
 from dist_llm.train.memory_phases import PhaseMeter
 from dist_llm.optim import lr_at
 from dist_llm.precision import DTYPES, LossScaler
@@ -118,7 +118,7 @@ class Trainer:
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
 
         # this rank's part of the model only: built on the meta device, cut, sharded, then materialised
-        built = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
+        built = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights, read=open_initial_tensors)
         self.runtime = ParallelRuntime(built, cfg, ctx)  # the stage cut, its links, the data-parallel form
         self.dp = self.runtime.dp
         with torch.device("meta"):  # the whole model's count, whatever part of it this rank holds

@@ -3,13 +3,17 @@ or `parallel.backend=deepspeed`."""
 
 from __future__ import annotations
 
-from typing import Callable
+from contextlib import AbstractContextManager
+from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
 from dist_llm.config import Config
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
+
+if TYPE_CHECKING:
+    from dist_llm.parallel.data.deepspeed_shards import Fill
 
 
 def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
@@ -19,20 +23,22 @@ def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
 
 def builds_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
     """Whether the data-parallel form takes the model on the meta device and materialises only this rank's
-    part of it: FSDP2, and DeepSpeed's ZeRO-3 from a random start (deepspeed_shards.build_partitioned)."""
+    part of it: FSDP2, and DeepSpeed's ZeRO-3 (deepspeed_shards.build_partitioned; not under QLoRA)."""
     from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
 
     return uses_fsdp(cfg, ctx) or builds_partitioned(cfg)
 
 
 def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
-                        materialize: Callable[[nn.Module], None] | None = None) -> DataParallel:
+                        materialize: Callable[[nn.Module], None] | None = None,
+                        fill_each: Callable[[], AbstractContextManager[Fill]] | None = None) -> DataParallel:
     """Wrap `model` for `parallel.zero_stage` over the context's dp group (the plain form at dp=1; stage 3
     still wraps in FSDP2 over a 1-rank dp dim when tp/pp ranks exist, so the code path stays the same).
 
     `materialize(model)` allocates and initialises a model built on the meta device: FSDP2 calls it between
     `fully_shard` and building the optimizer (so only shards are allocated); the other forms, which hold
-    the parameters whole, call it before wrapping."""
+    the parameters whole, call it before wrapping. DeepSpeed's ZeRO-3 instead takes one parameter at a time:
+    `fill_each()` opens what fills each (a random draw, a reader of model.init_from) for the build."""
     stage = cfg.parallel.zero_stage
     if uses_fsdp(cfg, ctx):
         from dist_llm.parallel.data.fsdp import FSDPDataParallel
@@ -41,7 +47,7 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
     if cfg.parallel.backend == "deepspeed":  # (at ZeRO-3 it partitions each parameter as it materialises it)
         from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
 
-        return DeepSpeedDataParallel(model, cfg, ctx, materialize=materialize)
+        return DeepSpeedDataParallel(model, cfg, ctx, materialize=materialize, fill_each=fill_each)
     if materialize is not None:
         materialize(model)
     if ctx.dp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over

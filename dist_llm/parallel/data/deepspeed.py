@@ -9,15 +9,15 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
-At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time
-(deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each rank's partitions as chunks of the full
-tensors, under the keys every layout reads (model.<fqn>: the fp32 master, optim.state.<fqn>: the moments and step),
-so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes here, each rank reading its partitions
-straight from the chunks (deepspeed_shards.py). What is not a tensor of the model (the loss scaler, the engine's
-step counters) goes into the step folder's `deepspeed/rank_KKKKK.safetensors`, tensors plus JSON
-(engine_state.py), which our manifest covers. Each rank writes and later reads its own file only, with no
-collective: DeepSpeed's save_checkpoint and load_checkpoint are not used (they barrier on the training group,
-rank 0 writes a 16-bit copy of the whole module that the DCP shards already hold, and they read with
+At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time, whether drawn, read from
+model.init_from or a LoRA/adapter tensor (deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each
+rank's partitions as chunks of the full tensors, under the keys every layout reads (model.<fqn>: the fp32 master,
+optim.state.<fqn>: the moments and step), so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes
+here, each rank reading its partitions straight from the chunks (deepspeed_shards.py). What is not a tensor of the
+model (the loss scaler, the engine's step counters) goes into the step folder's `deepspeed/rank_KKKKK.safetensors`,
+tensors plus JSON (engine_state.py), which our manifest covers. Each rank writes and later reads its own file only,
+with no collective: DeepSpeed's save_checkpoint and load_checkpoint are not used (they barrier on the training
+group, rank 0 writes a 16-bit copy of the whole module that the DCP shards already hold, and they read with
 torch.load(weights_only=False)). At stage 0 (no partitions) a checkpoint holds the weights only.
 """
 
@@ -27,6 +27,7 @@ import contextlib
 import json
 import logging
 import math
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -168,7 +169,8 @@ class DeepSpeedDataParallel(DataParallel):
     handles_loss_scaling = True
 
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *,
-                 materialize: Callable[[nn.Module], None] | None = None) -> None:
+                 materialize: Callable[[nn.Module], None] | None = None,
+                 fill_each: Callable[[], AbstractContextManager[shards.Fill]] | None = None) -> None:
         try:
             import deepspeed
         except ImportError:
@@ -180,14 +182,18 @@ class DeepSpeedDataParallel(DataParallel):
         self.module = model
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
         ds_config = merged_deepspeed_config(cfg, ctx.dp)
-        if materialize is not None:  # a meta-device model: ZeRO-3 partitions it as it is drawn, the others whole
+        if materialize is not None:  # a meta-device model: ZeRO-3 partitions it as it is filled, the others whole
             if builds_partitioned(cfg):
-                build_partitioned(model, cfg.train.seed, ctx.device, ds_config)
+                if fill_each is None:
+                    raise ValueError("a partitioned ZeRO-3 build needs fill_each (each parameter's values)")
+                with fill_each() as fill:
+                    build_partitioned(model, fill, ctx.device, ds_config)
             else:
                 materialize(model)
         elif cfg.parallel.zero_stage == 3:
-            log.warning("parallel.backend=deepspeed at parallel.zero_stage=3 with model.init_from or peft.method: "
-                        "each rank materialises the whole model before DeepSpeed partitions it")
+            log.warning("parallel.backend=deepspeed at parallel.zero_stage=3 with peft.method=qlora: each rank "
+                        "materialises the embedding, head and norms whole before DeepSpeed partitions them (the NF4 "
+                        "base is held whole by design)")
         optimizer = adamw(_param_groups(model, cfg.optim.weight_decay), cfg.optim, ctx.device)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.engine = engine

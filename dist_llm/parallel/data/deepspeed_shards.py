@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -153,15 +153,22 @@ def zero3_from_masters(opt: Any) -> None:
 
 
 # -- the ZeRO-3 build: one parameter at a time ------------------------------------------------------------------
+#: fills parameter `name` (its name in the whole model), allocated whole on the device, in place
+Fill = Callable[[str, torch.Tensor], None]
+
+
 @torch.no_grad()
-def build_partitioned(model: nn.Module, seed: int, device: torch.device, ds_config: dict[str, Any],
+def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_config: dict[str, Any],
                       group: Any = None) -> None:
     """Materialise a meta-device model straight into DeepSpeed's ZeRO-3 partitions: each parameter in turn is
-    allocated whole, drawn as model/init.py draws it (from its own generator: the values of the one-process
-    model), cast to the engine's dtype and handed to DeepSpeed's partitioner, which keeps this rank's range and
+    allocated whole, filled by `fill` (drawn as model/init.py draws it, from its own generator: the values of
+    the one-process model; or read from model.init_from; a LoRA or adapter tensor drawn as apply_peft draws
+    it), cast to the engine's dtype and handed to DeepSpeed's partitioner, which keeps this rank's range and
     frees the rest. A rank holds its partitions plus one parameter at full size, never the whole model.
     Buffers (small, recomputed) are allocated whole."""
     import deepspeed
+
+    from dist_llm.model.init import parameter_name
 
     # (not entered: no module class is patched; only its converter, the one deepspeed.initialize would use on a
     # whole model, is applied to each parameter)
@@ -181,15 +188,16 @@ def build_partitioned(model: nn.Module, seed: int, device: torch.device, ds_conf
             setattr(p, attr, value)
         for module, pname in owners[id(meta)]:
             module._parameters[pname] = p
-        model.reset_parameters(seed, only=[name])
+        fill(parameter_name(name, ""), p)
         p.data = p.data.to(partitioner.dtype)
-        # (DeepSpeed broadcasts rank 0's values over the group first: every rank drew the same ones anyway)
+        # (DeepSpeed broadcasts rank 0's values over the group first: every rank filled the same ones anyway)
         partitioner._convert_to_zero_parameters([p])
     model.reset_buffers()
 
 
 def builds_partitioned(cfg: Any) -> bool:
     """Whether the DeepSpeed backend builds the model straight into ZeRO-3 partitions (`build_partitioned`):
-    at zero_stage 3 from a random start. `model.init_from` and PEFT load or adapt a whole model first."""
+    at zero_stage 3, from a random start or model.init_from, with LoRA and adapters too. QLoRA quantises a
+    materialised base (its NF4 weights are buffers, which DeepSpeed does not partition)."""
     p = cfg.parallel
-    return p.backend == "deepspeed" and p.zero_stage == 3 and not cfg.model.init_from and cfg.peft.method == "none"
+    return p.backend == "deepspeed" and p.zero_stage == 3 and cfg.peft.method != "qlora"
