@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_first_hour import tiny
+from tests.test_first_hour import as_in_a_terminal, tiny
 
 SITECUSTOMIZE = '''
 import os
@@ -56,7 +56,8 @@ def _signal_when_paused(tmp_path: Path, pause_in: str, sig: int, *args: str,
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "PAUSE_IN": pause_in,
            "PAUSE_MARK": str(mark)}
     proc = subprocess.Popen([sys.executable, "-m", "dist_llm.cli", "train", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                            preexec_fn=as_in_a_terminal)
     deadline = time.monotonic() + 120
     while len(list(mark.iterdir())) < ranks:
         if proc.poll() is not None or time.monotonic() > deadline:
