@@ -39,7 +39,7 @@ train: venv
 	$(VENV)/bin/dist-llm train --config $(CONFIG) $(ARGS)
 
 test: test-venv
-	$(PY) -m pytest -n $(NPROC) --dist loadgroup -q $(ARGS)
+	$(PY) -m pytest -n $(NPROC) --dist loadgroup -q --durations=25 $(ARGS)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache
