@@ -34,9 +34,12 @@ budget; then the one with the least estimated step time comes first,
                      vocabulary-parallel embedding and head; full recomputation repeats the forward's
       pp             each micro-batch's activations forward and their gradients backward, b*s*h each
       clipping       the gradient norm's two floats over dp (sharded forms), pp and tp
-The dp forms' counts are exact (a test checks them against comm.py's counters on a 2-rank run with gradient
-accumulation); tp's and pp's are the dominant terms. FLOPS, BANDWIDTH and LATENCY are assumptions stated
-here, not measurements: the ranking, not the times, is the point.
+The counts are exact: tests compare them, kind by kind and to the byte, with comm.py's counters on 2-rank runs
+with gradient accumulation (DDP, ZeRO-1/2, FSDP2 tied and untied; tp with and without sequence parallelism;
+pp; fp32 and bf16). Left approximate: DDP's buckets are counted as one (a rounding of under a byte each),
+SP's replicated gradients under ZeRO are counted whole (each rank reduces its shard's piece), DeepSpeed's
+engine by volume. FLOPS, the bandwidths and LATENCY are assumptions stated here, not measurements: the
+ranking, not the times, is the point.
 """
 
 from __future__ import annotations
@@ -79,6 +82,13 @@ class Comm:
     def total(self) -> int:
         return sum(self.bytes.values())
 
+    def by_kind(self) -> dict[str, int]:
+        """The bytes by comm.CommStats's kinds (tp's merged in)."""
+        out: dict[str, int] = {}
+        for k, v in self.bytes.items():
+            out[k.removeprefix("tp_")] = out.get(k.removeprefix("tp_"), 0) + v
+        return out
+
     def seconds(self) -> float:
         tp = sum(v for k, v in self.bytes.items() if k.startswith("tp_"))
         return tp / NODE_BANDWIDTH + (self.total - tp) / BANDWIDTH + self.calls * LATENCY
@@ -105,7 +115,8 @@ class Suggestion:
         return p.dp, p.tp, p.pp
 
     def reason(self, budget: int) -> str:
-        return (f"fits: peak {self.est.peak_bytes / memory.GiB:.3g} of {budget / memory.GiB:.3g} GiB; comm "
+        fits = "fits" if self.est.peak_bytes <= budget else "does not fit"
+        return (f"{fits}: peak {self.est.peak_bytes / memory.GiB:.3g} of {budget / memory.GiB:.3g} GiB; comm "
                 f"{_size(self.comm.total)}/step in {self.comm.calls} calls ({_time(self.comm_s)}); bubble "
                 f"{100 * self.bubble:.1f}% ({_time(self.bubble_s)}); compute {_time(self.compute_s)}")
 
@@ -234,24 +245,8 @@ def step_comm(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Co
             out.add("all_reduce", numel * 4)
     bsh = t.micro_batch_size * m.block_size * m.n_embd
     if tp > 1:
-        ring = 2 * (tp - 1) / tp
-        sp = p.sequence_parallel
-        layers = len(memory._stage_layers(cfg, pp, pp_rank, _partition())) if pp > 1 else m.n_layer
-        cols = 2 if m.mlp == "gelu" else 3  # column layers: qkv, up (and gate)
-        rows = 2  # row layers: proj, down
-        per_layer = cols * residual + rows * compute  # bytes of b*s*h per tp "all-reduce equivalent"
-        calls = (cols + rows) * (2 if sp else 1)
-        if t.activation_checkpointing == "full":  # the forward's collectives again, in backward
-            per_layer += rows * compute + (cols * residual if sp else 0)
-            calls += rows + (cols if sp else 0)
-        kind = "reduce_scatter+all_gather" if sp else "all_reduce"
-        ends = (residual if first else 0) + (residual if last else 0)  # the embedding's output, the head's input
-        out.add(f"tp_{kind}", micro_steps * ring / 2 * bsh * (layers * per_layer + ends),
-                calls=micro_steps * (layers * calls + (first + last) * (2 if sp else 1)))
-        if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit per token
-            out.add("tp_all_reduce", micro_steps * 3 * ring * t.micro_batch_size * m.block_size * 4,
-                    calls=3 * micro_steps)
-        out.add("all_reduce", ring * 4)  # the norm's tp-sharded part
+        _tp_comm(cfg, out, params, tp=tp, pp=pp, pp_rank=pp_rank, micro_steps=micro_steps, residual=residual,
+                 compute=compute)
     if pp > 1:
         sends = (0 if last else 1) + (0 if first else 1)  # activations to the next stage, gradients to the previous
         out.add("p2p", micro_steps * sends * bsh * compute, calls=micro_steps * sends)
@@ -259,6 +254,58 @@ def step_comm(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Co
     if dp > 1 and stage in (1, 2, 3):
         out.add("all_reduce", 2 * (dp - 1) / dp * 8)  # the norm's two floats over the sharded gradients
     return out
+
+
+def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bool]], *, tp: int, pp: int,
+             pp_rank: int, micro_steps: int, residual: int, compute: int) -> None:
+    """Tensor parallelism's collectives (parallel/tensor/), per micro-batch: each column layer (qkv; up, and gate
+    for SwiGLU) all-reduces its input's gradient in backward and each row layer (proj, down) its output in
+    forward; with sequence parallelism a column layer all-gathers its input in forward and reduce-scatters the
+    gradient in backward, a row layer the reverse. The vocabulary-parallel embedding reduces its output (SP:
+    reduce-scatter, and all-gather in backward), the head gathers its input like a column layer, the
+    cross-entropy all-reduces three floats a token; under SP the learned positions gather their gradient. Full
+    recomputation repeats the forward's collectives. Once a step, SP's replicated parameters (norms, row biases)
+    all-reduce their gradients (fp32; a ZeRO shard's piece under ZeRO, counted whole here) and the gradient
+    norm its tp-sharded float. Kinds are prefixed "tp_" (they take NODE_BANDWIDTH); `Comm.by_kind` drops it."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    sp = p.sequence_parallel
+    part = (tp - 1) / tp  # an all-gather or reduce-scatter of a whole tensor; an all-reduce is twice that
+    bsh = t.micro_batch_size * m.block_size * m.n_embd
+    layers = len(memory._stage_layers(cfg, pp, pp_rank, _partition())) if pp > 1 else m.n_layer
+    cols = 2 if m.mlp == "gelu" else 3
+    rows = 2
+    full = t.activation_checkpointing == "full"
+    # (bytes, calls) of each collective's kind per micro-batch; column inputs and the residual stream travel in
+    # the parameters' dtype, row outputs (a matmul's) in the compute dtype
+    col_fwd, col_bwd = (cols * layers + (1 if last else 0), cols * layers + (1 if last else 0))  # (+ the head)
+    row_fwd, row_bwd = rows * layers, rows * layers
+    if full:
+        col_fwd, row_fwd = col_fwd + cols * layers, row_fwd + rows * layers
+    if sp:
+        gather = (col_fwd * residual + row_bwd * compute) * bsh * part
+        scatter = (col_bwd * residual + row_fwd * compute) * bsh * part
+        calls_g, calls_s = col_fwd + row_bwd, col_bwd + row_fwd
+        if first:  # the embedding: reduce-scatter forward, all-gather backward; learned positions gather (T, C)
+            gather, scatter = gather + residual * bsh * part, scatter + residual * bsh * part
+            calls_g, calls_s = calls_g + 1, calls_s + 1
+            if m.pos_emb == "learned":
+                gather += residual * m.block_size * m.n_embd * part
+                calls_g += 1
+        out.add("tp_all_gather", gather, calls_g, times=micro_steps)
+        out.add("tp_reduce_scatter", scatter, calls_s, times=micro_steps)
+    else:
+        ops = (col_bwd * residual + row_fwd * compute + (residual if first else 0)) * bsh
+        out.add("tp_all_reduce", 2 * part * ops, col_bwd + row_fwd + (1 if first else 0), times=micro_steps)
+    if last:  # vocabulary-parallel cross-entropy: max, sum of exponentials, target logit per token
+        out.add("tp_all_reduce", 3 * 2 * part * t.micro_batch_size * m.block_size * 4, 3, times=micro_steps)
+    if sp:
+        rows_bias = ("attn.proj.bias", "mlp.down.bias")
+        shared = sum(math.prod(s) for n, s, g in params if g and (".ln_" in n or n.startswith("ln_f.")
+                                                                  or n.endswith(rows_bias)))
+        if shared:
+            out.add("tp_all_reduce", 2 * part * shared * 4)
+    out.add("all_reduce", 2 * part * 4)  # the gradient norm's tp-sharded part
 
 
 def _partition() -> Any:
@@ -327,8 +374,9 @@ def suggest(cfg: Config, world_size: int, budget: int) -> Plan:
     states: dict[tuple[int, ...], memory.Estimate] = {}
     comms: dict[tuple[Any, ...], Comm] = {}
     computes: dict[str, float] = {}
-    own = (p.dp or world_size // (p.tp * p.pp), p.tp, p.pp, p.zero_stage, t.micro_batch_size,
-           t.activation_checkpointing)
+    own_dp = p.dp or world_size // (p.tp * p.pp)
+    own = (own_dp, p.tp, p.pp, 0 if own_dp == 1 and p.zero_stage in (1, 2) else p.zero_stage, t.micro_batch_size,
+           t.activation_checkpointing)  # (ZeRO-1/2 on one dp rank are plain: counted as stage 0)
     everything: list[Suggestion] = []
     for dp, tp, pp, zero in layouts(cfg, world_size):
         micros = [d for d in _divisors(t.global_batch_size // dp) if d <= MAX_MICRO or d == t.micro_batch_size]
@@ -452,7 +500,11 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
             s, count = plan.layouts[rank - 1]
             lines.append(_row(s, plan.budget, count))
     own = plan.this_config
-    if own is not None and own.est.peak_bytes > plan.budget:
+    if own is None and plan.this_layout is not None:
+        lines.append(f"as configured it cannot run on {plan.world_size} ranks: the micro batch, ZeRO stage or "
+                     "checkpointing is not one of this layout's (train.global_batch_size must split into dp x "
+                     "train.micro_batch_size)")
+    elif own is not None and own.est.peak_bytes > plan.budget:
         lines.append(f"as configured it needs a peak of {own.est.peak_bytes / memory.GiB:.3g} GiB: does not fit")
     elif own is not None:
         lines.append(f"as configured (zero {own.cfg.parallel.zero_stage}, micro batch {own.cfg.train.micro_batch_size},"

@@ -141,3 +141,20 @@ def test_predicted_bytes_equal_the_counted(tmp_path: Path, corpus: Path, zero_st
                                            **{k: v for k, v in over.items()}))
     want = memory_suggest.step_comm(cfg, dp=2, tp=1, pp=1)
     assert want.bytes == got
+
+
+@pytest.mark.parametrize("extra", [{"parallel__tp": 2}, {"parallel__tp": 2, "parallel__sequence_parallel": True},
+                                   {"parallel__pp": 2},
+                                   {"parallel__tp": 2, "parallel__sequence_parallel": True, "train__precision": "bf16"},
+                                   {"parallel__pp": 2, "train__precision": "bf16"}],
+                         ids=["tp2", "tp2-sp", "pp2", "tp2-sp-bf16", "pp2-bf16"])
+def test_tensor_and_pipeline_bytes_equal_the_counted(tmp_path: Path, corpus: Path,  # noqa: F811
+                                                     extra: dict[str, object]) -> None:
+    """tp (with and without sequence parallelism) and pp, 2 micro-steps: the suggester's bytes by kind are
+    what comm.py counted in the last step."""
+    over = {"train__micro_batch_size": 2, "train__global_batch_size": 4, "train__max_steps": 2, "parallel__dp": 1,
+            **extra}
+    got = run_distributed(train, 2, tmp_path, corpus, over, init_group=False)[0]["comm"]
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False, **over))
+    want = memory_suggest.step_comm(cfg, dp=1, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    assert want.by_kind() == got
