@@ -559,8 +559,9 @@ def parse_size(text: str) -> int:
 
 
 def comm_cost(cfg: Config, dp: int, tp: int, pp: int) -> float:
-    """Bytes the busiest rank sends per step (memory_suggest.step_comm, whose docstring says how they are counted)."""
-    from dist_llm.memory_suggest import step_comm
+    """Bytes the busiest rank sends per step (memory_comm.step_comm; memory_suggest's docstring says how they are
+    counted)."""
+    from dist_llm.memory_comm import step_comm
 
     return float(max(step_comm(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s).total for s in range(pp)))
 
