@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dist_llm.config import ConfigError, load_config
+from dist_llm.config import Config, ConfigError, load_config
 from dist_llm.console import setup_logging
 
 EXIT_BAD_INPUT = 2
@@ -323,7 +323,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="YAML config file (its layout, or --world-size)")
     p.add_argument("--world-size", type=int, default=None, help="ranks (default: dp*tp*pp of the config, dp>=1)")
-    p.add_argument("--params", type=float, default=None, help="shorthand without a config: a parameter count")
+    p.add_argument("--params", type=float, default=None,
+                   help="a parameter count: alone, the ZeRO paper's shorthand; with --config or --suggest, the config's "
+                        "model (or a Llama-shaped one) scaled to this size")
     p.add_argument("--dp", type=int, default=1, help="with --params: data-parallel ranks")
     # (choices shown, checked by memory.paper_model_states: argparse's own refusal would be two lines)
     p.add_argument("--zero-stage", type=int, default=0, metavar="{0,1,2,3}",
@@ -331,7 +333,10 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="mixed", metavar="{mixed,fp32}",
                    help="with --params: mixed (fp16/bf16 + fp32 master) or fp32 (default: %(default)s)")
     p.add_argument("--gpu-memory", default=None, help="with --suggest: the memory of one device, e.g. 80GiB")
-    p.add_argument("--suggest", action="store_true", help="list the layouts that fit --gpu-memory")
+    p.add_argument("--suggest", action="store_true",
+                   help="rank every layout of --world-size ranks that fits --gpu-memory (by estimated step time: "
+                        "compute, pipeline bubble, communication)")
+    p.add_argument("--top", type=int, default=10, help="with --suggest: layouts shown (default: %(default)s)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
     p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
 
@@ -342,44 +347,75 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     from dist_llm import memory
 
-    if args.params is not None:
-        if args.config is not None or args.overrides:
-            raise ConfigError("memory: --params is the shorthand without a config; give one or the other")
+    if args.params is not None and args.config is None and not args.overrides and not args.suggest:
         if args.params <= 0 or args.dp < 1:
             raise ConfigError(f"memory: --params and --dp must be positive, got {args.params:g} and {args.dp}")
         est = memory.paper_model_states(args.params, args.dp, args.zero_stage, args.precision)
         title = (f"{args.params:.4g} parameters, dp={args.dp}, ZeRO stage {args.zero_stage}, {args.precision} "
                  f"(the ZeRO paper's count, K={memory.PAPER_K}; no activations)")
     else:
-        cfg = load_config(args.config, args.overrides)
-        world = args.world_size or max(1, cfg.parallel.dp) * cfg.parallel.tp * cfg.parallel.pp
+        cfg, world = _memory_config(args)
         if args.suggest:
-            if args.gpu_memory is None:
-                raise ConfigError("memory: --suggest needs --gpu-memory, e.g. 80GiB")
-            budget = memory.parse_size(args.gpu_memory)
-            fits = memory.suggest(cfg, world, budget)
-            if args.json:
-                print(json.dumps([{"dp": c.parallel.dp, "tp": c.parallel.tp, "pp": c.parallel.pp,
-                                   "zero_stage": c.parallel.zero_stage,
-                                   "activation_checkpointing": c.train.activation_checkpointing,
-                                   "micro_batch_size": c.train.micro_batch_size, "comm_bytes_per_step": round(cost),
-                                   **e.to_json()} for c, e, cost in fits]))
-                return 0
-            print(f"layouts of {world} ranks that fit {args.gpu_memory} per rank, cheapest in communication first:")
-            print(f"{'dp':>4}{'tp':>4}{'pp':>4}{'zero':>6}{'ckpt':>11}{'micro':>7}{'peak GiB':>10}{'comm GB/step':>14}")
-            for c, e, cost in fits:
-                print(f"{c.parallel.dp:>4}{c.parallel.tp:>4}{c.parallel.pp:>4}{c.parallel.zero_stage:>6}"
-                      f"{c.train.activation_checkpointing:>11}{c.train.micro_batch_size:>7}"
-                      f"{e.peak_bytes / memory.GiB:>10.2f}{cost / memory.GB:>14.3f}")
-            if not fits:
-                print("none fits: more ranks, a smaller micro batch or a smaller model")
-            return 0
+            return _suggest(args, cfg, world)
         est = memory.predict(cfg, world)
         p = cfg.parallel
         title = (f"{cfg.name}: world {world} (dp={world // (p.tp * p.pp)}, tp={p.tp}, pp={p.pp}), zero_stage "
                  f"{p.zero_stage}, {cfg.train.precision}, checkpointing {cfg.train.activation_checkpointing}, "
                  f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}")
     print(json.dumps(est.to_json()) if args.json else memory.table(est, title))
+    return 0
+
+
+def _memory_config(args: argparse.Namespace) -> tuple[Config, int]:
+    """The config `memory` plans for, its model scaled to --params where given, and the world size."""
+    import torch
+
+    from dist_llm import memory_suggest
+    from dist_llm.config import ModelConfig, validate
+    from dist_llm.model import GPT
+
+    if args.params is not None and args.config is None and not args.overrides:
+        # no config: a Llama-shaped model (RoPE, RMSNorm, SwiGLU, 128-wide heads, untied 32k vocabulary, 2048
+        # tokens) in bf16 (or fp32), one sequence per micro-batch, 8 per rank per step
+        if args.world_size is None:
+            raise ConfigError("memory: --params with --suggest needs --world-size (or a --config)")
+        base = ModelConfig(n_layer=32, n_head=32, n_embd=4096, vocab_size=32000, block_size=2048, pos_emb="rope",
+                           norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False)
+        cfg = load_config(None, [f"train.precision={'fp32' if args.precision == 'fp32' else 'bf16'}",
+                                 "train.micro_batch_size=1", f"train.global_batch_size={8 * args.world_size}"])
+        cfg.model, cfg.name = base, "llama-shaped"
+    else:
+        cfg = load_config(args.config, args.overrides)
+    if args.params is not None:
+        before = cfg.model
+        cfg.model = memory_suggest.scale_model(cfg.model, args.params)
+        with torch.device("meta"):
+            n = GPT(cfg.model).num_params()
+        m = cfg.model
+        print(f"model: {n / 1e9:.3g}B parameters (--params {args.params:.4g}: {cfg.name}'s architecture at n_layer="
+              f"{m.n_layer}, n_embd={m.n_embd}, n_head={m.n_head}; was n_layer={before.n_layer}, n_embd="
+              f"{before.n_embd})", file=sys.stderr if args.json else sys.stdout)
+        if not args.suggest:
+            validate(cfg)
+    world = args.world_size or max(1, cfg.parallel.dp) * cfg.parallel.tp * cfg.parallel.pp
+    return cfg, world
+
+
+def _suggest(args: argparse.Namespace, cfg: Config, world: int) -> int:
+    import json
+
+    from dist_llm import memory, memory_suggest
+
+    if args.gpu_memory is None:
+        raise ConfigError("memory: --suggest needs --gpu-memory, e.g. 80GiB")
+    if args.top < 1:
+        raise ConfigError(f"memory: --top must be at least 1, got {args.top}")
+    budget = memory.parse_size(args.gpu_memory)
+    plan = memory_suggest.suggest(cfg, world, budget)
+    if args.json:
+        print(json.dumps(memory_suggest.to_json(plan)))
+    else:
+        print(memory_suggest.format_plan(plan, top=args.top, memory_text=args.gpu_memory))
     return 0
 
 

@@ -39,6 +39,7 @@ a column-parallel layer keeps the all-gathered input (b*s*h, not b*s*h/t), as a 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,17 +215,48 @@ def _stage_layers(cfg: Config, pp: int, pp_rank: int, partition_layers: Any) -> 
     m = cfg.model
     embed = m.padded_vocab * m.n_embd
     block = _block_params(cfg)
-    ranges = partition_layers(m.n_layer, pp, block_weight=block, first_extra=embed,
-                              last_extra=0 if m.tie_embeddings else embed, explicit=cfg.parallel.pp_layers or None)
-    return ranges[pp_rank]
+    return _partition(partition_layers, m.n_layer, pp, block, embed, 0 if m.tie_embeddings else embed,
+                      tuple(cfg.parallel.pp_layers))[pp_rank]
+
+
+@functools.lru_cache(maxsize=256)
+def _partition(partition_layers: Any, n_layer: int, pp: int, block: int, first: int, last: int,
+               explicit: tuple[int, ...]) -> list[range]:
+    """stage.partition_layers, remembered: its search is the dearest part of counting a layout."""
+    return partition_layers(n_layer, pp, block_weight=block, first_extra=first, last_extra=last,
+                            explicit=list(explicit) or None)
 
 
 def _block_params(cfg: Config) -> int:
-    from dist_llm.model import GPT
+    key = repr(cfg.model)
+    if key not in _BLOCK:
+        _BLOCK[key] = sum(math.prod(s) for name, s, _ in _model_params(cfg, peft=False) if name.startswith("blocks.0."))
+    return _BLOCK[key]
 
-    with torch.device("meta"):
-        one = GPT(dataclasses.replace(cfg.model, n_layer=1))
-    return sum(p.numel() for p in one.blocks[0].parameters())
+
+_BLOCK: dict[str, int] = {}
+
+
+# (name, shape, requires_grad) of every parameter of the whole model, PEFT applied or not, built once on the meta
+# device per model: `suggest` asks for hundreds of layouts of one model, and a build of a 1.3B GPT takes 0.2 s
+_PARAMS: dict[str, list[tuple[str, tuple[int, ...], bool]]] = {}
+
+
+def _model_params(cfg: Config, *, peft: bool = True) -> list[tuple[str, tuple[int, ...], bool]]:
+    from dist_llm.model import GPT
+    from dist_llm.peft import apply_peft
+
+    # (QLoRA's trainable and frozen shapes are LoRA's; model_state_bytes counts its frozen weights in NF4 bytes)
+    method = cfg.peft if cfg.peft.method != "qlora" else dataclasses.replace(cfg.peft, method="lora")
+    key = repr((cfg.model, method if peft and method.method != "none" else None))
+    if key not in _PARAMS:
+        with torch.device("meta"):
+            model = GPT(cfg.model)
+            apply_peft(model, method if peft else dataclasses.replace(method, method="none"), seed=0)
+        if len(_PARAMS) >= 16:
+            _PARAMS.pop(next(iter(_PARAMS)))
+        _PARAMS[key] = [(n, tuple(p.shape), p.requires_grad) for n, p in model.named_parameters()]
+    return _PARAMS[key]
 
 
 # -- model states, exactly as our data-parallel forms hold them ------------------------------------------------
@@ -262,6 +294,33 @@ def _nf4_nbytes(numel: int, block: int = 64, scale_block: int = 256) -> int:
     return blocks * block // 2 + blocks + 4 * -(-blocks // scale_block) + 4
 
 
+def _stage_params(cfg: Config, pp: int, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
+    """(name, shape, requires_grad) of the parameters a rank of this pipeline stage holds: the whole model's
+    (`_model_params`) kept as `cut_to_stage` keeps them (its blocks; the embedding on the first stage, and on the
+    last with tied embeddings; the final norm and head on the last). A test checks it against the cut model."""
+    from dist_llm.parallel.pipeline.stage import partition_layers
+
+    params = _model_params(cfg)
+    if pp == 1:
+        return params
+    first, last = pp_rank == 0, pp_rank == pp - 1
+    blocks = _stage_layers(cfg, pp, pp_rank, partition_layers)
+
+    def kept(name: str) -> bool:
+        top, _, rest = name.partition(".")
+        if top == "blocks":
+            return int(rest.partition(".")[0]) in blocks
+        if top == "wte":
+            return first or (last and cfg.model.tie_embeddings)
+        if top == "wpe":
+            return first
+        if top in ("ln_f", "lm_head"):
+            return last
+        raise AssertionError(f"memory: no rule for parameter {name} under a pipeline")
+
+    return [x for x in params if kept(x[0])]
+
+
 def _stage_model(cfg: Config, pp: int, pp_rank: int) -> torch.nn.Module:
     """The whole GPT on the meta device, PEFT applied, cut to this pipeline stage."""
     from dist_llm.model import GPT
@@ -279,20 +338,20 @@ def _stage_model(cfg: Config, pp: int, pp_rank: int) -> torch.nn.Module:
 
 def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Estimate:
     """Bytes of model states on rank 0 of the given pipeline stage (dp rank 0, tp rank 0)."""
-    from dist_llm.parallel.data.zero import accum_dtype, bucket_numel, plan_buckets, rank_segments, tied_alone
+    from dist_llm.parallel.data.zero import accum_dtype, rank_segments
     from dist_llm.precision import DTYPES
 
     p, t = cfg.parallel, cfg.train
-    model = _stage_model(cfg, pp, pp_rank)
+    params = _stage_params(cfg, pp, pp_rank)
     qlora = cfg.peft.method == "qlora"
     trainable: list[tuple[str, tuple[int, ...]]] = []
     frozen_bytes = 0
-    for name, param in model.named_parameters():
-        shape = _local_shape(name, tuple(param.shape), cfg, tp)
+    for name, full_shape, requires_grad in params:
+        shape = _local_shape(name, full_shape, cfg, tp)
         n = math.prod(shape)
-        if param.requires_grad:
+        if requires_grad:
             trainable.append((name, shape))
-        elif qlora and name.startswith("blocks.") and name.endswith(".weight") and param.dim() == 2:
+        elif qlora and name.startswith("blocks.") and name.endswith(".weight") and len(full_shape) == 2:
             frozen_bytes += _nf4_nbytes(n)
         else:
             frozen_bytes += 4 * n
@@ -307,9 +366,7 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
     if stage in (1, 2) and p.backend == "native":
         compute = DTYPES[t.precision]
         size = torch.tensor([], dtype=compute).element_size()
-        fake = [(n, torch.empty(s, device="meta")) for n, s in trainable][::-1]
-        alone = tied_alone(cfg, pp, model)
-        buckets = plan_buckets(fake, dp, bucket_numel(p.bucket_mb, compute), frozenset([alone] if alone else []))
+        buckets = zero_buckets(cfg, trainable, dp=dp, pp=pp, has_wte=any(n == "wte.weight" for n, _, _ in params))
         total = sum(b.numel for b in buckets)
         shard = total // dp
         segments = rank_segments(buckets, 0)
@@ -323,9 +380,9 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
     if stage == 3:  # FSDP2: dim 0 of every parameter split into dp chunks, rank 0 holding the first
         local = [math.prod((-(-s[0] // dp), *s[1:])) if s else 1 for _, s in trainable]
         frozen = 0
-        for name, param in model.named_parameters():
-            if not param.requires_grad:
-                s = _local_shape(name, tuple(param.shape), cfg, tp)
+        for name, full_shape, requires_grad in params:
+            if not requires_grad:
+                s = _local_shape(name, full_shape, cfg, tp)
                 frozen += 4 * math.prod((-(-s[0] // dp), *s[1:]))
         est.params_bytes = 4 * sum(local) + frozen
         est.grads_bytes = 4 * sum(local)
@@ -336,6 +393,20 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
     est.grads_bytes = 4 * n_train
     est.optimizer_bytes = 8 * n_train + 4 * len(trainable)
     return est
+
+
+def zero_buckets(cfg: Config, trainable: list[tuple[str, tuple[int, ...]]], *, dp: int, pp: int,
+                 has_wte: bool) -> list[Any]:
+    """Our ZeRO-1/2's buckets (zero.plan_buckets) for these trainable (name, local shape)s, in registration order."""
+    from types import SimpleNamespace
+
+    from dist_llm.parallel.data.zero import bucket_numel, plan_buckets, tied_alone
+    from dist_llm.precision import DTYPES
+
+    fake = [(n, torch.empty(s, device="meta")) for n, s in trainable][::-1]
+    alone = tied_alone(cfg, pp, SimpleNamespace(wte=True if has_wte else None))  # type: ignore[arg-type]
+    return plan_buckets(fake, dp, bucket_numel(cfg.parallel.bucket_mb, DTYPES[cfg.train.precision]),
+                        frozenset([alone] if alone else []))
 
 
 def _deepspeed_zero_states(trainable: list[tuple[str, tuple[int, ...]]], frozen_bytes: int, *, dp: int, stage: int,
@@ -404,10 +475,7 @@ _DTYPE_BYTES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2
 def largest_tensor_numel(cfg: Config) -> int:
     """Elements of the model's largest single parameter, whole (often the embedding: padded_vocab x n_embd; the
     MLP's matrices where n_embd x ffn_hidden is larger). PEFT's adapters are small and left out."""
-    from dist_llm.model import GPT
-
-    with torch.device("meta"):
-        return max(p.numel() for p in GPT(cfg.model).parameters())
+    return max(math.prod(shape) for _, shape, _ in _model_params(cfg, peft=False))
 
 
 def _source_bytes(cfg: Config) -> int:
@@ -491,41 +559,16 @@ def parse_size(text: str) -> int:
 
 
 def comm_cost(cfg: Config, dp: int, tp: int, pp: int) -> float:
-    """Bytes a rank sends per step, to rank layouts (tp's activation all-reduces are the dearest)."""
-    m, t, p = cfg.model, cfg.train, cfg.parallel
-    with torch.device("meta"):
-        from dist_llm.model import GPT
+    """Bytes the busiest rank sends per step (memory_comm.step_comm; memory_suggest's docstring says how they are
+    counted)."""
+    from dist_llm.memory_comm import step_comm
 
-        n = GPT(cfg.model).num_params() / (tp * pp)
-    grads = {0: 2, 1: 2, 2: 2, 3: 3}[p.zero_stage] * 4 * n * (dp - 1) / dp if dp > 1 else 0.0
-    tokens = t.global_batch_size // dp * m.block_size
-    tp_bytes = (4 * m.n_layer / pp + 2) * tokens * m.n_embd * 4 * 2 * (tp - 1) / tp if tp > 1 else 0.0
-    pp_bytes = 2 * tokens * m.n_embd * 4 if pp > 1 else 0.0
-    recompute = {"none": 1.0, "selective": 1.05, "full": 1.33}[t.activation_checkpointing]
-    return (grads + tp_bytes + pp_bytes) * recompute
+    return float(max(step_comm(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s).total for s in range(pp)))
 
 
 def suggest(cfg: Config, world_size: int, budget: int, limit: int = 20) -> list[tuple[Config, Estimate, float]]:
-    """Layouts of `world_size` ranks (dp x tp x pp, zero stage, checkpointing, micro batch) whose peak fits
-    `budget` bytes, cheapest in communication first."""
-    out = []
-    m = cfg.model
-    for tp in [d for d in (1, 2, 4, 8) if world_size % d == 0 and m.n_head % d == 0]:
-        for pp in [d for d in (1, 2, 4, 8, 16) if (world_size // tp) % d == 0 and d <= m.n_layer]:
-            dp = world_size // (tp * pp)
-            for zero in ((0, 1, 2, 3) if pp == 1 else (0, 1, 2)):
-                for ckpt in ("none", "selective", "full"):
-                    for micro in sorted({1, 2, 4, 8, cfg.train.micro_batch_size}):
-                        if cfg.train.global_batch_size % (micro * dp):
-                            continue
-                        c = dataclasses.replace(
-                            cfg, parallel=dataclasses.replace(cfg.parallel, dp=dp, tp=tp, pp=pp, zero_stage=zero),
-                            train=dataclasses.replace(cfg.train, activation_checkpointing=ckpt, micro_batch_size=micro))
-                        try:
-                            est = predict(c, world_size)
-                        except (ConfigError, ValueError):
-                            continue
-                        if est.peak_bytes <= budget:
-                            out.append((c, est, comm_cost(c, dp, tp, pp)))
-    out.sort(key=lambda x: (x[2], -x[0].train.micro_batch_size, x[1].peak_bytes))
-    return out[:limit]
+    """The layouts of `world_size` ranks whose peak fits `budget`, best first by memory_suggest's cost model:
+    (config, estimate, bytes sent per step). `memory_suggest.suggest` has the whole plan."""
+    from dist_llm.memory_suggest import suggest as plan
+
+    return [(s.cfg, s.est, float(s.comm.total)) for s in plan(cfg, world_size, budget).fits[:limit]]

@@ -1,0 +1,160 @@
+"""`dist-llm memory --suggest`: every layout counted analytically, ranked by the stated cost model, grouped by
+layout, the cut said, --params honoured; the dp forms' predicted bytes equal comm.py's counters on real ranks.
+(Its speed on configs/3d.yaml at 32 ranks is timed by scripts/bench_suggest.py, not here.)"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dist_llm import memory, memory_suggest
+from dist_llm.cli import main
+from dist_llm.config import load_config
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import corpus, train  # noqa: F401
+
+
+def memory_cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    code = main(["memory", *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_every_candidate_has_predicts_own_peak(tmp_path: Path) -> None:
+    """The suggester counts memory once per distinct shape, but each candidate's peak is memory.predict's."""
+    cfg = load_config(None, tiny_overrides(tmp_path, model__tie_embeddings=False, train__global_batch_size=16))
+    plan = memory_suggest.suggest(cfg, 4, 2**40)
+    assert {s.layout for s in plan.fits} == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2)}  # (n_layer=2: pp<=2)
+    assert len(plan.fits) == plan.variants  # everything fits a TiB
+    for s in plan.fits[::7]:
+        assert s.est.peak_bytes == memory.predict(s.cfg, 4).peak_bytes, s.cfg.parallel
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_stage_params_are_the_cut_models(tmp_path: Path, tie: bool) -> None:
+    cfg = load_config(None, tiny_overrides(tmp_path, model__n_layer=5, model__tie_embeddings=tie))
+    for pp in (2, 3, 5):
+        for rank in range(pp):
+            want = [(n, tuple(p.shape), p.requires_grad) for n, p in memory._stage_model(cfg, pp, rank).named_parameters()]
+            assert memory._stage_params(cfg, pp, rank) == want
+
+
+def test_suggest_groups_layouts_says_the_cut_and_marks_the_config(capsys: pytest.CaptureFixture[str],
+                                                                   tmp_path: Path) -> None:
+    over = tiny_overrides(tmp_path, parallel__tp=2, parallel__pp=2, train__global_batch_size=16)
+    code, out, _ = memory_cli(capsys, "--world-size", "8", "--gpu-memory", "80GiB", "--suggest", "--top", "3", *over)
+    assert code == 0
+    lines = out.splitlines()
+    assert "distinct layouts (dp x tp x pp)" in lines[0] and lines[1].startswith("cost model: ranked by estimated step")
+    n = int(lines[0].split(" distinct layouts")[0].rsplit(" ", 1)[1])
+    assert f"top 3 layouts ({n - 3} cut; --top N to see more)" in lines[2]
+    rows = [x.split() for x in lines[4:7]]
+    assert len({tuple(r[:3]) for r in rows}) == 3  # distinct (dp, tp, pp), each its best variant
+    assert all("fits: peak" in x and "bubble" in x and "comm" in x for x in lines[4:7])
+    # the config's own layout (dp2 x tp2 x pp2) is shown: in the top rows, marked, or after them with its rank
+    assert "this config's layout" in out
+    if not any("<- this config's layout" in x for x in lines[4:7]):
+        assert "this config's layout, dp2 x tp2 x pp2: ranked" in out
+    assert "as configured (zero 0, micro batch 4, checkpointing none): est. step" in out
+
+
+def test_ranking_follows_the_cost_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A tiny model where everything fits: dp-only (one DDP all-reduce, no bubble) ranks first, above any pipeline;
+    the JSON rows are in estimated step time order, and each step time is its parts' sum as the header states."""
+    over = tiny_overrides(tmp_path, train__global_batch_size=32)
+    code, out, _ = memory_cli(capsys, "--world-size", "8", "--gpu-memory", "80GiB", "--suggest", "--json", *over)
+    assert code == 0
+    rows = json.loads(out)
+    assert (rows[0]["dp"], rows[0]["tp"], rows[0]["pp"], rows[0]["zero_stage"]) == (8, 1, 1, 0)
+    assert rows[0]["bubble"] == 0 and rows[0]["comm_bytes_by_kind"] == {"all_reduce": rows[0]["comm_bytes_per_step"]}
+    assert [r["est_step_s"] for r in rows] == sorted(r["est_step_s"] for r in rows)
+    assert len({(r["dp"], r["tp"], r["pp"]) for r in rows}) == len(rows)
+    pp2 = next(r for r in rows if r["pp"] == 2)  # (n_layer=2)
+    assert pp2["bubble"] == pytest.approx(1 / (32 // (pp2["dp"] * pp2["micro_batch_size"]) + 1))
+    assert pp2["est_step_s"] > rows[0]["est_step_s"]
+    # by hand: DDP over 8 ranks sends 2 * 7/8 of the fp32 gradients once per step
+    n = memory_suggest.memory._model_params(load_config(None, over))
+    assert rows[0]["comm_bytes_per_step"] == round(2 * 7 / 8 * 4 * sum(memory.math.prod(s) for _, s, _ in n))
+
+
+def test_too_big_for_one_rank_lists_only_layouts_that_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    over = tiny_overrides(tmp_path, train__global_batch_size=16)
+    code, out, _ = memory_cli(capsys, "--world-size", "4", "--gpu-memory", "200MiB", "--suggest", "--json",
+                              "--params", "30e6", *over)
+    assert code == 0
+    rows = json.loads(out)
+    one_rank = memory_suggest.suggest(memory_suggest_cfg(over, 30e6), 4, 2**40)
+    assert any(s.est.peak_bytes > 200 * 2**20 for s in one_rank.fits)  # some layouts do not fit ...
+    assert rows and all(r["peak_bytes"] <= 200 * 2**20 for r in rows)  # ... and none of them is listed
+    code, out, _ = memory_cli(capsys, "--world-size", "4", "--gpu-memory", "0.01MiB", "--suggest", *over)
+    assert code == 0 and "none fits: more ranks" in out and "the smallest peak:" in out
+
+
+def memory_suggest_cfg(over: list[str], params: float):  # type: ignore[no-untyped-def]
+    cfg = load_config(None, over)
+    cfg.model = memory_suggest.scale_model(cfg.model, params)
+    return cfg
+
+
+def test_params_scales_the_model(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    over = tiny_overrides(tmp_path, train__global_batch_size=16)
+    args = ("--world-size", "4", "--gpu-memory", "80GiB", "--suggest", "--json", *over)
+    small = json.loads(memory_cli(capsys, *args)[1])
+    code, out, err = memory_cli(capsys, "--params", "50e6", *args)
+    assert code == 0 and err.startswith("model: 0.05") and "n_layer=" in err
+    big = json.loads(out)
+    assert big[0]["model_states_bytes"] > 10 * small[0]["model_states_bytes"]
+    # without a config: a Llama-shaped model at that size
+    code, out, _ = memory_cli(capsys, "--params", "7e9", "--world-size", "16", "--gpu-memory", "80GiB", "--suggest")
+    assert code == 0 and out.startswith("model: 6.") and "llama-shaped's architecture" in out
+    assert "showing the best variant" in out
+    code, _, err = memory_cli(capsys, "--params", "7e9", "--suggest", "--gpu-memory", "80GiB")
+    assert code == 2 and err.strip() == "dist-llm: error: memory: --params with --suggest needs --world-size (or a --config)"
+    # --params with a config and no --suggest: the table for the scaled model
+    code, out, _ = memory_cli(capsys, "--params", "50e6", "--json", *over)
+    assert code == 0 and json.loads(out)["model_states_bytes"] > 16 * 45e6
+
+
+def test_scale_model_keeps_the_architecture() -> None:
+    cfg = load_config("configs/3d.yaml")
+    m = memory_suggest.scale_model(cfg.model, 7e9)
+    assert (m.head_dim, m.norm, m.mlp, m.pos_emb, m.vocab_size) == (128, "rmsnorm", "swiglu", "rope", 50304)
+    assert 6.5e9 < memory_suggest._approx_params(m) < 7.5e9 and m.n_head % 8 == 0
+    assert memory_suggest._approx_params(cfg.model) == sum(memory.math.prod(s) for _, s, _ in memory._model_params(cfg))
+
+
+@pytest.mark.parametrize(("zero_stage", "precision", "extra"),
+                         [(2, "bf16", {}), (3, "bf16", {}), (3, "fp32", {"model__tie_embeddings": False}),
+                          (1, "bf16", {}), (0, "fp32", {})])
+def test_predicted_bytes_equal_the_counted(tmp_path: Path, corpus: Path, zero_stage: int,  # noqa: F811
+                                           precision: str, extra: dict[str, object]) -> None:
+    """The independent check: 2 ranks, 2 micro-steps per step (ZeRO-2 reduce-scatters at each, FSDP2 gathers
+    and reduce-scatters at each), several buckets; the suggester's bytes per step by kind equal what comm.py
+    counted in the last step, to the byte."""
+    over = {"parallel__zero_stage": zero_stage, "train__precision": precision, "train__micro_batch_size": 2,
+            "train__global_batch_size": 8, "parallel__bucket_mb": 0.01, "train__max_steps": 2, **extra}
+    got = run_distributed(train, 2, tmp_path, corpus, over, init_group=False)[0]["comm"]
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False,
+                                           **{k: v for k, v in over.items()}))
+    want = memory_suggest.step_comm(cfg, dp=2, tp=1, pp=1)
+    assert want.bytes == got
+
+
+@pytest.mark.parametrize("extra", [{"parallel__tp": 2}, {"parallel__tp": 2, "parallel__sequence_parallel": True},
+                                   {"parallel__pp": 2},
+                                   {"parallel__tp": 2, "parallel__sequence_parallel": True, "train__precision": "bf16"},
+                                   {"parallel__pp": 2, "train__precision": "bf16"}],
+                         ids=["tp2", "tp2-sp", "pp2", "tp2-sp-bf16", "pp2-bf16"])
+def test_tensor_and_pipeline_bytes_equal_the_counted(tmp_path: Path, corpus: Path,  # noqa: F811
+                                                     extra: dict[str, object]) -> None:
+    """tp (with and without sequence parallelism) and pp, 2 micro-steps: the suggester's bytes by kind are
+    what comm.py counted in the last step."""
+    over = {"train__micro_batch_size": 2, "train__global_batch_size": 4, "train__max_steps": 2, "parallel__dp": 1,
+            **extra}
+    got = run_distributed(train, 2, tmp_path, corpus, over, init_group=False)[0]["comm"]
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False, **over))
+    want = memory_suggest.step_comm(cfg, dp=1, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
+    assert want.by_kind() == got
