@@ -401,7 +401,8 @@ class Trainer:
             (self.out_dir).mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
-        log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | %s | %s | %s | %s | global batch "
+        log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | data parallel: %s | collectives: %s "
+                 "| %s | %s | global batch "
                  "%d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, self.ctx.world_size,
                  self.ctx.dp, self.ctx.tp, self.ctx.pp, self.dp.name, self.ctx.backend, self.device, t.precision,
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
