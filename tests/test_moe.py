@@ -258,3 +258,26 @@ def test_data_parallel_matches_single_process(tmp_path: Path, tmp_path_factory: 
     for a, b in zip(got["records"], ref["records"], strict=True):  # the balancing figures are global too
         assert a["moe_imbalance"] == pytest.approx(b["moe_imbalance"], rel=1e-5)
         assert a["moe_aux_loss"] == pytest.approx(b["moe_aux_loss"], rel=1e-5)
+
+
+def test_resume_restores_the_expert_bias(tmp_path: Path, corpus_file: Path) -> None:
+    def make(out: Path, **extra: object) -> Trainer:
+        cfg = load_config(None, tiny_overrides(out, data__source=str(corpus_file), train__max_steps=8,
+                                               train__ckpt_interval=4, train__eval_interval=0, model__n_experts=4,
+                                               model__moe_bias_update_rate=0.05, **extra))
+        return Trainer(cfg, ParallelContext.from_config(cfg))
+
+    def losses(out: Path) -> dict[int, float]:
+        records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        return {r["step"]: r["loss"] for r in records if "loss" in r}
+
+    whole = make(tmp_path / "a")
+    whole.fit()
+    make(tmp_path / "b", train__stop_after_step=4).fit()
+    resumed = make(tmp_path / "b")
+    assert resumed.step == 4 and resumed.moe_layers[0].expert_bias.abs().sum() > 0  # (the bias came back)
+    resumed.fit()
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert [b[s] for s in range(5, 9)] == [a[s] for s in range(5, 9)]  # bit-identical after the resume point
+    for la, lb in zip(whole.moe_layers, resumed.moe_layers):
+        assert torch.equal(la.expert_bias, lb.expert_bias)
