@@ -99,7 +99,7 @@ def reference_moe(layer: MoE, x: torch.Tensor, order: str, top_k: int) -> torch.
     return out
 
 
-@pytest.mark.parametrize("impl", ["grouped_mm", "loop", "bmm"])
+@pytest.mark.parametrize("impl", ["auto", "grouped_mm", "loop", "bmm"])
 @pytest.mark.parametrize("mlp,order,shared", [("gelu", "topk_softmax", 0), ("swiglu", "softmax_topk", 1),
                                               ("swiglu", "topk_softmax", 2)])
 def test_dropless_matches_token_loop(impl: str, mlp: str, order: str, shared: int) -> None:

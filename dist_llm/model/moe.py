@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 RouterOrder = Literal["softmax_topk", "topk_softmax"]
-GroupedImpl = Literal["grouped_mm", "loop", "bmm"]
+GroupedImpl = Literal["auto", "grouped_mm", "loop", "bmm"]
 
 
 def route(logits: torch.Tensor, top_k: int, order: RouterOrder,
@@ -92,10 +92,15 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, im
     return torch.bmm(padded, w)[group, rows]
 
 
-def default_impl() -> GroupedImpl:
-    """`torch._grouped_mm` where this torch has it (CPU fp32 since 2.9; scripts/bench_moe.py measures it against
-    the others), else the per-expert loop over contiguous slices."""
-    return "grouped_mm" if hasattr(torch, "_grouped_mm") else "loop"
+def pick_impl(x: torch.Tensor) -> GroupedImpl:
+    """What "auto" runs: `torch._grouped_mm` where this torch has it for x's device and dtype (on the CPU in fp32
+    and bf16, forward and backward, checked on torch 2.13; CUDA's kernel is for bf16 only), else the per-expert
+    loop over contiguous slices. scripts/bench_moe.py measures the three on this machine."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    if x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16):
+        return "grouped_mm"
+    return "loop"
 
 
 class Experts(nn.Module):
@@ -113,14 +118,16 @@ class Experts(nn.Module):
         for b in (self.b_up, self.b_gate, self.b_down):
             if b is not None:
                 b.no_weight_decay = True  # type: ignore[attr-defined]  # (a stack of bias vectors: optim.decays)
-        self.impl: GroupedImpl = default_impl()
+        self.impl: GroupedImpl = "auto"
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """x (M, C) sorted by expert, `counts` (E,) rows per expert, `expert_of_row` (M,) -> (M, C)."""
         if torch.is_autocast_enabled(x.device.type):  # (the grouped matmul is not on autocast's lists)
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        impl = pick_impl(x) if self.impl == "auto" else self.impl
+
         def proj(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
-            out = grouped_matmul(inp, w, counts, impl=self.impl)
+            out = grouped_matmul(inp, w, counts, impl=impl)
             return out if b is None else out + b.to(out.dtype)[expert_of_row]
 
         up = proj(x, self.w_up, self.b_up)  # (M, H)
