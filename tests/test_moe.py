@@ -281,3 +281,10 @@ def test_resume_restores_the_expert_bias(tmp_path: Path, corpus_file: Path) -> N
     assert [b[s] for s in range(5, 9)] == [a[s] for s in range(5, 9)]  # bit-identical after the resume point
     for la, lb in zip(whole.moe_layers, resumed.moe_layers):
         assert torch.equal(la.expert_bias, lb.expert_bias)
+
+
+def test_hf_export_refuses_moe_in_one_line() -> None:
+    from dist_llm.hf import export_family
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "moe.yaml").model  # (Llama-shaped otherwise)
+    with pytest.raises(ConfigError, match=r"^model.n_experts=8: exporting MoE models .* \(issue 19\)$"):
+        export_family(cfg)

@@ -24,12 +24,16 @@ swaps dispatch/combine for all-to-alls; expert e's weights are `w_*[e]` whatever
 from __future__ import annotations
 
 import math
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_llm.config import ModelConfig
+
+#: sums a tensor in place over the data-parallel ranks (the trainer's; None at one process)
+AllReduce = Callable[[torch.Tensor], None] | None
 RouterOrder = Literal["softmax_topk", "topk_softmax"]
 GroupedImpl = Literal["auto", "grouped_mm", "loop", "bmm"]
 
@@ -141,7 +145,7 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts). Records its load-balancing losses and load per forward."""
 
-    def __init__(self, cfg, shared: nn.Module | None, dropout: nn.Module) -> None:  # cfg: ModelConfig
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None, dropout: nn.Module) -> None:
         super().__init__()
         self.n_experts, self.top_k, self.order = cfg.n_experts, cfg.moe_top_k, cfg.moe_router_order
         self.capacity_factor = cfg.moe_capacity_factor
@@ -219,7 +223,7 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 
 
 @torch.no_grad()
-def update_expert_bias(layers: list[MoE], rate: float, all_reduce=None) -> None:
+def update_expert_bias(layers: list[MoE], rate: float, all_reduce: AllReduce = None) -> None:
     """After an optimizer step: bias += rate * sign(mean load - load), from the tokens each expert got since the
     last update (summed over the data-parallel ranks by `all_reduce`, so every replica moves its bias alike)."""
     for layer in layers:
@@ -232,7 +236,7 @@ def update_expert_bias(layers: list[MoE], rate: float, all_reduce=None) -> None:
         layer.expert_bias += rate * torch.sign(load.mean() - load)
 
 
-def take_metrics(layers: list[MoE], all_reduce=None) -> dict[str, float]:
+def take_metrics(layers: list[MoE], all_reduce: AllReduce = None) -> dict[str, float]:
     """Means since the last call over layers and forwards (and over ranks, with `all_reduce` summing over them):
     moe_aux_loss, moe_z_loss, moe_imbalance (max/mean tokens per expert, the worst layer),
     moe_dropped_fraction. Resets the sums."""
