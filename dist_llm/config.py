@@ -65,6 +65,29 @@ class ModelConfig:
     """Share the token embedding with the output head."""
     init_std: float = 0.02
     """Standard deviation of the normal init; residual projections get init_std/sqrt(2*n_layer)."""
+    n_experts: int = 0
+    """Mixture of Experts: routed experts per MoE block; 0 = a dense model."""
+    moe_top_k: int = 2
+    """Experts each token is routed to."""
+    moe_every: int = 1
+    """Every k-th block is MoE (blocks i with i % k == k-1), the others dense; 1 = all blocks."""
+    moe_hidden: int = 0
+    """Hidden width of one expert; 0 means the dense MLP's (model.mlp_hidden's rule)."""
+    n_shared_experts: int = 0
+    """Experts every token goes through besides its routed ones (DeepSeek/Qwen MoE), as one MLP this many wide."""
+    moe_router_order: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"
+    """topk_softmax: pick the top-k logits, weights = softmax over them (Mixtral); softmax_topk: softmax over all
+    experts, weights = the top-k probabilities as they are (Qwen2-MoE, DeepSeek)."""
+    moe_aux_loss_coef: float = 0.01
+    """Coefficient of the Switch/GShard load-balancing loss E * sum_i f_i * P_i; 0 = off."""
+    moe_z_loss_coef: float = 0.0
+    """Coefficient of the router z-loss, mean of logsumexp(logits)^2 (ST-MoE used 1e-3); 0 = off."""
+    moe_bias_update_rate: float = 0.0
+    """Aux-loss-free balancing (DeepSeek-V3): after each step bias += rate * sign(mean load - load), the bias
+    added to the router scores for selection only; 0 = off."""
+    moe_capacity_factor: float = 0.0
+    """Each expert takes at most ceil(factor * tokens * top_k / n_experts) assignments, earlier tokens first, the
+    rest dropped (they pass through the residual); 0 = dropless."""
     init_from: str = ""
     """Start from trained weights: 'hf:DIR' (a Hugging Face GPT-2 or Llama directory, whose config.json then
     sets the architecture keys) or 'ckpt:DIR' (a dist_llm checkpoint of the same model); empty: random init."""
@@ -88,6 +111,14 @@ class ModelConfig:
         if self.mlp == "swiglu":
             return 64 * -(-(2 * 4 * self.n_embd // 3) // 64)
         return 4 * self.n_embd
+
+    @property
+    def moe_expert_hidden(self) -> int:
+        return self.moe_hidden or self.ffn_hidden
+
+    def is_moe_block(self, i: int) -> bool:
+        """Whether block i is an MoE block (every moe_every-th, counting from 1)."""
+        return self.n_experts > 0 and i % self.moe_every == self.moe_every - 1
 
 
 @dataclass
@@ -255,6 +286,8 @@ class Config:
     def fingerprint(self) -> str:
         """Hash of the settings that define the model's shapes, to refuse loading a mismatched checkpoint."""
         shapes = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "init_from"}
+        if not self.model.n_experts:  # a dense model's hash stays what it was before the MoE keys existed
+            shapes = {k: v for k, v in shapes.items() if k != "n_experts" and not k.startswith(("moe_", "n_shared_"))}
         return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -570,6 +603,7 @@ def validate(cfg: Config) -> None:
     _check_tensor_parallel(cfg)
     _check_pipeline(cfg)
     _check_finetuning(cfg)
+    _check_moe(cfg)
     if p.deepspeed_config and (p.backend != "deepspeed" or not Path(p.deepspeed_config).expanduser().is_file()):
         raise ConfigError(f"parallel.deepspeed_config: needs parallel.backend=deepspeed and an existing JSON file, "
                           f"got backend={p.backend}, {p.deepspeed_config}")
@@ -624,6 +658,24 @@ def _check_pipeline(cfg: Config) -> None:
     # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards
     if p.tp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.tp>1; use backend=native")
+
+
+def _check_moe(cfg: Config) -> None:
+    m, p = cfg.model, cfg.parallel
+    _non_negative(cfg, "model.n_experts", "model.moe_hidden", "model.n_shared_experts", "model.moe_aux_loss_coef",
+                  "model.moe_z_loss_coef", "model.moe_bias_update_rate", "model.moe_capacity_factor")
+    if not m.n_experts:
+        return
+    if not 1 <= m.moe_top_k <= m.n_experts:
+        raise ConfigError(f"model.moe_top_k: must be in [1, model.n_experts={m.n_experts}], got {m.moe_top_k}")
+    if not 1 <= m.moe_every <= m.n_layer:
+        raise ConfigError(f"model.moe_every: must be in [1, model.n_layer={m.n_layer}], got {m.moe_every}")
+    # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
+    for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}"),
+                     (m.init_from.startswith("hf:"), "model.init_from=hf:")):
+        if on:
+            raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
 
 
 def _check_finetuning(cfg: Config) -> None:

@@ -585,6 +585,9 @@ def _family_misses(cfg: ModelConfig, family: str) -> list[str]:
 def export_family(cfg: ModelConfig) -> str:
     """'gpt2' or 'llama': the Hugging Face family a model of `cfg` is written as. Otherwise a ConfigError that
     names, in one line, the keys this model has and the settings of the nearer family to train with instead."""
+    if cfg.n_experts:
+        raise ConfigError(f"model.n_experts={cfg.n_experts}: exporting MoE models (as Mixtral or Qwen-MoE) is not "
+                          "yet supported (issue 19)")
     options = {family: _family_misses(cfg, family) for family in ("llama", "gpt2")}
     for family, misses in options.items():
         if not misses:

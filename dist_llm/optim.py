@@ -10,13 +10,19 @@ from torch import nn
 from dist_llm.config import OptimConfig
 
 
+def decays(p: torch.Tensor) -> bool:
+    """Whether weight decay applies: to matrices, not to vectors (biases, norm weights), nor to stacks of vectors
+    (the MoE experts' biases (E, H), marked `no_weight_decay` by the model)."""
+    return p.dim() >= 2 and not getattr(p, "no_weight_decay", False)
+
+
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     """Two groups: matrices (embeddings, linear weights) decay; vectors (biases, norm weights) do not."""
     decay, no_decay = [], []
     for p in model.parameters():  # shared (tied) parameters come once
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 else no_decay).append(p)
+        (decay if decays(p) else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 

@@ -19,6 +19,7 @@ from torch.utils.checkpoint import checkpoint
 from dist_llm.config import ModelConfig
 from dist_llm.model import init as model_init
 from dist_llm.model.factory import LayerFactory, Reduction
+from dist_llm.model.moe import MoE, moe_layers
 from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
 
 Checkpointing = Literal["none", "full", "selective"]
@@ -90,9 +91,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """GELU (up, gelu, down) or SwiGLU (down(silu(gate x) * up x))."""
 
-    def __init__(self, cfg: ModelConfig, layers: LayerFactory) -> None:
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, hidden: int = 0) -> None:
         super().__init__()
-        hidden = cfg.ffn_hidden
+        hidden = hidden or cfg.ffn_hidden
         self.swiglu = cfg.mlp == "swiglu"
         self.up = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_up")
         self.gate = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_gate") if self.swiglu else None
@@ -108,18 +109,28 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, layers: LayerFactory, rope: RotaryEmbedding | None) -> None:
+    """Pre-norm attention, then a pre-norm dense MLP (`mlp`) or, in an MoE block, a mixture of experts (`moe`)."""
+
+    def __init__(self, cfg: ModelConfig, layers: LayerFactory, rope: RotaryEmbedding | None, *,
+                 moe: bool = False) -> None:
         super().__init__()
         self.ln_1 = make_norm(cfg, layers)
         self.attn = Attention(cfg, layers, rope)
         self.ln_2 = make_norm(cfg, layers)
-        self.mlp = MLP(cfg, layers)
+        if moe:
+            shared = (MLP(cfg, layers, hidden=cfg.n_shared_experts * cfg.moe_expert_hidden)
+                      if cfg.n_shared_experts else None)
+            if shared is not None:
+                shared.dropout = nn.Identity()  # (the MoE's output gets one dropout, as the dense MLP's)
+            self.moe = MoE(cfg, shared, layers.dropout(cfg.dropout))
+        else:
+            self.mlp = MLP(cfg, layers)
 
         self.recompute = False  # full activation checkpointing: keep only the input, recompute in backward
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        return x + (self.moe if hasattr(self, "moe") else self.mlp)(self.ln_2(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute and self.training:
@@ -140,7 +151,7 @@ class GPT(nn.Module):
         self.drop = layers.dropout(cfg.dropout)
         rope = RotaryEmbedding(cfg.head_dim, cfg.block_size, cfg.rope_theta) if cfg.pos_emb == "rope" else None
         self.rope = rope
-        self.blocks = nn.ModuleList(Block(cfg, layers, rope) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, layers, rope, moe=cfg.is_moe_block(i)) for i in range(cfg.n_layer))
         self.ln_f = make_norm(cfg, layers)
         self.lm_head = layers.linear(cfg.n_embd, cfg.padded_vocab, bias=False, role="lm_head")
         self.tie_weights()
@@ -156,12 +167,13 @@ class GPT(nn.Module):
     def _init_rule(self, mod_name: str, module: nn.Module, pname: str) -> model_init.Fill:
         """GPT-2 init: N(0, init_std) for weights, residual projections scaled by 1/sqrt(2*n_layer); zero biases;
         norms at one."""
-        if pname == "bias":
+        if pname == "bias" or pname.startswith("b_"):  # (b_up, b_down: the stacked experts' biases)
             return model_init.zeros
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return model_init.ones
         std = self.cfg.init_std
-        if mod_name.endswith(("attn.proj", "mlp.down")):
+        # (an expert's w_down (E, H, C) is drawn whole: its values do not depend on how experts are split later)
+        if mod_name.endswith(("attn.proj", "mlp.down", "shared.down")) or pname == "w_down":
             std = std / math.sqrt(2 * self.cfg.n_layer)
         return model_init.normal(std)
 
@@ -213,13 +225,34 @@ class GPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         logits = self.head(x)
-        return self.layers.output_logits(logits) if targets is None else self.loss(logits, targets, reduction=reduction)
+        if targets is None:
+            return self.layers.output_logits(logits)
+        loss = self.loss(logits, targets, reduction=reduction)
+        return loss + self._balancing_gradient(targets, reduction) if self.cfg.n_experts else loss
+
+    def _balancing_gradient(self, targets: torch.Tensor, reduction: Reduction) -> torch.Tensor:
+        """Zero in value, the MoE layers' load-balancing losses in gradient: the returned loss stays the LM loss
+        (what the trainer reports) while backward also trains the routers toward balance. Under "sum" the
+        micro-batch's losses count once per target, so that the trainer's division by the global target count
+        weighs them as the mean over micro-batches (and data-parallel ranks) of each one's balancing loss."""
+        terms = [m.last_loss for m in moe_layers(self) if m.last_loss is not None]
+        if not terms or not torch.is_grad_enabled():
+            return torch.zeros((), device=targets.device)
+        extra = torch.stack(terms).sum()
+        if reduction == "sum":
+            extra = extra * (targets != -100).sum()
+        return extra - extra.detach()
 
     # -- accounting ---------------------------------------------------------------------------------------
-    def num_params(self, *, non_embedding: bool = False) -> int:
+    def num_params(self, *, non_embedding: bool = False, active: bool = False) -> int:
         """Parameters, shared ones counted once; `non_embedding` leaves out the position embedding (and the
-        token embedding when it is not also the output head)."""
+        token embedding when it is not also the output head); `active` counts of each MoE layer's routed experts
+        only the top-k a token goes through."""
         n = sum(p.numel() for p in self.parameters())
+        if active:
+            for m in moe_layers(self):
+                per_expert = sum(p.numel() for p in m.experts.parameters()) // m.n_experts
+                n -= (m.n_experts - m.top_k) * per_expert
         if non_embedding:
             if self.wpe is not None:
                 n -= self.wpe.weight.numel()
@@ -229,9 +262,10 @@ class GPT(nn.Module):
 
     def flops_per_token(self) -> float:
         """Training FLOPs per token, 6N + 12*L*C*T (Kaplan et al. 2020, as PaLM counts it for MFU), with N the
-        non-embedding parameters (the LM head counted, position embeddings not)."""
+        non-embedding parameters (the LM head counted, position embeddings not) a token goes through: of an MoE
+        layer's experts only the top-k (the router's own small matmul counted whole)."""
         c = self.cfg
-        n = self.num_params(non_embedding=True)
+        n = self.num_params(non_embedding=True, active=True)
         return 6.0 * n + 12.0 * c.n_layer * c.n_embd * c.block_size
 
     # -- sampling -----------------------------------------------------------------------------------------

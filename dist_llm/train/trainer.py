@@ -24,6 +24,7 @@ from dist_llm.data import BatchPrefetcher, GlobalBatchSampler, host_batch, prepa
 from dist_llm.data.sampler import IGNORE_INDEX
 from dist_llm.model import GPT
 from dist_llm.model.gpt import Attention
+from dist_llm.model import moe
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
@@ -122,9 +123,12 @@ class Trainer:
         self.runtime = ParallelRuntime(built, cfg, ctx)  # the stage cut, its links, the data-parallel form
         self.dp = self.runtime.dp
         with torch.device("meta"):  # the whole model's count, whatever part of it this rank holds
-            self.n_params = GPT(cfg.model).num_params()
+            whole = GPT(cfg.model)
+            self.n_params, self.n_active_params = whole.num_params(), whole.num_params(active=True)
+            del whole
         self.model = self.runtime.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
         self.module = self.runtime.module  # the GPT
+        self.moe_layers = moe.moe_layers(self.module)  # (empty for a dense model)
         self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 else None
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
@@ -244,6 +248,8 @@ class Trainer:
             engine_norm = self.dp.step(lr, found_inf)
         if engine_norm is not None:
             grad_norm = engine_norm
+        if self.moe_layers:  # aux-loss-free balancing: the bias follows the step's load over the whole batch
+            moe.update_expert_bias(self.moe_layers, self.cfg.model.moe_bias_update_rate, all_reduce=self._dp_sum)
         engine_skipped = self.dp.last_step_skipped()
         if engine_skipped is not None:  # the engine decided the skip inside its step (DeepSpeed)
             found_inf = engine_skipped
@@ -290,6 +296,10 @@ class Trainer:
         comm.all_reduce(sums, self.ctx.dp_group, None)  # (metrics, not training traffic)
         return self._from_last_stage(sums[0] / sums[1].clamp(min=1)).item()
 
+    def _dp_sum(self, t: torch.Tensor) -> None:
+        """Sum a tensor over the dp group in place (router loads: bookkeeping, not counted as training traffic)."""
+        comm.all_reduce(t, self.ctx.dp_group, None)
+
     def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the dp group (for metrics: not counted as training traffic)."""
         t = t.detach().clone()
@@ -318,7 +328,7 @@ class Trainer:
 
     # -- the loop -----------------------------------------------------------------------------------------
     def header(self) -> dict[str, Any]:
-        return {"event": "start", "step": self.step, "n_params": self.n_params,
+        return {"event": "start", "step": self.step, "n_params": self.n_params, "n_active_params": self.n_active_params,
                 "layout": self.ctx.layout(), "device": str(self.device), "precision": self.cfg.train.precision,
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
@@ -401,9 +411,10 @@ class Trainer:
             (self.out_dir).mkdir(parents=True, exist_ok=True)
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
-        log.info("dist_llm | %.2fM parameters | world %d (dp %d, tp %d, pp %d) | data parallel: %s | collectives: %s "
-                 "| %s | %s | global batch "
-                 "%d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, self.ctx.world_size,
+        active = f" ({self.n_active_params / 1e6:.2f}M active)" if self.n_active_params != self.n_params else ""
+        log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d) | data parallel: %s | collectives: "
+                 "%s | %s | %s | global batch %d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, active,
+                 self.ctx.world_size,
                  self.ctx.dp, self.ctx.tp, self.ctx.pp, self.dp.name, self.ctx.backend, self.device, t.precision,
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
@@ -446,6 +457,8 @@ class Trainer:
             last["loss_scale"] = self.scaler.scale
         if self.scaler.skipped_steps:
             last["skipped_steps"] = self.scaler.skipped_steps
+        if self.moe_layers:  # means over the steps since the last log step, layers and dp ranks
+            last.update(moe.take_metrics(self.moe_layers, all_reduce=self._dp_sum))
         self.metrics.write(last)
         log.info(step_line(last), extra=FILE_ONLY)  # every rank's log file (the bar shows the loss)
         bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")

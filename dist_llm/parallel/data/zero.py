@@ -43,7 +43,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, quantised_bytes, tensor_bytes
-from dist_llm.optim import adamw, guarded_step, set_lr
+from dist_llm.optim import adamw, decays, guarded_step, set_lr
 from dist_llm.precision import DTYPES
 
 
@@ -245,7 +245,7 @@ class ZeroDataParallel(DataParallel):
             if self.master is None:
                 p.grad = self._grad_shard_view(seg)
             self._opt_params.append(p)
-            (decay if seg.entry.param.dim() >= 2 else no_decay).append(p)
+            (decay if decays(seg.entry.param) else no_decay).append(p)
         groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         return adamw(groups, o, self.ctx.device)
 

@@ -1,0 +1,259 @@
+"""Mixture of Experts: a router picks k of n_experts MLPs for every token; one more layer kind of the GPT.
+
+    router (fp32)      logits = x W_r                          (N, E)
+    selection          top-k of (scores + expert_bias)         bias for selection only (DeepSeek-V3)
+    dispatch           sort the (token, slot) pairs by expert, so each expert's tokens are one contiguous slice
+    experts            one grouped matmul per projection over the slices (weights stacked (E, in, out))
+    combine            out[token] += weight * expert_out       (index_add over the sorted rows)
+    shared experts     a dense MLP every token goes through (DeepSeek / Qwen MoE), added to the routed output
+
+Router order (`model.moe_router_order`):
+  "softmax_topk": probs = softmax(logits); select on probs + bias; weights = the selected probs (Qwen2-MoE,
+                  DeepSeek: not renormalised, so they sum to below one)
+  "topk_softmax": select on logits + bias; weights = softmax over the k selected logits (Mixtral)
+
+Load-balancing losses (both over the N tokens of one forward, in fp32):
+  aux (Switch/GShard) = E * sum_i f_i * P_i, with f_i the fraction of the N*k (token, slot) assignments that went
+      to expert i and P_i the mean over tokens of softmax(logits)_i; 1.0 at perfect balance
+  z-loss (ST-MoE)     = mean over tokens of logsumexp(logits)^2
+
+The model stays plain PyTorch: expert parallelism (later) slices the stacked expert weights along dim 0 and
+swaps dispatch/combine for all-to-alls; expert e's weights are `w_*[e]` whatever the layout.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dist_llm.config import ModelConfig
+
+#: sums a tensor in place over the data-parallel ranks (the trainer's; None at one process)
+AllReduce = Callable[[torch.Tensor], None] | None
+RouterOrder = Literal["softmax_topk", "topk_softmax"]
+GroupedImpl = Literal["auto", "grouped_mm", "loop", "bmm"]
+
+
+def route(logits: torch.Tensor, top_k: int, order: RouterOrder,
+          bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Router logits (N, E), fp32 -> (weights (N, k), expert ids (N, k), full softmax probs (N, E)). `bias`
+    (E,) shifts the selection only; the weights come from the unbiased scores."""
+    probs = logits.softmax(dim=-1)  # (N, E)
+    scores = probs if order == "softmax_topk" else logits
+    chosen = scores if bias is None else scores + bias
+    experts = chosen.topk(top_k, dim=-1).indices  # (N, k)
+    if order == "softmax_topk":
+        weights = probs.gather(-1, experts)
+    else:
+        weights = logits.gather(-1, experts).softmax(dim=-1)
+    return weights, experts, probs
+
+
+def aux_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torch.Tensor:
+    """Switch/GShard load-balancing loss E * sum_i f_i * P_i (see the module docstring); f carries no gradient."""
+    counts = torch.bincount(experts.flatten(), minlength=n_experts).to(probs.dtype)
+    f = counts / experts.numel()  # (E,) fraction of assignments
+    p = probs.mean(dim=0)  # (E,) mean router probability
+    return n_experts * (f * p).sum()
+
+
+def z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """Router z-loss: mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
+    return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient: `_grouped_mm`'s CPU backward refuses expanded ones."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return g.contiguous()
+
+
+def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, impl: GroupedImpl) -> torch.Tensor:
+    """Rows of x (M, K) sorted by group, group g's `counts[g]` rows times w[g] (G, K, N) -> (M, N)."""
+    w = w.to(x.dtype)
+    if impl == "grouped_mm":
+        offsets = counts.cumsum(0).to(torch.int32)  # (stays on the device: no host sync)
+        return _ContiguousGrad.apply(torch._grouped_mm(x.contiguous(), w, offs=offsets))
+    sizes = counts.tolist()  # (a host read: the slices' bounds)
+    if impl == "loop":
+        return torch.cat([part @ w[g] for g, part in enumerate(x.split(sizes))], dim=0)
+    # bmm: pad every group to the largest, one batched matmul, keep the real rows
+    longest = max(sizes) if sizes else 0
+    padded = x.new_zeros(len(sizes), longest, x.shape[-1])
+    rows = torch.cat([torch.arange(n, device=x.device) for n in sizes]) if x.shape[0] else x.new_zeros(0).long()
+    group = torch.repeat_interleave(torch.arange(len(sizes), device=x.device), counts)
+    padded = padded.index_put((group, rows), x)
+    return torch.bmm(padded, w)[group, rows]
+
+
+def pick_impl(x: torch.Tensor) -> GroupedImpl:
+    """What "auto" runs: `torch._grouped_mm` where this torch has it for x's device and dtype (on the CPU in fp32
+    and bf16, forward and backward, checked on torch 2.13; CUDA's kernel is for bf16 only), else the per-expert
+    loop over contiguous slices. scripts/bench_moe.py measures the three on this machine."""
+    if not hasattr(torch, "_grouped_mm"):
+        return "loop"
+    if x.device.type == "cpu" or (x.device.type == "cuda" and x.dtype == torch.bfloat16):
+        return "grouped_mm"
+    return "loop"
+
+
+class Experts(nn.Module):
+    """n_experts MLPs of the model's kind with weights stacked along dim 0: w_up/w_gate (E, C, H), w_down (E, H, C)."""
+
+    def __init__(self, n_experts: int, n_embd: int, hidden: int, *, swiglu: bool, bias: bool) -> None:
+        super().__init__()
+        self.swiglu = swiglu
+        self.w_up = nn.Parameter(torch.empty(n_experts, n_embd, hidden))
+        self.w_gate = nn.Parameter(torch.empty(n_experts, n_embd, hidden)) if swiglu else None
+        self.w_down = nn.Parameter(torch.empty(n_experts, hidden, n_embd))
+        self.b_up = nn.Parameter(torch.empty(n_experts, hidden)) if bias else None
+        self.b_gate = nn.Parameter(torch.empty(n_experts, hidden)) if bias and swiglu else None
+        self.b_down = nn.Parameter(torch.empty(n_experts, n_embd)) if bias else None
+        for b in (self.b_up, self.b_gate, self.b_down):
+            if b is not None:
+                b.no_weight_decay = True  # type: ignore[attr-defined]  # (a stack of bias vectors: optim.decays)
+        self.impl: GroupedImpl = "auto"
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
+        """x (M, C) sorted by expert, `counts` (E,) rows per expert, `expert_of_row` (M,) -> (M, C)."""
+        if torch.is_autocast_enabled(x.device.type):  # (the grouped matmul is not on autocast's lists)
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        impl = pick_impl(x) if self.impl == "auto" else self.impl
+
+        def proj(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            out = grouped_matmul(inp, w, counts, impl=impl)
+            return out if b is None else out + b.to(out.dtype)[expert_of_row]
+
+        up = proj(x, self.w_up, self.b_up)  # (M, H)
+        if self.w_gate is not None:
+            h = F.silu(proj(x, self.w_gate, self.b_gate)) * up
+        else:
+            h = F.gelu(up, approximate="tanh")  # GPT-2's GELU, as the dense MLP
+        return proj(h, self.w_down, self.b_down)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts). Records its load-balancing losses and load per forward."""
+
+    def __init__(self, cfg: ModelConfig, shared: nn.Module | None, dropout: nn.Module) -> None:
+        super().__init__()
+        self.n_experts, self.top_k, self.order = cfg.n_experts, cfg.moe_top_k, cfg.moe_router_order
+        self.capacity_factor = cfg.moe_capacity_factor
+        self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
+        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.moe_expert_hidden, swiglu=cfg.mlp == "swiglu",
+                               bias=cfg.bias)
+        self.shared = shared
+        self.dropout = dropout
+        # DeepSeek-V3's aux-loss-free balancing: added to the scores for selection only, nudged after each step
+        self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
+        self.last_loss: torch.Tensor | None = None  # aux_coef * aux + z_coef * z of the last forward
+        self.reset_stats()
+
+    def reset_buffers(self) -> None:
+        self.expert_bias.zero_()  # (a checkpoint load afterwards brings the trained bias)
+
+    def reset_stats(self) -> None:
+        """Zero what the trainer reads at log steps (sums over training forwards)."""
+        self.stats: dict[str, torch.Tensor] = {}
+        self.step_load: torch.Tensor | None = None  # tokens per expert since the last bias update
+
+    @torch.no_grad()
+    def _record(self, name: str, value: torch.Tensor) -> None:
+        old = self.stats.get(name)
+        self.stats[name] = value.detach().float() if old is None else old + value.detach().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        flat = x.reshape(B * T, C)  # (N, C)
+        with torch.autocast(x.device.type, enabled=False):  # the router in fp32 whatever the run's precision
+            logits = F.linear(flat.float(), self.router.weight.float())  # (N, E)
+        weights, experts, probs = route(logits, self.top_k, self.order, self.expert_bias)
+        aux, z = aux_loss(probs, experts, self.n_experts), z_loss(logits)
+        self.last_loss = None
+        if self.aux_coef or self.z_coef:
+            self.last_loss = self.aux_coef * aux + self.z_coef * z
+
+        # dispatch: the N*k (token, slot) pairs sorted by expert (stable: earlier tokens first within an expert)
+        flat_expert = experts.flatten()  # (N*k,)
+        order = torch.argsort(flat_expert, stable=True)
+        counts = torch.bincount(flat_expert, minlength=self.n_experts)  # (E,)
+        expert_sorted = flat_expert[order]
+        token_sorted = order // self.top_k
+        weight_sorted = weights.flatten()[order]
+        load = counts
+        if self.capacity_factor > 0:  # keep each expert's first `capacity` assignments, drop the rest
+            capacity = math.ceil(self.capacity_factor * flat_expert.numel() / self.n_experts)
+            starts = counts.cumsum(0) - counts
+            keep = torch.arange(order.numel(), device=x.device) - starts[expert_sorted] < capacity
+            expert_sorted, token_sorted, weight_sorted = expert_sorted[keep], token_sorted[keep], weight_sorted[keep]
+            counts = counts.clamp(max=capacity)
+        rows = self.experts(flat[token_sorted], counts, expert_sorted)  # (M, C)
+        rows = rows * weight_sorted.to(rows.dtype)[:, None]
+        out = torch.zeros_like(flat, dtype=rows.dtype).index_add_(0, token_sorted, rows).to(x.dtype)
+        if self.training and not _in_backward():  # (not again when activation checkpointing recomputes)
+            self._record("aux", aux)
+            self._record("z", z)
+            self._record("load", load)
+            self._record("dropped", (load - counts).sum() / flat_expert.numel())
+            self._record("forwards", torch.ones((), device=x.device))
+            self.step_load = load.detach().float() if self.step_load is None else self.step_load + load
+        out = out.view(B, T, C)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return self.dropout(out)
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def moe_layers(model: nn.Module) -> list[MoE]:
+    return [m for m in model.modules() if isinstance(m, MoE)]
+
+
+@torch.no_grad()
+def update_expert_bias(layers: list[MoE], rate: float, all_reduce: AllReduce = None) -> None:
+    """After an optimizer step: bias += rate * sign(mean load - load), from the tokens each expert got since the
+    last update (summed over the data-parallel ranks by `all_reduce`, so every replica moves its bias alike)."""
+    for layer in layers:
+        load = layer.step_load
+        layer.step_load = None
+        if load is None or rate == 0:
+            continue
+        if all_reduce is not None:
+            all_reduce(load)
+        layer.expert_bias += rate * torch.sign(load.mean() - load)
+
+
+def take_metrics(layers: list[MoE], all_reduce: AllReduce = None) -> dict[str, float]:
+    """Means since the last call over layers and forwards (and over ranks, with `all_reduce` summing over them):
+    moe_aux_loss, moe_z_loss, moe_imbalance (max/mean tokens per expert, the worst layer),
+    moe_dropped_fraction. Resets the sums."""
+    if not layers or not layers[0].stats:
+        return {}
+    device = layers[0].expert_bias.device
+    scalars = torch.stack([torch.stack([m.stats["aux"], m.stats["z"], m.stats["dropped"], m.stats["forwards"]])
+                           for m in layers]).to(device)  # (L, 4)
+    loads = torch.stack([m.stats["load"] for m in layers]).to(device)  # (L, E)
+    if all_reduce is not None:
+        all_reduce(scalars)
+        all_reduce(loads)
+    n = scalars[:, 3].clamp(min=1)
+    imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).max()
+    for m in layers:
+        m.stats = {}
+    return {"moe_aux_loss": round((scalars[:, 0] / n).mean().item(), 6),
+            "moe_z_loss": round((scalars[:, 1] / n).mean().item(), 6),
+            "moe_imbalance": round(imbalance.item(), 4),
+            "moe_dropped_fraction": round((scalars[:, 2] / n).mean().item(), 6)}
