@@ -333,6 +333,9 @@ def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="mixed", metavar="{mixed,fp32}",
                    help="with --params: mixed (fp16/bf16 + fp32 master) or fp32 (default: %(default)s)")
     p.add_argument("--gpu-memory", default=None, help="with --suggest: the memory of one device, e.g. 80GiB")
+    p.add_argument("--gpus-per-node", type=int, default=8,
+                   help="with --suggest: devices per node; a group within one node communicates at its faster "
+                        "bandwidth (default: %(default)s)")
     p.add_argument("--suggest", action="store_true",
                    help="rank every layout of --world-size ranks that fits --gpu-memory (by estimated step time: "
                         "compute, pipeline bubble, communication)")
@@ -410,8 +413,10 @@ def _suggest(args: argparse.Namespace, cfg: Config, world: int) -> int:
         raise ConfigError("memory: --suggest needs --gpu-memory, e.g. 80GiB")
     if args.top < 1:
         raise ConfigError(f"memory: --top must be at least 1, got {args.top}")
+    if args.gpus_per_node < 1:
+        raise ConfigError(f"memory: --gpus-per-node must be at least 1, got {args.gpus_per_node}")
     budget = memory.parse_size(args.gpu_memory)
-    plan = memory_suggest.suggest(cfg, world, budget)
+    plan = memory_suggest.suggest(cfg, world, budget, args.gpus_per_node)
     if args.json:
         print(json.dumps(memory_suggest.to_json(plan)))
     else:

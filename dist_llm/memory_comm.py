@@ -11,8 +11,9 @@ from typing import Any
 from dist_llm import memory
 from dist_llm.config import Config
 
-NODE_BANDWIDTH = 300e9  # bytes a rank sends per second within a node (NVLink): tp's collectives, tp <= 8 a node
-BANDWIDTH = 50e9  # ... across nodes (one 400 Gb/s NIC per device): dp's and pp's
+NODE_BANDWIDTH = 300e9  # bytes a rank sends per second to ranks of its own node (NVLink)
+BANDWIDTH = 50e9  # ... to ranks of other nodes (one 400 Gb/s NIC per device)
+GPUS_PER_NODE = 8
 LATENCY = 20e-6  # seconds per collective call or point-to-point exchange
 
 
@@ -39,9 +40,18 @@ class Comm:
             out[k.removeprefix("tp_")] = out.get(k.removeprefix("tp_"), 0) + v
         return out
 
-    def seconds(self) -> float:
-        tp = sum(v for k, v in self.bytes.items() if k.startswith("tp_"))
-        return tp / NODE_BANDWIDTH + (self.total - tp) / BANDWIDTH + self.calls * LATENCY
+    def seconds(self, *, world: int, tp: int, pp: int, gpus_per_node: int = GPUS_PER_NODE) -> float:
+        """Each group's bytes at NODE_BANDWIDTH when its ranks share a node, else BANDWIDTH. Ranks are placed
+        as the launcher numbers them (ParallelContext.placement): tp innermost (a tp group is tp consecutive
+        ranks), then pp (a pipeline spans tp x pp consecutive ranks), dp outermost (it spans the world)."""
+        def bandwidth(span: int) -> float:
+            return NODE_BANDWIDTH if span <= gpus_per_node else BANDWIDTH
+
+        tp_bytes = sum(v for k, v in self.bytes.items() if k.startswith("tp_"))
+        p2p = self.bytes.get("p2p", 0)
+        rest = self.total - tp_bytes - p2p  # dp's collectives (and the clipping norm's few floats)
+        return (tp_bytes / bandwidth(tp) + p2p / bandwidth(tp * pp) + rest / bandwidth(world)
+                + self.calls * LATENCY)
 
 
 # -- communication ----------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ meta-device build (memory._model_params), and each (dp, tp, pp, stage, ZeRO) is 
 
 Memory: `memory.predict`'s own count, unchanged (a test compares every candidate with it).
 
-Cost model, the ranking (`COST_MODEL`, printed as the output's header): a candidate must fit the memory
+Cost model, the ranking (`cost_model`, printed as the output's header): a candidate must fit the memory
 budget; then the one with the least estimated step time comes first,
     step = compute + bubble + communication, nothing overlapped:
     compute        model FLOPs per token (2N forward, 2N backward to activations, 2N_trained to weights, the
@@ -18,8 +18,9 @@ budget; then the one with the least estimated step time comes first,
                    / world size / FLOPS
     bubble         compute x (pp-1)/m for m micro-batches per step (1F1B and GPipe alike: (pp-1)/(m+pp-1) of
                    the step idle)
-    communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for tp, whose group sits in a node,
-                   BANDWIDTH for the rest) + LATENCY per collective or exchange, counted as
+    communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for a group whose ranks share a
+                   node, --gpus-per-node of them, BANDWIDTH for one that spans nodes; ranks numbered tp
+                   innermost, then pp, dp outermost) + LATENCY per collective or exchange, counted as
                    comm.py counts them (ring all-reduce 2(n-1)/n of the tensor, all-gather (n-1) x the input,
                    reduce-scatter (n-1)/n of the input, p2p the tensor), for the busiest pipeline stage:
       DDP            all-reduce of the fp32 gradients once per step (after the last micro-step)
@@ -52,16 +53,20 @@ from typing import Any, Iterator
 from dist_llm import memory
 from dist_llm.config import (Config, ConfigError, ModelConfig, _check_finetuning, _check_grad_accum_dtype,
                              _check_pipeline, _check_tensor_parallel)
-from dist_llm.memory_comm import BANDWIDTH, LATENCY, NODE_BANDWIDTH, Comm, step_comm
+from dist_llm.memory_comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWIDTH, Comm, step_comm
 
 FLOPS = 200e12  # achieved per device (about 40-60% of an H100's dense bf16 peak)
 MAX_MICRO = 64
 CHECKPOINTING = ("none", "selective", "full")
 
-COST_MODEL = (f"ranked by estimated step time = compute + pipeline bubble + communication (not overlapped), "
-              f"assuming {FLOPS / 1e12:.0f} TFLOP/s per device, {NODE_BANDWIDTH / 1e9:.0f} GB/s per rank for tp "
-              f"(in a node), {BANDWIDTH / 1e9:.0f} GB/s for dp and pp, {LATENCY * 1e6:.0f} us per call; bubble (pp-1)/(m+pp-1) for m micro-batches; ZeRO-2 "
-              f"reduce-scatters and FSDP2 gathers at every micro-step")
+def cost_model(gpus_per_node: int = GPUS_PER_NODE) -> str:
+    """The ranking in one paragraph, printed as the output's header."""
+    return (f"ranked by estimated step time = compute + pipeline bubble + communication (not overlapped), "
+            f"assuming {FLOPS / 1e12:.0f} TFLOP/s per device, {NODE_BANDWIDTH / 1e9:.0f} GB/s per rank within a "
+            f"node of {gpus_per_node} devices and {BANDWIDTH / 1e9:.0f} GB/s across nodes (tp groups are "
+            f"consecutive ranks, then pp, dp outermost), {LATENCY * 1e6:.0f} us per call; bubble (pp-1)/(m+pp-1) "
+            f"for m micro-batches; ZeRO-2 reduce-scatters and FSDP2 gathers at every micro-step")
+
 
 
 @dataclass
@@ -101,6 +106,7 @@ class Plan:
     this_layout: tuple[int, int, int] | None  # the config's (dp, tp, pp), if a candidate at this world size
     this_config: Suggestion | None  # the config's own variant as given (None if the world size cannot run it)
     smallest: Suggestion | None  # the candidate with the least peak (to say what is closest when none fits)
+    gpus_per_node: int = GPUS_PER_NODE
 
 
 def _size(n: float) -> str:
@@ -173,7 +179,7 @@ def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]
                 yield dp, tp, pp, zero
 
 
-def suggest(cfg: Config, world_size: int, budget: int) -> Plan:
+def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS_PER_NODE) -> Plan:
     """Every candidate layout of `world_size` ranks counted; those whose peak fits `budget`, best first."""
     t, p = cfg.train, cfg.parallel
     states: dict[tuple[int, ...], memory.Estimate] = {}
@@ -209,7 +215,7 @@ def suggest(cfg: Config, world_size: int, budget: int) -> Plan:
                 bubble = bubble_fraction(pp, m)
                 everything.append(Suggestion(
                     cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute, bubble_s=compute * (pp - 1) / m,
-                    comm_s=comm.seconds(),
+                    comm_s=comm.seconds(world=world_size, tp=tp, pp=pp, gpus_per_node=gpus_per_node),
                     this_config=(dp, tp, pp, zero, micro, ckpt) == own))
     fits = sorted((s for s in everything if s.est.peak_bytes <= budget), key=lambda s: (s.step_s, s.est.peak_bytes))
     best: dict[tuple[int, int, int], list[Any]] = {}
@@ -219,7 +225,7 @@ def suggest(cfg: Config, world_size: int, budget: int) -> Plan:
     exact = next((s for s in mine if s.this_config), None)
     return Plan(world_size=world_size, budget=budget, fits=fits, layouts=[(s, n) for s, n in best.values()],
                 variants=len(everything), this_layout=own[:3] if mine else None, this_config=exact,
-                smallest=min(everything, key=lambda s: s.est.peak_bytes, default=None))
+                smallest=min(everything, key=lambda s: s.est.peak_bytes, default=None), gpus_per_node=gpus_per_node)
 
 
 def _cached_comm(cache: dict[tuple[Any, ...], Comm], c: Config, dp: int, tp: int, pp: int, s: int, zero: int,
@@ -280,7 +286,7 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
     shown = plan.layouts[:top]
     lines = [f"{plan.variants} variants of {plan.world_size} ranks counted (dp x tp x pp, ZeRO stage, micro batch, "
              f"checkpointing); {len(plan.fits)} fit {memory_text} per rank, in {n} distinct layouts (dp x tp x pp)",
-             f"cost model: {COST_MODEL}"]
+             f"cost model: {cost_model(plan.gpus_per_node)}"]
     header = (f"{'dp':>4}{'tp':>4}{'pp':>4}{'zero':>6}{'ckpt':>11}{'micro':>7}{'variants':>9}{'est. step':>11}"
               "  why")
     if not shown:

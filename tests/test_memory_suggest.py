@@ -158,3 +158,22 @@ def test_tensor_and_pipeline_bytes_equal_the_counted(tmp_path: Path, corpus: Pat
     cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False, **over))
     want = memory_suggest.step_comm(cfg, dp=1, tp=cfg.parallel.tp, pp=cfg.parallel.pp)
     assert want.by_kind() == got
+
+
+def test_a_group_within_a_node_is_priced_at_the_node_bandwidth() -> None:
+    """Hand-computed: 600 GB of tp traffic, 50 GB of p2p, 100 GB of dp traffic, 10 calls. Ranks are numbered tp
+    innermost, then pp, dp outermost, so a group is in one node when tp, tp x pp or the world fits one."""
+    from dist_llm.memory_comm import BANDWIDTH, LATENCY, NODE_BANDWIDTH, Comm
+
+    comm = Comm(bytes={"tp_all_reduce": 600 * 10**9, "p2p": 50 * 10**9, "all_reduce": 100 * 10**9}, calls=10)
+    node, net, lat = NODE_BANDWIDTH, BANDWIDTH, 10 * LATENCY
+    assert comm.seconds(world=32, tp=8, pp=2, gpus_per_node=8) == pytest.approx(600e9 / node + 50e9 / net + 100e9 / net + lat, rel=1e-12)
+    assert comm.seconds(world=32, tp=16, pp=2, gpus_per_node=8) == pytest.approx((600e9 + 50e9 + 100e9) / net + lat, rel=1e-12)
+    assert comm.seconds(world=8, tp=4, pp=2, gpus_per_node=8) == pytest.approx((600e9 + 50e9 + 100e9) / node + lat, rel=1e-12)
+
+
+def test_gpus_per_node_is_checked_and_changes_the_ranking(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = memory_cli(capsys, "--world-size", "8", "--gpu-memory", "80GiB", "--suggest", "--gpus-per-node", "0")
+    assert code == 2 and "--gpus-per-node must be at least 1, got 0" in err
+    code, out, _ = memory_cli(capsys, "--world-size", "8", "--gpu-memory", "80GiB", "--suggest", "--gpus-per-node", "4")
+    assert code == 0 and "within a node of 4 devices" in out
