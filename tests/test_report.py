@@ -21,6 +21,8 @@ def test_human_size() -> None:
         "0 B", "812 B", "1.00 KiB", "12.3 MiB", "1.50 GiB", "700 GiB", "-"]
     # just under a unit: the rounded number would read 1024 of the smaller one
     assert [human_size(n) for n in (1023.6, 2**20 - 100, 2**30 - 2**19)] == ["1.00 KiB", "1.00 MiB", "1.00 GiB"]
+    # and three significant digits where rounding carries into the next decade
+    assert [human_size(n) for n in (9.996 * 1024, 99.96 * 1024)] == ["10.0 KiB", "100 KiB"]
 
 
 def write_run(folder: Path, cfg: Config) -> None:

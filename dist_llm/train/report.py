@@ -37,7 +37,9 @@ def _digits(value: float, unit: str) -> str:
     """Three significant digits for a unit's number (bytes as an integer)."""
     if unit == "B":
         return f"{round(value)}"
-    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}" if abs(value) < 100 else f"{value:.0f}"
+    # chosen by the rounded number: 9.996 prints "10.0", not "10.00"; 99.96 prints "100", not "100.0"
+    return (f"{value:.2f}" if abs(round(value, 2)) < 10 else f"{value:.1f}" if abs(round(value, 1)) < 100
+            else f"{value:.0f}")
 
 
 def human_duration(seconds: float) -> str:
