@@ -92,7 +92,7 @@ def test_a_signal_during_the_build_is_one_line_and_its_exit_code(tmp_path: Path,
     proc = _signal_when_paused(tmp_path, BUILD, sig, *tiny(out))
     assert _last_line(proc, code) == said
     assert not (out / "metrics.jsonl").exists() and not (out / "checkpoints").exists()  # training never began
-    assert not (out / "run.lock").exists()
+    # (the run lock is taken after the build: its release is the resume case's to show)
 
 
 def test_a_sigterm_during_the_resume_releases_the_run_lock(tmp_path: Path) -> None:
