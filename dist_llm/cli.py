@@ -230,15 +230,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     # resumed: one line and 128 + 15, as a Ctrl-C then is one line and 130 (training installs its own handlers)
     with terminate_raises():
         ctx = ParallelContext.from_config(cfg)
+        stopped = False
         try:
             trainer = Trainer(cfg, ctx)
             trainer.fit()
         except (KeyboardInterrupt, Terminated):
+            stopped = True
             if trainer is not None:  # (stopped between the build and training: the run lock is this run's)
                 trainer.run_state.release_run_lock()
             raise
         finally:
-            ctx.destroy()
+            # not after a signal in a process of its own: a collective may be in flight here or on a peer, which
+            # NCCL's destroy would wait on, and the process ends next anyway (`run`: os._exit)
+            if not (stopped and args.__dict__.get("_process_entry")):
+                ctx.destroy()
     # 130 after a Ctrl-C that saved a checkpoint; under torchrun 0, which its launcher turns into 130 (a failed
     # worker would make torchrun restart the group, or print a failure summary)
     return 0 if _under_torchrun() else trainer.exit_code
