@@ -556,19 +556,3 @@ def parse_size(text: str) -> int:
         return int(float(low))
     except ValueError:
         raise ConfigError(f"--gpu-memory: expected a size such as 80GiB or 40GB, got {text!r}") from None
-
-
-def comm_cost(cfg: Config, dp: int, tp: int, pp: int) -> float:
-    """Bytes the busiest rank sends per step (memory_comm.step_comm; memory_suggest's docstring says how they are
-    counted)."""
-    from dist_llm.memory_comm import step_comm
-
-    return float(max(step_comm(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s).total for s in range(pp)))
-
-
-def suggest(cfg: Config, world_size: int, budget: int, limit: int = 20) -> list[tuple[Config, Estimate, float]]:
-    """The layouts of `world_size` ranks whose peak fits `budget`, best first by memory_suggest's cost model:
-    (config, estimate, bytes sent per step). `memory_suggest.suggest` has the whole plan."""
-    from dist_llm.memory_suggest import suggest as plan
-
-    return [(s.cfg, s.est, float(s.comm.total)) for s in plan(cfg, world_size, budget).fits[:limit]]

@@ -151,8 +151,11 @@ def sandbox(tmp: Path) -> dict[str, str]:
 def make_recipe(cmd: Command) -> list[str]:
     """What `make` would run for the README's make command (dry run, every rule as if out of date)."""
     tokens, k = program(cmd)
-    proc = subprocess.run(["make", "-n", "-B", *tokens[k + 1:]], cwd=REPO, capture_output=True, text=True,
-                          timeout=30, check=False)
+    # as a user's shell runs it: not as a sub-make of `make test` (CI), which would print its directory and
+    # pass its own flags and variables down
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES")}
+    proc = subprocess.run(["make", "--no-print-directory", "-n", "-B", *tokens[k + 1:]], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=30, check=False)
     assert proc.returncode == 0, f"{cmd}: make -n: {proc.stderr}"
     return [line.strip() for line in proc.stdout.splitlines() if line.strip()]
 

@@ -412,7 +412,7 @@ class Trainer:
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
         active = f" ({self.n_active_params / 1e6:.2f}M active)" if self.n_active_params != self.n_params else ""
-        log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d) | data parallel: %s | collectives: "
+        log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d) | data-parallel form %s | backend "
                  "%s | %s | %s | global batch %d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, active,
                  self.ctx.world_size,
                  self.ctx.dp, self.ctx.tp, self.ctx.pp, self.dp.name, self.ctx.backend, self.device, t.precision,
