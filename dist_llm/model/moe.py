@@ -225,14 +225,17 @@ def moe_layers(model: nn.Module) -> list[MoE]:
 @torch.no_grad()
 def update_expert_bias(layers: list[MoE], rate: float, all_reduce: AllReduce = None) -> None:
     """After an optimizer step: bias += rate * sign(mean load - load), from the tokens each expert got since the
-    last update (summed over the data-parallel ranks by `all_reduce`, so every replica moves its bias alike)."""
+    last update (summed over the data-parallel ranks by `all_reduce`, so every replica moves its bias alike;
+    every layer's loads in one collective)."""
+    loads = [layer.step_load for layer in layers]
     for layer in layers:
-        load = layer.step_load
         layer.step_load = None
-        if load is None or rate == 0:
-            continue
-        if all_reduce is not None:
-            all_reduce(load)
+    if rate == 0 or not layers or any(load is None for load in loads):
+        return
+    stacked = torch.stack(loads)  # (L, E)
+    if all_reduce is not None:
+        all_reduce(stacked)
+    for layer, load in zip(layers, stacked):
         layer.expert_bias += rate * torch.sign(load.mean() - load)
 
 
