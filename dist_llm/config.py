@@ -170,7 +170,7 @@ class ParallelConfig:
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
     """Pipeline schedule."""
     pp_layers: list[int] = field(default_factory=list)
-    """Blocks per pipeline stage; empty balances them by parameter count."""
+    """Blocks per pipeline stage; empty balances them by training FLOPs per token (blocks 6N + 12CT, the LM head and loss on the last stage, the embedding lookup ~0)."""
     sequence_parallel: bool = False
     """Shard norm/dropout regions along the sequence across tp ranks."""
     backend: Literal["native", "deepspeed"] = "native"

@@ -39,7 +39,6 @@ a column-parallel layer keeps the all-gathered input (b*s*h, not b*s*h/t), as a 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -183,13 +182,11 @@ def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
 
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) -> int:
     """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight."""
-    from dist_llm.parallel.pipeline.stage import partition_layers
-
     m, t, p = cfg.model, cfg.train, cfg.parallel
     sp = p.sequence_parallel and tp > 1
     tokens = t.micro_batch_size * m.block_size
     layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
-    layers = len(_stage_layers(cfg, pp, pp_rank, partition_layers)) if pp > 1 else m.n_layer
+    layers = len(_stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
     mode = t.activation_checkpointing
     if mode == "full":  # each block keeps its input (its recomputation in backward is a temporary)
         per_micro = layers * m.n_embd / (tp if sp else 1) * 4
@@ -211,20 +208,19 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) ->
     return round(per_micro * tokens * in_flight)
 
 
-def _stage_layers(cfg: Config, pp: int, pp_rank: int, partition_layers: Any) -> range:
-    m = cfg.model
-    embed = m.padded_vocab * m.n_embd
-    block = _block_params(cfg)
-    return _partition(partition_layers, m.n_layer, pp, block, embed, 0 if m.tie_embeddings else embed,
-                      tuple(cfg.parallel.pp_layers))[pp_rank]
+def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> range:
+    """This stage's blocks, as `cut_to_stage` splits them (balanced by training FLOPs, or parallel.pp_layers)."""
+    from dist_llm.parallel.pipeline.stage import stage_ranges
+
+    # remembered per model and split: the search is the dearest part of counting a layout
+    key = repr((cfg.model, pp, cfg.parallel.pp_layers))
+    if key not in _RANGES:
+        shapes = [(n, s) for n, s, _ in _model_params(cfg, peft=False)]
+        _RANGES[key] = stage_ranges(cfg.model, pp, shapes, cfg.parallel.pp_layers or None)
+    return _RANGES[key][pp_rank]
 
 
-@functools.lru_cache(maxsize=256)
-def _partition(partition_layers: Any, n_layer: int, pp: int, block: int, first: int, last: int,
-               explicit: tuple[int, ...]) -> list[range]:
-    """stage.partition_layers, remembered: its search is the dearest part of counting a layout."""
-    return partition_layers(n_layer, pp, block_weight=block, first_extra=first, last_extra=last,
-                            explicit=list(explicit) or None)
+_RANGES: dict[str, list[range]] = {}
 
 
 def _block_params(cfg: Config) -> int:
@@ -298,13 +294,11 @@ def _stage_params(cfg: Config, pp: int, pp_rank: int) -> list[tuple[str, tuple[i
     """(name, shape, requires_grad) of the parameters a rank of this pipeline stage holds: the whole model's
     (`_model_params`) kept as `cut_to_stage` keeps them (its blocks; the embedding on the first stage, and on the
     last with tied embeddings; the final norm and head on the last). A test checks it against the cut model."""
-    from dist_llm.parallel.pipeline.stage import partition_layers
-
     params = _model_params(cfg)
     if pp == 1:
         return params
     first, last = pp_rank == 0, pp_rank == pp - 1
-    blocks = _stage_layers(cfg, pp, pp_rank, partition_layers)
+    blocks = _stage_layers(cfg, pp, pp_rank)
 
     def kept(name: str) -> bool:
         top, _, rest = name.partition(".")

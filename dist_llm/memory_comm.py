@@ -177,7 +177,7 @@ def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
     sp = p.sequence_parallel
     part = (tp - 1) / tp  # an all-gather or reduce-scatter of a whole tensor; an all-reduce is twice that
     bsh = t.micro_batch_size * m.block_size * m.n_embd
-    layers = len(memory._stage_layers(cfg, pp, pp_rank, _partition())) if pp > 1 else m.n_layer
+    layers = len(memory._stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
     cols = 2 if m.mlp == "gelu" else 3
     rows = 2
     full = t.activation_checkpointing == "full"
@@ -213,7 +213,3 @@ def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
     out.add("all_reduce", 2 * part * 4)  # the gradient norm's tp-sharded part
 
 
-def _partition() -> Any:
-    from dist_llm.parallel.pipeline.stage import partition_layers
-
-    return partition_layers

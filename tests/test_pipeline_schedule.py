@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
-from dist_llm.config import ConfigError
+from dist_llm.config import ConfigError, load_config
+from dist_llm.model import GPT
 from dist_llm.parallel.pipeline.schedule import (
     SCHEDULES,
     Action,
@@ -17,7 +19,7 @@ from dist_llm.parallel.pipeline.schedule import (
     peak_in_flight,
     simulate,
 )
-from dist_llm.parallel.pipeline.stage import partition_layers
+from dist_llm.parallel.pipeline.stage import block_params, describe_stages, partition_layers, stage_ranges
 
 SHAPES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 4, 5, 8, 16)]
 
@@ -139,6 +141,39 @@ def test_partition_balances_parameters() -> None:
     assert ranges[0].start == 0 and ranges[-1].stop == 10
     assert all(a.stop == b.start for a, b in zip(ranges, ranges[1:]))
     assert [len(r) for r in partition_layers(6, 3, explicit=[1, 2, 3])] == [1, 2, 3]
+
+
+def test_partition_balances_compute_not_parameters() -> None:
+    """GPT-2 124M, tied: the 38.6M-parameter embedding costs no compute (a lookup), the LM head on the last
+    stage does. By hand, per token: a block 6 * 7,087,872 + 12 * 768 * 1024 = 51.96 MFLOP, the head and loss
+    6 * 768 * 50304 + 6 * 50304 = 232.1 MFLOP (4.5 blocks' worth): 8 blocks | 4 blocks + head = 415.7 | 440.0,
+    where 9 | 3 + head would be 467.7 | 388.0. (Balancing by parameters, as before, gave 3 | 9.)"""
+    cfg = load_config(None, ["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.block_size=1024",
+                             "model.vocab_size=50304", "model.tie_embeddings=true", "model.pos_emb=learned",
+                             "model.mlp=gelu", "model.bias=true"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert block_params(shapes, cfg.model)[0] == 7_087_872  # 12 * 768^2 weights + 13 * 768 biases and norms
+    assert [len(r) for r in stage_ranges(cfg.model, 2, shapes)] == [8, 4]
+    assert describe_stages(cfg.model, stage_ranges(cfg.model, 2, shapes), shapes) == (
+        "blocks 0-7 415.7 MFLOP/token (49%), blocks 8-11 440.0 MFLOP/token (51%)")
+    assert [len(r) for r in stage_ranges(cfg.model, 2, shapes, [3, 9])] == [3, 9]  # parallel.pp_layers wins
+
+
+def test_partition_counts_moe_blocks_by_active_experts() -> None:
+    """Uneven blocks: with one block in two MoE (8 experts, top-2) the heavier blocks spread over the stages.
+    An MoE block's experts count at top_k / n_experts of their parameters, as GPT.num_params(active=True)."""
+    cfg = load_config("configs/moe.yaml", ["model.n_layer=4", "model.moe_every=2"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    counts = block_params(shapes, cfg.model)
+    assert sum(counts) == model.num_params(active=True) - sum(
+        p.numel() for n, p in model.named_parameters() if not n.startswith("blocks."))
+    assert counts[0] == counts[2] != counts[1] == counts[3]
+    assert [len(r) for r in partition_layers(4, 2, block_weight=[1, 3, 1, 3])] == [2, 2]
+    assert [len(r) for r in partition_layers(4, 2, block_weight=[3, 3, 1, 1])] == [1, 3]
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -2,21 +2,53 @@
 
 from __future__ import annotations
 
+import itertools
+import logging
+import math
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 
 from torch import nn
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, ModelConfig
 from dist_llm.parallel.marks import mark_pp_duplicate
 
+log = logging.getLogger("dist_llm")
 
-def partition_layers(n_layer: int, stages: int, *, block_weight: float = 1.0, first_extra: float = 0.0,
-                     last_extra: float = 0.0, explicit: list[int] | None = None) -> list[range]:
+
+def block_params(named_shapes: Iterable[tuple[str, tuple[int, ...]]], m: ModelConfig) -> list[int]:
+    """Parameters a token goes through in each block, from (name, shape) of the whole model's parameters: of an
+    MoE layer's routed experts (stacked, `moe.experts.*`) only the top-k of n_experts, as GPT.num_params(active)."""
+    counts = [0] * m.n_layer
+    for name, shape in named_shapes:
+        if not name.startswith("blocks."):
+            continue
+        numel = math.prod(shape)
+        if ".moe.experts." in name:
+            numel = numel * m.moe_top_k // m.n_experts
+        counts[int(name.split(".")[1])] += numel
+    return counts
+
+
+def stage_costs(m: ModelConfig, active_params: Sequence[int]) -> tuple[list[float], float, float]:
+    """Training FLOPs per token of each block, of the first stage's extra work and of the last stage's.
+
+    A block costs 6N + 12*C*T (its active parameters N, attention over T positions: GPT.flops_per_token's
+    count). The embedding is a lookup, ~0 FLOPs, however many parameters it holds; the last stage adds the
+    LM head's matmul (6*C*V, tied or not) and the loss's log-softmax and its gradient (a few FLOPs per logit,
+    counted as 6*V)."""
+    blocks = [6.0 * n + 12.0 * m.n_embd * m.block_size for n in active_params]
+    return blocks, 0.0, 6.0 * m.n_embd * m.padded_vocab + 6.0 * m.padded_vocab
+
+
+def partition_layers(n_layer: int, stages: int, *, block_weight: float | Sequence[float] = 1.0,
+                     first_extra: float = 0.0, last_extra: float = 0.0,
+                     explicit: list[int] | None = None) -> list[range]:
     """Contiguous block ranges, one per stage.
 
     `explicit` (parallel.pp_layers) gives the block count of each stage. Otherwise the split minimises the
-    heaviest stage, counting `block_weight` per block plus `first_extra` on the first stage (the embedding)
-    and `last_extra` on the last (final norm and LM head): stages are balanced by parameter count."""
+    heaviest stage, counting `block_weight` per block (one figure, or one per block) plus `first_extra` on the
+    first stage and `last_extra` on the last; `stage_costs` gives them in FLOPs, so stages balance compute."""
     if explicit is not None:
         if len(explicit) != stages or any(c < 1 for c in explicit) or sum(explicit) != n_layer:
             raise ConfigError(f"parallel.pp_layers: {explicit} must be {stages} positive counts summing to "
@@ -25,7 +57,8 @@ def partition_layers(n_layer: int, stages: int, *, block_weight: float = 1.0, fi
     else:
         if stages > n_layer:
             raise ConfigError(f"parallel.pp: {stages} stages need at least as many blocks, model.n_layer={n_layer}")
-        counts = _balanced_counts(n_layer, stages, block_weight, first_extra, last_extra)
+        weights = [float(block_weight)] * n_layer if isinstance(block_weight, (int, float)) else list(block_weight)
+        counts = _balanced_counts(weights, stages, first_extra, last_extra)
     ranges, start = [], 0
     for c in counts:
         ranges.append(range(start, start + c))
@@ -33,24 +66,47 @@ def partition_layers(n_layer: int, stages: int, *, block_weight: float = 1.0, fi
     return ranges
 
 
-def _balanced_counts(n_layer: int, stages: int, block: float, first: float, last: float) -> list[int]:
-    def weight(stage: int, count: int) -> float:
-        return count * block + (first if stage == 0 else 0.0) + (last if stage == stages - 1 else 0.0)
+def _balanced_counts(blocks: list[float], stages: int, first: float, last: float) -> list[int]:
+    prefix = list(itertools.accumulate(blocks, initial=0.0))
+    n_layer = len(blocks)
+
+    def weight(stage: int, start: int, count: int) -> float:
+        return (prefix[start + count] - prefix[start] + (first if stage == 0 else 0.0)
+                + (last if stage == stages - 1 else 0.0))
 
     @lru_cache(maxsize=None)
-    def best(stage: int, remaining: int) -> tuple[float, tuple[int, ...]]:
-        """(heaviest stage, counts) for stages `stage`.. holding `remaining` blocks, each at least one."""
+    def best(stage: int, start: int) -> tuple[float, tuple[int, ...]]:
+        """(heaviest stage, counts) for stages `stage`.. holding blocks start.., each at least one."""
+        remaining = n_layer - start
         if stage == stages - 1:
-            return weight(stage, remaining), (remaining,)
+            return weight(stage, start, remaining), (remaining,)
         options = []
         for c in range(1, remaining - (stages - 1 - stage) + 1):
-            rest, counts = best(stage + 1, remaining - c)
+            rest, counts = best(stage + 1, start + c)
             # prefer the lighter heaviest stage, then the earlier stages holding more (a stable tie-break)
-            options.append((max(weight(stage, c), rest), -c, (c, *counts)))
+            options.append((max(weight(stage, start, c), rest), -c, (c, *counts)))
         heaviest, _, counts = min(options)
         return heaviest, counts
 
-    return list(best(0, n_layer)[1])
+    return list(best(0, 0)[1])
+
+
+def stage_ranges(m: ModelConfig, pp: int, named_shapes: Iterable[tuple[str, tuple[int, ...]]],
+                 explicit: list[int] | None = None) -> list[range]:
+    """Each pipeline stage's blocks: `explicit` (parallel.pp_layers) or balanced by training FLOPs."""
+    blocks, first, last = stage_costs(m, block_params(named_shapes, m))
+    return partition_layers(m.n_layer, pp, block_weight=blocks, first_extra=first, last_extra=last,
+                            explicit=explicit)
+
+
+def describe_stages(m: ModelConfig, ranges: list[range], named_shapes: Iterable[tuple[str, tuple[int, ...]]]) -> str:
+    """'blocks 0-7 (52%), blocks 8-11 (48%)': each stage's share of the training FLOPs per token."""
+    blocks, first, last = stage_costs(m, block_params(named_shapes, m))
+    loads = [sum(blocks[i] for i in r) + (first if s == 0 else 0.0) + (last if s == len(ranges) - 1 else 0.0)
+             for s, r in enumerate(ranges)]
+    total = sum(loads)
+    return ", ".join(f"blocks {r.start}-{r.stop - 1} {load / 1e6:.1f} MFLOP/token ({100 * load / total:.0f}%)"
+                     for r, load in zip(ranges, loads))
 
 
 def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[range, bool, bool]:
@@ -60,11 +116,10 @@ def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[
     weight too (as the head), marked a pipeline duplicate (parallel/marks.py) so the gradient norm counts it once.
     Returns (block range, first, last)."""
     m = cfg.model
-    block = sum(p.numel() for p in model.blocks[0].parameters())
-    embed = model.wte.weight.numel()
-    ranges = partition_layers(m.n_layer, pp, block_weight=block, first_extra=embed,
-                              last_extra=0 if m.tie_embeddings else embed,
-                              explicit=cfg.parallel.pp_layers or None)
+    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    ranges = stage_ranges(m, pp, shapes, cfg.parallel.pp_layers or None)
+    if pp_rank == 0:
+        log.info("pipeline stages by training FLOPs per token: %s", describe_stages(m, ranges, shapes))
     mine = ranges[pp_rank]
     first, last = pp_rank == 0, pp_rank == pp - 1
     for i in range(m.n_layer):
