@@ -235,3 +235,35 @@ def shared_error(error: str | None, group: Any) -> str | None:
     errors: list[str | None] = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, error, group=group)
     return next((e for e in errors if e is not None), None)
+
+
+# -- ring point-to-point (context parallelism) --------------------------------------------------------------------
+def ring_shift(sends: list[torch.Tensor], recvs: list[torch.Tensor], group: ProcessGroup | None,
+               stats: CommStats | None, *, kind: str = "ring") -> dist.Work | None:
+    """Send each of `sends` to the next rank of `group` and receive each of `recvs` (same shapes, in the same
+    order) from the previous one, all posted together as ONE `batch_isend_irecv`: under NCCL every rank posts
+    its send and its receive at once, so no rank blocks in a send waiting on a peer that is itself sending.
+    Returns a handle whose `wait()` completes all of them (None when nothing was posted); compute in between
+    overlaps the transfer. Bytes sent are counted as `kind`. On one rank the receives are copies of the sends."""
+    n = group_size(group)
+    if n == 1:
+        for s, r in zip(sends, recvs, strict=True):
+            r.copy_(s)
+        return None
+    if len(sends) != len(recvs):
+        raise ValueError(f"ring_shift: {len(sends)} sends but {len(recvs)} receives")
+    if not sends:
+        return None
+    me = dist.get_rank(group)
+    nxt, prev = (me + 1) % n, (me - 1) % n
+    if group is not None:
+        nxt, prev = dist.get_global_rank(group, nxt), dist.get_global_rank(group, prev)
+    ops = []
+    for s, r in zip(sends, recvs):
+        if stats is not None:
+            stats.add(kind, _nbytes(s))
+        # the same order of operations on every rank: gloo and NCCL match a pair's messages in posting order
+        ops.append(dist.P2POp(dist.isend, s, nxt, group))
+        ops.append(dist.P2POp(dist.irecv, r, prev, group))
+    with span("comm.ring"):
+        return _Works(dist.batch_isend_irecv(ops))
