@@ -12,15 +12,17 @@ import torch.nn.functional as F
 
 from dist_llm.model.positions import alibi_bias, alibi_slopes
 from dist_llm.parallel import comm
+from dist_llm.parallel.context_parallel import ring as ring_module
 from dist_llm.parallel.context_parallel import (block_plan, local_positions, merge_sequence, ring_attention,
                                                 split_sequence, unmasked_entries)
 from tests.distributed import run_distributed
 
 B, H, D, T = 2, 4, 8, 64  # T = 64 tokens: 16 per rank at cp 4, zigzag chunks of 8
-# (causal, layout, kv heads, alibi): MHA, GQA, MQA under both layouts, with and without ALiBi; one non-causal pair
-CASES = [(True, layout, kv, alibi) for layout, kv, alibi in itertools.product(("contiguous", "zigzag"), (4, 2, 1),
-                                                                                (False, True))]
-CASES += [(False, "zigzag", 2, False), (False, "contiguous", 4, False)]
+# (causal, layout, kv heads, alibi, dtype): MHA, GQA, MQA under both layouts, with and without ALiBi; non-causal; bf16
+F32, BF16 = torch.float32, torch.bfloat16
+CASES = [(True, layout, kv, alibi, F32) for layout, kv, alibi in itertools.product(("contiguous", "zigzag"), (4, 2, 1),
+                                                                                     (False, True))]
+CASES += [(False, "zigzag", 2, False, F32), (False, "contiguous", 4, False, F32), (True, "zigzag", 2, True, BF16)]
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -34,51 +36,96 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
 
 
 def _compare(group: dist.ProcessGroup | None, cp: int, rank: int, causal: bool, layout: str, kv_heads: int,
-             alibi: bool) -> dict[str, int]:
-    """Ring attention on this rank's part vs the whole-sequence reference's part; returns the ring bytes of the
-    forward and of the backward."""
-    case = f"rank {rank} cp {cp} causal={causal} {layout} kv_heads={kv_heads} alibi={alibi}"
+             alibi: bool, dtype: torch.dtype = F32) -> dict[str, int]:
+    """Ring attention on this rank's part vs the whole-sequence reference's part (fp32, on the same values);
+    returns the ring bytes of the forward and of the backward."""
+    case = f"rank {rank} cp {cp} causal={causal} {layout} kv_heads={kv_heads} alibi={alibi} {dtype}"
     gen = torch.Generator().manual_seed(1234 + kv_heads)  # every rank draws the same whole sequence
-    q, dout = (torch.randn(B, H, T, D, generator=gen) for _ in range(2))
-    k, v = (torch.randn(B, kv_heads, T, D, generator=gen) for _ in range(2))
+    # (rounded to `dtype` and back, so that the fp32 reference sees the values the ring sees)
+    q, dout = (torch.randn(B, H, T, D, generator=gen).to(dtype).float() for _ in range(2))
+    k, v = (torch.randn(B, kv_heads, T, D, generator=gen).to(dtype).float() for _ in range(2))
     slopes = alibi_slopes(H) if alibi else None
     whole = [x.clone().requires_grad_() for x in (q, k, v)]
     ref = _reference(*whole, causal, slopes)
     ref_grads = torch.autograd.grad(ref, whole, dout)
 
     part = lambda x: split_sequence(x, rank, cp, layout, dim=2)  # noqa: E731
-    local = [part(x).clone().requires_grad_() for x in (q, k, v)]
+    local = [part(x).to(dtype).requires_grad_() for x in (q, k, v)]
     stats = comm.CommStats()
-    out = ring_attention(*local, group=group, stats=stats, causal=causal, layout=layout, alibi_slopes=slopes)
+    saved: list[int] = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                  lambda t: t):
+        out = ring_attention(*local, group=group, stats=stats, causal=causal, layout=layout, alibi_slopes=slopes)
     forward_bytes = stats.reset().get("ring", 0)
-    grads = torch.autograd.grad(out, local, part(dout))
+    grads = torch.autograd.grad(out, local, part(dout).to(dtype))
     backward_bytes = stats.reset().get("ring", 0)
 
+    # what backward keeps is this rank's slice only: q, k, v, the output and the fp32 lse (B, nh, T_local)
+    assert sum(saved) == sum(x.numel() * x.element_size() for x in (*local, out)) + B * H * (T // cp) * 4, case
     # fp32: the ring sums the softmax in blocks merged by log-sum-exp, SDPA in one pass; the orders of summation
     # differ by a few ulps of values O(1), so 1e-5 is tight and still far below any real error (a missed or doubled
-    # block moves outputs by ~1e-1).
-    torch.testing.assert_close(out, part(ref), rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: output: {m}")
+    # block moves outputs by ~1e-1). bf16: the ring computes in fp32 and rounds its results once (2^-8 relative).
+    tol = 1e-5 if dtype == F32 else 1e-2
+    assert out.dtype == dtype and all(g.dtype == dtype for g in grads), case
+    torch.testing.assert_close(out.float(), part(ref), rtol=tol, atol=tol, msg=lambda m: f"{case}: output: {m}")
     for name, g, r in zip("qkv", grads, ref_grads):
-        torch.testing.assert_close(g, part(r), rtol=1e-5, atol=1e-5, msg=lambda m: f"{case}: d{name}: {m}")
+        torch.testing.assert_close(g.float(), part(r), rtol=tol, atol=tol, msg=lambda m: f"{case}: d{name}: {m}")
     return {"forward": forward_bytes, "backward": backward_bytes}
 
 
-def _ring_cases(rank: int, world_size: int) -> list[dict[str, int]]:
-    return [_compare(dist.group.WORLD, world_size, rank, *case) for case in CASES]
+def _events(cp: int, rank: int) -> list[str]:
+    """The order in which one forward and backward post ring transfers, compute blocks and wait."""
+    events: list[str] = []
+    real_shift, real_scores = comm.ring_shift, ring_module._Ring.scores
+
+    class Logged:
+        def __init__(self, work: dist.Work) -> None:
+            self.work = work
+
+        def wait(self) -> None:
+            self.work.wait()
+            events.append("wait")
+
+    def shift(*args: object, **kwargs: object) -> Logged:
+        events.append("post")
+        return Logged(real_shift(*args, **kwargs))
+
+    def scores(*args: object) -> torch.Tensor:
+        events.append("compute")
+        return real_scores(*args)
+
+    comm.ring_shift, ring_module._Ring.scores = shift, scores
+    try:
+        q = split_sequence(torch.randn(1, 2, T, D), rank, cp, "zigzag", dim=2).requires_grad_()
+        ring_attention(q, q, q, group=dist.group.WORLD, stats=None).sum().backward()
+    finally:
+        comm.ring_shift, ring_module._Ring.scores = real_shift, real_scores
+    return events
 
 
-def _kv_block_bytes(cp: int, kv_heads: int) -> int:
-    return B * kv_heads * (T // cp) * D * 4  # one rank's k (or v) block, fp32
+def _ring_cases(rank: int, world_size: int) -> tuple[list[dict[str, int]], list[str]]:
+    return [_compare(dist.group.WORLD, world_size, rank, *case) for case in CASES], _events(world_size, rank)
+
+
+def _kv_block_bytes(cp: int, kv_heads: int, dtype: torch.dtype = F32) -> int:
+    return B * kv_heads * (T // cp) * D * dtype.itemsize  # one rank's k (or v) block
 
 
 @pytest.mark.parametrize("cp", [2, 4])
 def test_ring_attention_equals_sdpa_and_counts_its_bytes(cp: int) -> None:
-    for rank_bytes in run_distributed(_ring_cases, cp):
-        for (causal, layout, kv_heads, alibi), got in zip(CASES, rank_bytes):
+    # each transfer is posted before the block it overlaps is computed, and waited for after; the last step of
+    # forward has nothing left to receive; backward's last hop takes the gradient accumulators home
+    overlapped = ["post", "compute", "wait"]
+    forward_events = overlapped * (cp - 1) + ["compute"]
+    backward_events = overlapped * (cp - 1) + (overlapped if cp > 2 else ["compute"]) + ["post", "wait"]
+    for rank_bytes, events in run_distributed(_ring_cases, cp):
+        assert events == forward_events + backward_events
+        for (causal, layout, kv_heads, alibi, dtype), got in zip(CASES, rank_bytes):
             # every block passes every rank, masked or not: 2 (k and v) x (cp - 1) sends forward; backward sends
             # the blocks again and their gradient accumulators (fp32) as many times
-            forward = 2 * (cp - 1) * _kv_block_bytes(cp, kv_heads)
-            assert got == {"forward": forward, "backward": 2 * forward}, (causal, layout, kv_heads, alibi)
+            forward = 2 * (cp - 1) * _kv_block_bytes(cp, kv_heads, dtype)
+            accumulators = 2 * (cp - 1) * _kv_block_bytes(cp, kv_heads, F32)
+            assert got == {"forward": forward, "backward": forward + accumulators}, (causal, layout, kv_heads, dtype)
 
 
 def _strided_groups(rank: int, world_size: int) -> dict[str, int]:
@@ -144,6 +191,8 @@ def test_bad_inputs_are_one_clear_line() -> None:
         ring_attention(q, q[:, :3], q[:, :3], group=None, stats=None)
     with pytest.raises(ValueError, match=r"alibi_slopes of shape \(2,\), expected \(4,\)"):
         ring_attention(q, q, q, group=None, stats=None, alibi_slopes=torch.ones(2))
+    with pytest.raises(ValueError, match="ALiBi is defined here for causal attention only"):
+        ring_attention(q, q, q, group=None, stats=None, causal=False, alibi_slopes=torch.ones(4))
     with pytest.raises(ValueError, match="zigzag layout needs an even number of tokens per rank, got 3"):
         split_sequence(torch.zeros(1, 6), 0, 2, "zigzag")
     with pytest.raises(ValueError, match="sequence length 7 is not a multiple of the context parallel degree 2"):

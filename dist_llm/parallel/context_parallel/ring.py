@@ -198,6 +198,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
                          f"(same batch, tokens and head size; query heads a multiple of kv heads)")
     if alibi_slopes is not None and alibi_slopes.shape != (H,):
         raise ValueError(f"ring_attention: alibi_slopes of shape {tuple(alibi_slopes.shape)}, expected ({H},)")
+    if alibi_slopes is not None and not causal:
+        raise ValueError("ring_attention: ALiBi is defined here for causal attention only (as in the model)")
     check_layout(layout, comm.group_size(group), T)
     ring = _Ring(q, k, group, stats, causal, layout, alibi_slopes, 1.0 / math.sqrt(D) if scale is None else scale)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)
