@@ -125,3 +125,19 @@ def test_ep_must_divide_dp_and_the_experts(tmp_path: Path) -> None:
     cfg.parallel.ep = 2
     with pytest.raises(ConfigError, match="needs an MoE model"):
         memory_moe.check_ep(cfg, 2)
+
+
+def test_suggest_keeps_to_the_forms_moe_allows_and_counts_active_flops(tmp_path: Path) -> None:
+    """--suggest offered tp and pp layouts the config refuses for an MoE model, and charged every expert's FLOPs
+    to every token; it now applies MoE's config rules and counts k of the E experts."""
+    from dist_llm import memory_suggest
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16}))
+    assert {(dp, tp, pp) for dp, tp, pp, _ in memory_suggest.layouts(cfg, 4)} == {(4, 1, 1)}
+    every = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16,
+                                                          "model__moe_top_k": E}))
+    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    # 2 FLOPs a parameter forward, 2 backward to the activations, 2 to the weights: for the E - K experts idle
+    saved = 6 * EXPERTS * (E - K) / E * tokens / 4 / memory_suggest.FLOPS
+    assert memory_suggest.compute_seconds(every, 4) - memory_suggest.compute_seconds(cfg, 4) == pytest.approx(
+        saved, rel=1e-9)
