@@ -36,3 +36,14 @@ def test_moe_run_gets_an_imbalance_plot_and_a_dense_run_none(tmp_path: Path) -> 
     assert not (dense.parent / "moe.png").exists()
     assert plot_moe(dense, dense.parent / "moe.png") is False
     assert sorted(p.name for p in dense.parent.iterdir()) == ["loss.png", "metrics.jsonl"]  # (no temporary left)
+
+
+def test_report_links_the_moe_plot_only_for_an_moe_run(tmp_path: Path) -> None:
+    from dist_llm.config import load_config
+    from dist_llm.train.report import write_report
+
+    for name, moe in (("moe", True), ("dense", False)):
+        path = _write(tmp_path / name, moe=moe)
+        (path.parent / "config.yaml").write_text(load_config(None, [f"train.out_dir={path.parent}"]).to_yaml())
+        report = write_report(path.parent).read_text()
+        assert ("![expert load](moe.png)" in report) is moe
