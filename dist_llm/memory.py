@@ -532,7 +532,8 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
             layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp))
         candidates.append(round(layer * t.micro_batch_size * m.block_size))
     if m.n_experts:  # expert parallelism's dispatch all-to-all: send and receive buffers (balanced load)
-        candidates.append(memory_moe.a2a_buffer_bytes(cfg, t.micro_batch_size * m.block_size, memory_moe.ep_degree(cfg)))
+        tokens = t.micro_batch_size * m.block_size
+        candidates.append(memory_moe.a2a_buffer_bytes(cfg, tokens, memory_moe.ep_degree(cfg)))
     return max(candidates)
 
 
@@ -633,7 +634,8 @@ def table(est: Estimate, title: str) -> str:
         lines.append("transients: the largest whole tensor while building, loading weights and exporting (besides "
                      "the model states; not in the training peak)")
     if est.moe:
-        for label, key in (("activations, worst", "activation_bytes_worst"), ("peak, worst routing", "peak_bytes_worst")):
+        for label, key in (("activations, worst", "activation_bytes_worst"),
+                           ("peak, worst routing", "peak_bytes_worst")):
             lines.append(f"{label:<22}{est.moe[key] / GB:>12.3f}{est.moe[key] / GiB:>12.3f}")
         lines += est.moe_lines
     lines += [f"note: {n}" for n in est.notes]

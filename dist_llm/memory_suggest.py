@@ -3,8 +3,8 @@
 Candidates: every (dp, tp, pp) with dp*tp*pp = world size that the config's validation accepts (tp divides
 the heads, the KV heads, the padded vocabulary, the MLP width and, with sequence parallelism, the sequence;
 pp at most n_layer; FSDP2 only without a pipeline; the forms MoE allows; the config's parallel.ep kept, not
-searched: expert parallelism's all-to-all is not in the cost model yet); each ZeRO stage the layout allows (one at dp=1: they are
-the same there); each micro-batch size that divides a rank's share of the global batch (up to 64); each
+searched: expert parallelism's all-to-all is not in the cost model yet); each ZeRO stage the layout allows
+(one at dp=1: they are the same there); each micro-batch size that divides a rank's share of the global batch (up to 64); each
 activation-checkpointing mode. Nothing is built per candidate: the model's parameter shapes come from one
 meta-device build (memory._model_params), and each (dp, tp, pp, stage, ZeRO) is counted once.
 
@@ -13,10 +13,11 @@ Memory: `memory.predict`'s own count, unchanged (a test compares every candidate
 Cost model, the ranking (`cost_model`, printed as the output's header): a candidate must fit the memory
 budget; then the one with the least estimated step time comes first,
     step = compute + bubble + communication, nothing overlapped:
-    compute        model FLOPs per token (N: the active parameters, k/E of an MoE layer's experts; 2N forward, 2N backward to activations, 2N_trained to weights, the
-                   attention core 4*s*h per layer forward and twice that backward, recomputation: a second
-                   forward with full checkpointing, the attention core again with selective) x tokens per step
-                   / world size / FLOPS
+    compute        model FLOPs per token (N: the active parameters, k/E of an MoE layer's experts; 2N
+                   forward, 2N backward to activations, 2N_trained to weights, the attention core 4*s*h per
+                   layer forward and twice that backward, recomputation: a second forward with full
+                   checkpointing, the attention core again with selective) x tokens per step / world size
+                   / FLOPS
     bubble         compute x (pp-1)/m for m micro-batches per step (1F1B and GPipe alike: (pp-1)/(m+pp-1) of
                    the step idle)
     communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for a group whose ranks share a
