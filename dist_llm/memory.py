@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from dist_llm import memory_moe
 from dist_llm.config import Config, ConfigError
 
 GB, GiB = 1e9, 2**30
@@ -72,6 +73,9 @@ class Estimate:
     export_transient_bytes: int = 0
     """`convert --to-hf`/`--to-full`: the largest full tensor read from the checkpoint (fp32) and the copy written."""
     notes: list[str] = field(default_factory=list)
+    moe: dict[str, int] | None = None
+    """MoE models: the routed-token figures at the balanced and worst-case load (memory_moe), by name."""
+    moe_lines: list[str] = field(default_factory=list)
 
     @property
     def model_states_bytes(self) -> int:
@@ -88,7 +92,7 @@ class Estimate:
                 "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
                 "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0,
                 "init_transient_bytes": self.init_transient_bytes, "load_transient_bytes": self.load_transient_bytes,
-                "export_transient_bytes": self.export_transient_bytes}
+                "export_transient_bytes": self.export_transient_bytes, **({"moe": self.moe} if self.moe else {})}
 
 
 # -- the ZeRO paper ---------------------------------------------------------------------------------------
@@ -130,7 +134,6 @@ def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[
     m, f = cfg.model, cfg.peft
     c, hd = m.n_embd, m.head_dim
     q, kv = m.n_head * hd / tp, (m.kv_heads * hd / tp if m.kv_heads >= tp else hd)
-    hidden = m.ffn_hidden / tp
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
     lora = set(f.targets) if f.method in ("lora", "qlora") else set()
@@ -141,19 +144,35 @@ def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[
     norm_stats = (1 if rms else 2) / seq
     low = q + 2 * kv  # the fused qkv output (q, k, v are views of it), kept by attention
     low += c if "qkv" in trained else 0  # the normalised input of qkv (whole: all-gathered under SP)
-    low += c if "mlp_up" in trained else 0  # ... of mlp.up (and gate)
     if m.pos_emb == "rope":
         low += q + kv  # rotated q and k, new tensors
     low += q  # attention output: kept by the attention kernel, and the projection's input
-    gated = m.mlp == "swiglu"
-    low += 3 * hidden if gated else hidden  # gate, silu, up / up: kept by the activation (and the product)
-    low += hidden if "mlp_down" in trained else 0  # the down projection's input
-    lora_inputs = sum({"qkv": 1, "attn_out": 1, "mlp_up": 2 if gated else 1, "mlp_down": 1}[x] for x in lora)
-    low += lora_inputs * f.rank  # each LoRA's A x, the input of B
+    low += sum(1 for x in lora if x in ("qkv", "attn_out")) * f.rank  # each LoRA's A x, the input of B
+    low += _mlp_low_values(cfg, tp)
     if f.method == "adapter":  # after attention and MLP: its input, the bottleneck, and its activation
         low += 2 * (c / seq + 2 * f.rank)
     high = 2 * norm_in + 2 * norm_stats + m.n_head / tp  # log-sum-exp per head
     return low, high
+
+
+def _mlp_low_values(cfg: Config, tp: int) -> float:
+    """The dense MLP's part of `our_layer_values`' 16-bit values (an MoE block has memory_moe's instead): its
+    normalised input, its hidden values, the down projection's input, its LoRAs' A x."""
+    m, f = cfg.model, cfg.peft
+    hidden = m.ffn_hidden / tp
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    trained = {"qkv", "attn_out", "mlp_up", "mlp_down"} if f.method == "none" else lora
+    gated = m.mlp == "swiglu"
+    low = m.n_embd if "mlp_up" in trained else 0  # the normalised input of mlp.up (and gate)
+    low += 3 * hidden if gated else hidden  # gate, silu, up / up: kept by the activation (and the product)
+    low += hidden if "mlp_down" in trained else 0  # the down projection's input
+    low += sum({"mlp_up": 2 if gated else 1, "mlp_down": 1}.get(x, 0) for x in lora) * f.rank
+    return low
+
+
+def _params16(cfg: Config, dp: int) -> bool:
+    """Parameters held in the compute dtype: our ZeRO-1/2 (with fp32 masters), DeepSpeed at every stage."""
+    return cfg.parallel.backend == "deepspeed" or (dp > 1 and cfg.parallel.zero_stage in (1, 2))
 
 
 def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
@@ -163,10 +182,20 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> f
     if cfg.train.precision == "fp32":
         return 4 * (low + high)
     # our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage
-    params16 = cfg.parallel.backend == "deepspeed" or (dp > 1 and cfg.parallel.zero_stage in (1, 2))
+    params16 = _params16(cfg, dp)
     fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
                                                 / (tp if sequence_parallel else 1))
     return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats
+
+
+def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False) -> float:
+    """Bytes per token an MoE block saves: the dense block's without its MLP, plus router, routed and shared
+    experts (memory_moe) for one micro-batch, at the balanced or the worst-case load."""
+    tokens = cfg.train.micro_batch_size * cfg.model.block_size
+    dense = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
+    mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp)
+    moe = memory_moe.moe_block_bytes(cfg, tokens, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp), worst=worst)
+    return dense - mlp + moe / tokens
 
 
 def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
@@ -180,32 +209,43 @@ def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
     return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
 
 
-def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) -> int:
-    """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight."""
+def _blocks(cfg: Config, pp: int, pp_rank: int) -> range:
+    """The blocks of this pipeline stage."""
+    return _stage_layers(cfg, pp, pp_rank) if pp > 1 else range(cfg.model.n_layer)
+
+
+def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> int:
+    """Micro-batches whose activations a stage holds at once: all of them with GPipe, pp - rank with 1F1B."""
+    t = cfg.train
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    if pp == 1:
+        return 1
+    return micro if cfg.parallel.pp_schedule == "gpipe" else min(micro, pp - pp_rank)
+
+
+def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False) -> int:
+    """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight (MoE
+    blocks at the balanced routed load, or with `worst` every ep rank's routed tokens on this one)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     sp = p.sequence_parallel and tp > 1
     tokens = t.micro_batch_size * m.block_size
     layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
-    layers = len(_stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
+    blocks = _blocks(cfg, pp, pp_rank)
+    layers = len(blocks)
+    n_moe = sum(1 for i in blocks if m.is_moe_block(i))
+    moe_layer = _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp, worst=worst) if n_moe else 0.0
     mode = t.activation_checkpointing
     if mode == "full":  # each block keeps its input (its recomputation in backward is a temporary)
         per_micro = layers * m.n_embd / (tp if sp else 1) * 4
     elif mode == "selective":  # only the attention core is recomputed: it held just the log-sum-exp
-        per_micro = layers * (layer - m.n_head / tp * 4)
+        per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * m.n_head / tp * 4
     else:
-        per_micro = layers * layer
+        per_micro = (layers - n_moe) * layer + n_moe * moe_layer
     if pp_rank == pp - 1:
         per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
     elif pp_rank == 0:
         per_micro += 2  # token ids
-    micro = t.global_batch_size // (t.micro_batch_size * dp)
-    if pp == 1:
-        in_flight = 1
-    elif p.pp_schedule == "gpipe":
-        in_flight = micro
-    else:
-        in_flight = min(micro, pp - pp_rank)
-    return round(per_micro * tokens * in_flight)
+    return round(per_micro * tokens * _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp))
 
 
 def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> range:
@@ -331,17 +371,22 @@ def _stage_model(cfg: Config, pp: int, pp_rank: int) -> torch.nn.Module:
 
 
 def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Estimate:
-    """Bytes of model states on rank 0 of the given pipeline stage (dp rank 0, tp rank 0)."""
+    """Bytes of model states on rank 0 of the given pipeline stage (dp rank 0, tp rank 0). With expert
+    parallelism (memory_moe) the rank holds E/ep experts, sharded by ZeRO over the dp/ep ranks that share them;
+    the dense parameters over all dp ranks."""
     from dist_llm.parallel.data.zero import accum_dtype, rank_segments
     from dist_llm.precision import DTYPES
 
     p, t = cfg.parallel, cfg.train
     params = _stage_params(cfg, pp, pp_rank)
+    ep = memory_moe.ep_degree(cfg)
     qlora = cfg.peft.method == "qlora"
     trainable: list[tuple[str, tuple[int, ...]]] = []
     frozen_bytes = 0
     for name, full_shape, requires_grad in params:
         shape = _local_shape(name, full_shape, cfg, tp)
+        if ep > 1 and memory_moe.is_expert(name):
+            shape = memory_moe.local_expert_shape(shape, ep)
         n = math.prod(shape)
         if requires_grad:
             trainable.append((name, shape))
@@ -360,24 +405,30 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
     if stage in (1, 2) and p.backend == "native":
         compute = DTYPES[t.precision]
         size = torch.tensor([], dtype=compute).element_size()
-        buckets = zero_buckets(cfg, trainable, dp=dp, pp=pp, has_wte=any(n == "wte.weight" for n, _, _ in params))
-        total = sum(b.numel for b in buckets)
-        shard = total // dp
-        segments = rank_segments(buckets, 0)
         accum = torch.tensor([], dtype=accum_dtype(cfg)).element_size()
-        est.params_bytes = total * size + frozen_bytes
-        est.grads_bytes = (total if stage == 1 else shard) * accum
-        est.master_bytes = 4 * shard if mixed else 0
-        est.optimizer_bytes = 8 * sum(s.hi - s.lo for s in segments) + 4 * len(segments)
-        est.temporary_bytes = _zero_in_flight_bytes(cfg, stage, buckets, size, accum)
+        est.params_bytes = frozen_bytes
+        has_wte = any(n == "wte.weight" for n, _, _ in params)
+        for group, group_dp in _zero_groups(trainable, dp, ep):  # (one plan each: dense over dp, experts dp/ep)
+            buckets = zero_buckets(cfg, group, dp=group_dp, pp=pp, has_wte=has_wte)
+            total = sum(b.numel for b in buckets)
+            shard = total // group_dp
+            segments = rank_segments(buckets, 0)
+            est.params_bytes += total * size
+            est.grads_bytes += (total if stage == 1 else shard) * accum
+            est.master_bytes += 4 * shard if mixed else 0
+            est.optimizer_bytes += 8 * sum(s.hi - s.lo for s in segments) + 4 * len(segments)
+            est.temporary_bytes = max(est.temporary_bytes, _zero_in_flight_bytes(cfg, stage, buckets, size, accum))
         return est
-    if stage == 3:  # FSDP2: dim 0 of every parameter split into dp chunks, rank 0 holding the first
-        local = [math.prod((-(-s[0] // dp), *s[1:])) if s else 1 for _, s in trainable]
+    if stage == 3:  # FSDP2: dim 0 of every parameter split into dp chunks (experts: dp/ep), rank 0 the first
+        def chunk(name: str, s: tuple[int, ...]) -> int:
+            parts = dp // ep if memory_moe.is_expert(name) else dp
+            return math.prod((-(-s[0] // parts), *s[1:])) if s else 1
+
+        local = [chunk(n, s) for n, s in trainable]
         frozen = 0
         for name, full_shape, requires_grad in params:
             if not requires_grad:
-                s = _local_shape(name, full_shape, cfg, tp)
-                frozen += 4 * math.prod((-(-s[0] // dp), *s[1:]))
+                frozen += 4 * chunk(name, _local_shape(name, full_shape, cfg, tp))
         est.params_bytes = 4 * sum(local) + frozen
         est.grads_bytes = 4 * sum(local)
         est.optimizer_bytes = 8 * sum(local) + 4 * len(local)
@@ -387,6 +438,17 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
     est.grads_bytes = 4 * n_train
     est.optimizer_bytes = 8 * n_train + 4 * len(trainable)
     return est
+
+
+def _zero_groups(trainable: list[tuple[str, tuple[int, ...]]], dp: int,
+                 ep: int) -> list[tuple[list[tuple[str, tuple[int, ...]]], int]]:
+    """The (parameters, ranks sharing them) ZeRO-1/2 plans: one over dp, or at ep>1 the dense parameters over dp
+    and the rank's experts over the dp/ep ranks of its expert-data-parallel group."""
+    if ep == 1:
+        return [(trainable, dp)]
+    dense = [x for x in trainable if not memory_moe.is_expert(x[0])]
+    experts = [x for x in trainable if memory_moe.is_expert(x[0])]
+    return [(dense, dp), (experts, dp // ep)]
 
 
 def zero_buckets(cfg: Config, trainable: list[tuple[str, tuple[int, ...]]], *, dp: int, pp: int,
@@ -457,9 +519,15 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
         # on the CPU gathered straight into the parameter (fsdp.GatherIntoParameter), on a GPU beside its buffer
         copies = 1 if _runs_on_gloo(cfg) else 2
         candidates.append(copies * m.padded_vocab * m.n_embd // tp * size)
+    sp = p.sequence_parallel and tp > 1
     if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
-        layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=p.sequence_parallel and tp > 1)
+        layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+        if m.n_experts:
+            layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp))
         candidates.append(round(layer * t.micro_batch_size * m.block_size))
+    if m.n_experts:  # expert parallelism's dispatch all-to-all: send and receive buffers (balanced load)
+        tokens = t.micro_batch_size * m.block_size
+        candidates.append(memory_moe.a2a_buffer_bytes(cfg, tokens, memory_moe.ep_degree(cfg)))
     return max(candidates)
 
 
@@ -505,12 +573,15 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     world = world_size or max(1, p.dp) * p.tp * p.pp
     dp, tp, pp = resolve_degrees(world, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
                                  micro_batch_size=cfg.train.micro_batch_size)
+    ep = memory_moe.check_ep(cfg, dp)
     stages = [pp_rank] if pp_rank is not None else range(pp)
     best: Estimate | None = None
     for s in stages:
         est = model_state_bytes(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
         est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
         est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp))
+        if cfg.model.n_experts:
+            _moe_figures(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s, ep=ep)
         if p.offload == "cpu":
             est.offloaded = True
             est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "
@@ -520,6 +591,27 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     assert best is not None
     best.init_transient_bytes, best.load_transient_bytes, best.export_transient_bytes = transient_bytes(cfg)
     return best
+
+
+def _moe_figures(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int, ep: int) -> None:
+    """The routed-token figures `dist-llm memory` prints for an MoE model; the peak keeps the balanced load."""
+    m, t = cfg.model, cfg.train
+    tokens = t.micro_batch_size * m.block_size
+    n_moe = sum(1 for i in _blocks(cfg, pp, pp_rank) if m.is_moe_block(i))
+    in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
+    rows = memory_moe.routed_rows(cfg, tokens, ep)
+    per_row = memory_moe.received_row_bytes(cfg) * n_moe * in_flight
+    worst = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, worst=True)
+    a2a_worst = memory_moe.a2a_buffer_bytes(cfg, tokens, ep, worst=True)
+    est.moe = {"ep": ep, "routed_rows": rows.assignments, "received_rows_balanced": rows.received_balanced,
+               "received_rows_worst": rows.received_worst,
+               "routed_activation_bytes_balanced": per_row * rows.received_balanced,
+               "routed_activation_bytes_worst": per_row * rows.received_worst,
+               "a2a_buffer_bytes_balanced": memory_moe.a2a_buffer_bytes(cfg, tokens, ep),
+               "a2a_buffer_bytes_worst": a2a_worst, "activation_bytes_worst": worst,
+               "peak_bytes_worst": est.peak_bytes - est.activation_bytes + worst
+               + max(0, a2a_worst - est.temporary_bytes)}
+    est.moe_lines = memory_moe.summary_lines(cfg, tokens, ep, n_moe, in_flight)
 
 
 # -- presentation ---------------------------------------------------------------------------------------------
@@ -535,6 +627,11 @@ def table(est: Estimate, title: str) -> str:
     if est.init_transient_bytes or est.load_transient_bytes or est.export_transient_bytes:
         lines.append("transients: the largest whole tensor while building, loading weights and exporting (besides "
                      "the model states; not in the training peak)")
+    if est.moe:
+        for label, key in (("activations, worst", "activation_bytes_worst"),
+                           ("peak, worst routing", "peak_bytes_worst")):
+            lines.append(f"{label:<22}{est.moe[key] / GB:>12.3f}{est.moe[key] / GiB:>12.3f}")
+        lines += est.moe_lines
     lines += [f"note: {n}" for n in est.notes]
     return "\n".join(lines)
 

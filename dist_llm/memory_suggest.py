@@ -2,8 +2,9 @@
 
 Candidates: every (dp, tp, pp) with dp*tp*pp = world size that the config's validation accepts (tp divides
 the heads, the KV heads, the padded vocabulary, the MLP width and, with sequence parallelism, the sequence;
-pp at most n_layer; FSDP2 only without a pipeline); each ZeRO stage the layout allows (one at dp=1: they are
-the same there); each micro-batch size that divides a rank's share of the global batch (up to 64); each
+pp at most n_layer; FSDP2 only without a pipeline; the forms MoE allows; the config's parallel.ep kept, not
+searched: expert parallelism's all-to-all is not in the cost model yet); each ZeRO stage the layout allows
+(one at dp=1: they are the same there); each micro-batch size that divides a rank's share of the global batch (up to 64); each
 activation-checkpointing mode. Nothing is built per candidate: the model's parameter shapes come from one
 meta-device build (memory._model_params), and each (dp, tp, pp, stage, ZeRO) is counted once.
 
@@ -12,10 +13,11 @@ Memory: `memory.predict`'s own count, unchanged (a test compares every candidate
 Cost model, the ranking (`cost_model`, printed as the output's header): a candidate must fit the memory
 budget; then the one with the least estimated step time comes first,
     step = compute + bubble + communication, nothing overlapped:
-    compute        model FLOPs per token (2N forward, 2N backward to activations, 2N_trained to weights, the
-                   attention core 4*s*h per layer forward and twice that backward, recomputation: a second
-                   forward with full checkpointing, the attention core again with selective) x tokens per step
-                   / world size / FLOPS
+    compute        model FLOPs per token (N: the active parameters, k/E of an MoE layer's experts; 2N
+                   forward, 2N backward to activations, 2N_trained to weights, the attention core 4*s*h per
+                   layer forward and twice that backward, recomputation: a second forward with full
+                   checkpointing, the attention core again with selective) x tokens per step / world size
+                   / FLOPS
     bubble         compute x (pp-1)/m for m micro-batches per step (1F1B and GPipe alike: (pp-1)/(m+pp-1) of
                    the step idle)
     communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for a group whose ranks share a
@@ -50,8 +52,8 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from dist_llm import memory
-from dist_llm.config import (Config, ConfigError, ModelConfig, _check_finetuning, _check_grad_accum_dtype,
+from dist_llm import memory, memory_moe
+from dist_llm.config import (Config, ConfigError, ModelConfig, _check_finetuning, _check_grad_accum_dtype, _check_moe,
                              _check_pipeline, _check_tensor_parallel)
 from dist_llm.memory_comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWIDTH, Comm, step_comm
 
@@ -129,8 +131,12 @@ def _divisors(n: int) -> list[int]:
 def compute_seconds(cfg: Config, world_size: int) -> float:
     m, t = cfg.model, cfg.train
     params = memory._model_params(cfg)
-    n = sum(math.prod(s) for _, s, _ in params)
-    trained = sum(math.prod(s) for _, s, g in params if g)
+
+    def active(name: str, shape: tuple[int, ...]) -> float:  # a token meets k of an MoE layer's E experts
+        return math.prod(shape) * (m.moe_top_k / m.n_experts if memory_moe.is_expert(name) else 1)
+
+    n = sum(active(name, s) for name, s, _ in params)
+    trained = sum(active(name, s) for name, s, g in params if g)
     attention = 4 * m.block_size * m.n_embd * m.n_layer  # QK^T and AV, forward, per token
     forward = 2 * n + attention
     per_token = forward + (2 * n + 2 * attention) + 2 * trained
@@ -172,7 +178,8 @@ def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]
                 try:  # the rules that involve the layout (the rest of config.validate passed when the config loaded)
                     c = _with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=t.global_batch_size // dp,
                               ckpt=t.activation_checkpointing)
-                    for check in (_check_grad_accum_dtype, _check_tensor_parallel, _check_pipeline, _check_finetuning):
+                    for check in (_check_grad_accum_dtype, _check_tensor_parallel, _check_pipeline, _check_finetuning,
+                                  _check_moe):
                         check(c)
                 except ConfigError:
                     continue

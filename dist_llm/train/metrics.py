@@ -1,4 +1,4 @@
-"""metrics.jsonl (one JSON object a line) and the loss.png drawn from it."""
+"""metrics.jsonl (one JSON object a line) and the loss.png drawn from it (and moe.png for an MoE run)."""
 
 from __future__ import annotations
 
@@ -106,12 +106,61 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return records
 
 
-def plot_losses(metrics_path: Path, png_path: Path) -> None:
-    """Train and validation loss against step. A resumed run's lines override the earlier run's at the same step."""
+def _pyplot() -> Any:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig: Any, png_path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    try:
+        with atomic_path(png_path) as tmp:  # a resumed run redraws it: a failed draw keeps the previous plot
+            fig.savefig(tmp, format="png")  # the temporary name has no .png to infer the format from
+    finally:
+        plt.close(fig)
+
+
+MOE_PLOT = "moe.png"
+
+
+def plot_moe(metrics_path: Path, png_path: Path) -> bool:
+    """An MoE run's expert load against step: moe_imbalance (max/mean tokens per expert, the worst layer; 1 is
+    perfect balance) above, the aux loss and the dropped-token fraction below. Nothing for a dense run's
+    metrics (no moe_imbalance): returns whether it drew."""
+    series: dict[str, dict[int, float]] = {"moe_imbalance": {}, "moe_aux_loss": {}, "moe_dropped_fraction": {}}
+    for rec in read_metrics(metrics_path):
+        for key, points in series.items():
+            if key in rec and math.isfinite(rec[key]):
+                points[rec["step"]] = rec[key]
+    if not series["moe_imbalance"]:
+        return False
+    plt = _pyplot()
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True)
+    top.plot(*zip(*sorted(series["moe_imbalance"].items())), label="imbalance (max/mean load)", linewidth=1.2)
+    top.axhline(1.0, color="gray", linestyle="--", linewidth=0.8, label="balanced")
+    top.set_ylabel("max / mean tokens per expert")
+    top.set_title(f"{metrics_path.parent.name}: expert load")
+    for key, label in (("moe_aux_loss", "aux loss"), ("moe_dropped_fraction", "dropped fraction")):
+        if series[key]:
+            bottom.plot(*zip(*sorted(series[key].items())), label=label, linewidth=1.2)
+    bottom.set_xlabel("step")
+    for ax in (top, bottom):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    _save(fig, png_path)
+    return True
+
+
+def plot_losses(metrics_path: Path, png_path: Path) -> None:
+    """Train and validation loss against step. A resumed run's lines override the earlier run's at the same step.
+    An MoE run's expert load goes to moe.png beside it (`plot_moe`)."""
+    plt = _pyplot()
 
     train: dict[int, float] = {}
     val: dict[int, float] = {}
@@ -131,8 +180,5 @@ def plot_losses(metrics_path: Path, png_path: Path) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    try:
-        with atomic_path(png_path) as tmp:  # a resumed run redraws it: a failed draw keeps the previous plot
-            fig.savefig(tmp, format="png")  # the temporary name has no .png to infer the format from
-    finally:
-        plt.close(fig)
+    _save(fig, png_path)
+    plot_moe(metrics_path, png_path.with_name(MOE_PLOT))

@@ -160,6 +160,8 @@ def build_report(run_dir: Path) -> str:
         lines.append(f"- last training loss {last['loss']:.4f}" + (f", validation loss {val[-1]['val_loss']:.4f} at step "
                                                                   f"{val[-1]['step']}" if val else ""))
     lines += ["", "## Loss", "", "![loss](loss.png)", ""]
+    if any("moe_imbalance" in r for r in train):
+        lines += ["## Expert load", "", "![expert load](moe.png)", ""]
     return "\n".join(lines)
 
 
@@ -184,7 +186,8 @@ def summary_lines(run_dir: Path, *, step: int, stop: int, newest: Path | None, c
         lines.append(f"  wall time {human_duration(seconds)} of training (evaluation and checkpoints included), "
                      f"{tokens / seconds:,.0f} tokens/s on average")
     where = [("checkpoints", run_dir / "checkpoints", f" (newest: {newest.name})" if newest else ""),
-             ("report", run_dir / "report.md", ""), ("loss plot", run_dir / "loss.png", "")]
+             ("report", run_dir / "report.md", ""), ("loss plot", run_dir / "loss.png", ""),
+             ("MoE plot", run_dir / "moe.png", "")]
     lines += [f"  {label + ':':<13}{path}{more}" for label, path, more in where if path.exists()]
     if newest:
         lines.append(f"  {'sample:':<13}{command}")

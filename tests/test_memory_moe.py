@@ -1,0 +1,143 @@
+"""`dist-llm memory` for Mixture-of-Experts models: the prediction against what a training rank holds, expert
+parameters per rank under expert parallelism (by hand from the shapes), and the routed load's figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_llm import memory, memory_moe
+from dist_llm.config import ConfigError, load_config
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import corpus, train  # noqa: F401
+from tests.test_memory import _config, cli
+
+MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_hidden": 48}
+
+# fp32: what the calculator leaves out is a few scalars (the loss's, the balancing gradient's): 1%.
+# mixed precision: the dense layers' 16-bit weight copies that autocast saves are not counted (the experts' are):
+# 3.4% of this tiny model's activations, so 5%; the dense tests allow 10%.
+CASES = [
+    (1, {"model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__moe_every": 2}, 0.01),
+    (1, {"model__n_shared_experts": 1, "model__moe_router_order": "softmax_topk", "model__moe_capacity_factor": 1.25,
+         "model__moe_bias_update_rate": 0.01}, 0.01),
+    (1, {"model__mlp": "swiglu", "train__precision": "bf16", "train__activation_checkpointing": "selective"}, 0.05),
+    (1, {"train__activation_checkpointing": "full"}, 0.01),
+    (2, {"parallel__zero_stage": 2, "train__precision": "bf16", "parallel__bucket_mb": 0.01,
+         "model__n_shared_experts": 1}, 0.05),
+]
+
+
+@pytest.mark.parametrize(("world", "extra", "rel"), CASES,
+                         ids=["swiglu-every2", "gelu-shared-capacity", "bf16-selective", "full-ckpt", "zero2-bf16"])
+def test_moe_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, world: int,  # noqa: F811
+                                                  extra: dict[str, Any], rel: float) -> None:
+    """Model states to the byte; saved activations (router logits and probabilities in fp32, the sort indices,
+    the routed rows, the experts' hidden values, the combine) against the saved-tensor meter at ep=1."""
+    extra = {**MOE, **extra, "train__max_steps": 1}
+    got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
+           else train(0, 1, tmp_path, corpus, extra))
+    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0)
+    held = got["state_bytes"]
+    assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
+        est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
+    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=rel)
+
+
+# a model whose shapes the tests below count by hand: C wide, vocabulary V (tied), L blocks of E experts H wide
+C, V, L, E, H, K = 32, 256, 2, 4, 48, 2
+SHAPES = {"model__n_layer": L, "model__n_embd": C, "model__vocab_size": V, "model__mlp": "swiglu",
+          "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__bias": False, "model__n_experts": E,
+          "model__moe_top_k": K, "model__moe_hidden": H}
+# per block: two norm weights (C), qkv (3C x C), proj (C x C), router (E x C); the embedding once; the final norm
+DENSE = V * C + L * (2 * C + 3 * C * C + C * C + E * C) + C
+EXPERTS = L * 3 * E * C * H  # w_up, w_gate (E, C, H), w_down (E, H, C)
+TENSORS = 1 + L * 8 + 1
+
+
+def _ep_config(tmp_path: Path, ep: int, *, zero_stage: int = 0, **extra: Any):  # type: ignore[no-untyped-def]
+    """The config at `ep`, set after loading: parallel.ep lands with expert parallelism (memory reads it with
+    getattr), and the config refuses MoE at ZeRO-3 until then, which the calculator plans for already."""
+    cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, **extra}))
+    cfg.parallel.ep = ep
+    cfg.parallel.zero_stage = zero_stage
+    return cfg
+
+
+def test_expert_parameters_per_rank_at_ep2_by_hand(tmp_path: Path) -> None:
+    # DDP (dp=2, ep=2): every rank holds the dense parameters and half the experts, fp32, with gradients and moments
+    est = memory.predict(_ep_config(tmp_path, 2, train__global_batch_size=8), 2)
+    local = DENSE + EXPERTS // 2
+    assert (est.params_bytes, est.grads_bytes, est.master_bytes) == (4 * local, 4 * local, 0)
+    assert est.optimizer_bytes == 8 * local + 4 * TENSORS  # Adam's two moments and a 4-byte step per tensor
+    # ZeRO-3 (dp=4, ep=2): dense dim 0 split in 4; the rank's 2 experts split over its 2 expert-data-parallel ranks
+    est = memory.predict(_ep_config(tmp_path, 2, zero_stage=3, train__global_batch_size=16), 4)
+    dense_shard = V // 4 * C + L * (2 * C // 4 + 3 * C // 4 * C + C // 4 * C + E // 4 * C) + C // 4
+    expert_shard = L * 3 * (E // 2 // 2) * C * H
+    assert est.params_bytes == est.grads_bytes == 4 * (dense_shard + expert_shard)
+    assert est.optimizer_bytes == 8 * (dense_shard + expert_shard) + 4 * TENSORS
+    # ep=1 at the same layout: all 4 experts, dim 0 split over the 4 dp ranks: more bytes
+    assert memory.predict(_ep_config(tmp_path, 1, zero_stage=3, train__global_batch_size=16), 4
+                          ).params_bytes == 4 * (dense_shard + L * 3 * (E // 4) * C * H)
+
+
+def test_routed_activations_balanced_and_worst_case(tmp_path: Path) -> None:
+    """Balanced: a rank's experts compute as many rows as it routes (N*k); worst: every ep rank's rows land on one
+    rank, ep times that. Each received row keeps the experts' input and SwiGLU's four hidden values, fp32."""
+    ep = 2
+    cfg = _ep_config(tmp_path, ep, train__global_batch_size=8)
+    est = memory.predict(cfg, 2)
+    tokens = cfg.train.micro_batch_size * cfg.model.block_size
+    balanced = L * tokens * K * 4 * (C + 4 * H)
+    assert est.moe is not None
+    assert est.moe["routed_activation_bytes_balanced"] == balanced
+    assert est.moe["routed_activation_bytes_worst"] == ep * balanced
+    assert est.moe["activation_bytes_worst"] - est.activation_bytes == (ep - 1) * balanced
+    # the dispatch all-to-all's send (the rank's N*k permuted rows) and receive buffers, C fp32 values a row
+    assert est.moe["a2a_buffer_bytes_balanced"] == 4 * C * (tokens * K + tokens * K)
+    assert est.moe["a2a_buffer_bytes_worst"] == 4 * C * (tokens * K + ep * tokens * K)
+    # at ep=1 there is no all-to-all and no worse case: the rank computes all its own rows whatever the load
+    one = memory.predict(_ep_config(tmp_path, 1, train__global_batch_size=8), 2).moe
+    assert one is not None and one["a2a_buffer_bytes_worst"] == 0
+    assert one["routed_activation_bytes_worst"] == one["routed_activation_bytes_balanced"] == balanced
+    # a capacity factor bounds the worst case: E * ceil(1.0 * N*k / E) rows reach a rank at most
+    capped = memory.predict(_ep_config(tmp_path, ep, train__global_batch_size=8, model__moe_capacity_factor=1.0), 2)
+    assert capped.moe is not None and capped.moe["received_rows_worst"] == tokens * K
+
+
+def test_memory_command_on_moe_yaml_states_the_load_it_assumes() -> None:
+    out = cli("--config", "configs/moe.yaml")
+    assert out.returncode == 0, out.stderr
+    assert "the activations and peak above assume the balanced load" in out.stdout
+    assert "MoE: 8 experts, top-2, ep=1 (8 experts a rank), 4 MoE layers" in out.stdout
+    assert "peak, worst routing" in out.stdout
+    dense = cli("--config", "configs/tiny.yaml")
+    assert "MoE" not in dense.stdout and "worst" not in dense.stdout
+
+
+def test_ep_must_divide_dp_and_the_experts(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^parallel.ep: must divide dp=2 and model.n_experts=4, got 4$"):
+        memory.predict(_ep_config(tmp_path, 4, train__global_batch_size=8), 2)
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    cfg.parallel.ep = 2
+    with pytest.raises(ConfigError, match="needs an MoE model"):
+        memory_moe.check_ep(cfg, 2)
+
+
+def test_suggest_keeps_to_the_forms_moe_allows_and_counts_active_flops(tmp_path: Path) -> None:
+    """--suggest offered tp and pp layouts the config refuses for an MoE model, and charged every expert's FLOPs
+    to every token; it now applies MoE's config rules and counts k of the E experts."""
+    from dist_llm import memory_suggest
+
+    cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16}))
+    assert {(dp, tp, pp) for dp, tp, pp, _ in memory_suggest.layouts(cfg, 4)} == {(4, 1, 1)}
+    every = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16,
+                                                          "model__moe_top_k": E}))
+    tokens = cfg.train.global_batch_size * cfg.model.block_size
+    # 2 FLOPs a parameter forward, 2 backward to the activations, 2 to the weights: for the E - K experts idle
+    saved = 6 * EXPERTS * (E - K) / E * tokens / 4 / memory_suggest.FLOPS
+    assert memory_suggest.compute_seconds(every, 4) - memory_suggest.compute_seconds(cfg, 4) == pytest.approx(
+        saved, rel=1e-9)
