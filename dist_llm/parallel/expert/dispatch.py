@@ -68,7 +68,7 @@ class AllToAllDispatch:
         rows = all_to_all_rows(x, received_host, sent_host, self.group, self.stats)  # (R, C) by source rank
         # regroup by local expert (stable: by source rank within an expert), run them, restore the arrival order
         local_expert = torch.arange(n_local, device=x.device).repeat(ep)  # (ep * n_local,) expert of each run
-        expert_of_received = torch.repeat_interleave(local_expert, received)  # (R,)
+        expert_of_received = torch.repeat_interleave(local_expert, received, output_size=rows.shape[0])  # (R,)
         order = torch.argsort(expert_of_received, stable=True)
         if rows.shape[0]:
             out = experts(rows[order], received.view(ep, n_local).sum(0), expert_of_received[order])
