@@ -48,7 +48,7 @@ def worker(rank: int, args: argparse.Namespace, port: int, queue: object) -> Non
         stats = CommStats()
         layer = build(args, rank, ep, dist.group.WORLD, stats)
         torch.manual_seed(rank)
-        x = torch.randn(1, args.tokens, args.embd)
+        x = torch.randn(1, args.tokens, args.embd, requires_grad=True)  # (as in a model: both reverse all-to-alls run)
 
         def step() -> None:
             layer(x).square().mean().backward()
