@@ -23,13 +23,15 @@ from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401 - corpus: fixture
 
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_z_loss_coef": 0.001}
-VARIANTS = {"plain": {}, "shared+bias": {"model__n_shared_experts": 1, "model__moe_bias_update_rate": 0.01}}
+VARIANTS = {"plain": {}, "shared+bias": {"model__n_shared_experts": 1, "model__moe_bias_update_rate": 0.01},
+            "capacity": {"model__moe_capacity_factor": 1.0},  # rows dropped before the dispatch, per rank as at dp
+            "recompute": {"train__activation_checkpointing": "full"}}  # the all-to-alls again in backward
 
 
 @pytest.mark.parametrize("world,ep,zero_stage,variant", [
-    (2, 2, 0, "shared+bias"), (2, 2, 1, "plain"), (2, 2, 2, "shared+bias"),
+    (2, 2, 0, "shared+bias"), (2, 2, 1, "capacity"), (2, 2, 2, "shared+bias"),
     (4, 2, 0, "plain"), (4, 2, 1, "shared+bias"), (4, 2, 2, "plain"),
-    (4, 4, 0, "shared+bias"), (4, 4, 1, "plain"), (4, 4, 2, "shared+bias"),
+    (4, 4, 0, "shared+bias"), (4, 4, 1, "recompute"), (4, 4, 2, "shared+bias"),
 ])
 def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                 world: int, ep: int, zero_stage: int, variant: str) -> None:
