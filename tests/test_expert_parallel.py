@@ -8,7 +8,6 @@ balancing losses are per forward."""
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import Any
