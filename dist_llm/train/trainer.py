@@ -415,7 +415,8 @@ class Trainer:
         log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d%s) | data-parallel form %s | backend "
                  "%s | %s | %s | global batch %d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, active,
                  self.ctx.world_size,
-                 self.ctx.dp, self.ctx.tp, self.ctx.pp, f", ep {self.ctx.ep}" if self.ctx.ep > 1 else "", self.dp.name, self.ctx.backend, self.device, t.precision,
+                 self.ctx.dp, self.ctx.tp, self.ctx.pp, f", ep {self.ctx.ep}" if self.ctx.ep > 1 else "", self.dp.name,
+                 self.ctx.backend, self.device, t.precision,
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
             log.info(line)
