@@ -165,3 +165,39 @@ def _refused_at_start(rank: int, world_size: int) -> str:
 def test_ep_must_divide_the_world_dp() -> None:
     got = run_distributed(_refused_at_start, 2, init_group=False)
     assert got == ["parallel.ep: 4 does not divide dp=2 (WORLD_SIZE=2 / (tp*pp))"] * 2
+
+
+def _biased_step(rank: int, world_size: int, ep: int) -> dict[str, Any]:
+    """One forward and backward of a 4-expert model whose selection bias sends every token to experts 0 and 1, so
+    at ep=2 rank 1's experts get no rows at all: its all-to-alls must still run, both ways."""
+    from dist_llm.model.moe import moe_layers
+    from dist_llm.parallel.parallelize import materialize, meta_model
+
+    cfg = load_config(None, [*tiny_overrides(Path("unused"), **MOE, train__micro_batch_size=2), f"parallel.ep={ep}",
+                             "model.bias=false"])
+    ctx = ParallelContext.from_config(cfg)
+    model = meta_model(cfg, ctx)
+    materialize(model, cfg, ctx)
+    for m in moe_layers(model):
+        m.expert_bias.copy_(torch.tensor([9.0, 9.0, 0.0, 0.0]))
+    losses = []
+    for r in ([rank] if ep > 1 else range(2)):  # one process: both ranks' batches, gradients summed
+        torch.manual_seed(r)
+        x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+        loss = model(x, x, reduction="sum")
+        loss.backward()
+        losses.append(loss.item())
+    grads = {n: torch.zeros_like(p) if p.grad is None else p.grad.clone()  # (None: no row reached them here)
+             for n, p in model.named_parameters() if "experts" in n}
+    return {"losses": losses, "grads": grads, "first": [m.experts.w_up.shape[0] * ctx.ep_rank for m in moe_layers(model)]}
+
+
+def test_a_rank_whose_experts_get_no_rows() -> None:
+    ref = run_distributed(_biased_step, 1, 1)[0]
+    got = run_distributed(_biased_step, 2, 2)
+    assert [g["losses"][0] for g in got] == pytest.approx(ref["losses"], rel=1e-6)
+    for g in got:  # each rank's experts: the gradient of both ranks' tokens (zero for the experts no token chose)
+        for name, grad in g["grads"].items():
+            first = g["first"][0]
+            torch.testing.assert_close(grad, ref["grads"][name][first : first + grad.shape[0]], rtol=1e-5, atol=1e-6)
+    assert all(float(grad.abs().sum()) == 0.0 for grad in got[1]["grads"].values())
