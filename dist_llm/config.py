@@ -165,6 +165,9 @@ class ParallelConfig:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts split over ep data-parallel ranks (ep divides dp;
+    consecutive dp ranks form an ep group), tokens sent to their experts by all-to-all."""
     zero_stage: int = 0
     """0 = DDP, 1/2 = optimizer (+gradient) sharding, 3 = FSDP2."""
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
@@ -662,6 +665,10 @@ def _check_pipeline(cfg: Config) -> None:
 
 def _check_moe(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
+    if p.ep < 1:
+        raise ConfigError(f"parallel.ep: must be >= 1, got {p.ep}")
+    if p.ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); a dense model has no experts")
     _non_negative(cfg, "model.n_experts", "model.moe_hidden", "model.n_shared_experts", "model.moe_aux_loss_coef",
                   "model.moe_z_loss_coef", "model.moe_bias_update_rate", "model.moe_capacity_factor")
     if not m.n_experts:
@@ -670,12 +677,30 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe_top_k: must be in [1, model.n_experts={m.n_experts}], got {m.moe_top_k}")
     if not 1 <= m.moe_every <= m.n_layer:
         raise ConfigError(f"model.moe_every: must be in [1, model.n_layer={m.n_layer}], got {m.moe_every}")
+    _check_expert_parallel(cfg)
     # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
     for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
                      (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}"),
                      (m.init_from.startswith("hf:"), "model.init_from=hf:")):
         if on:
             raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
+
+
+def _check_expert_parallel(cfg: Config) -> None:
+    """parallel.ep > 1: experts split over ep of the dp ranks (dp itself is checked against WORLD_SIZE at start,
+    parallel/context.py). With tp, pp, ZeRO-3 and DeepSpeed it comes later (issue 19)."""
+    m, p = cfg.model, cfg.parallel
+    if p.ep == 1:
+        return
+    if m.n_experts % p.ep:
+        raise ConfigError(f"parallel.ep: model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}")
+    if p.dp and p.dp % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
+    for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"),
+                     (p.zero_stage == 3, "parallel.zero_stage=3"), (p.backend != "native", f"parallel.backend={p.backend}")):
+        if on:
+            raise ConfigError(f"parallel.ep: expert parallelism with {what} is not yet supported (issue 19); "
+                              f"use parallel.ep=1")
 
 
 def _check_finetuning(cfg: Config) -> None:

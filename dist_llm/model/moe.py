@@ -17,8 +17,9 @@ Load-balancing losses (both over the N tokens of one forward, in fp32):
       to expert i and P_i the mean over tokens of softmax(logits)_i; 1.0 at perfect balance
   z-loss (ST-MoE)     = mean over tokens of logsumexp(logits)^2
 
-The model stays plain PyTorch: expert parallelism (later) slices the stacked expert weights along dim 0 and
-swaps dispatch/combine for all-to-alls; expert e's weights are `w_*[e]` whatever the layout.
+The model stays plain PyTorch: expert parallelism (parallel/expert/) slices the stacked expert weights along
+dim 0 and sets `dispatch`, which carries the sorted rows to their experts' ranks by all-to-all and back; expert
+e's weights are `w_*[e]` of the whole layer whatever the layout.
 """
 
 from __future__ import annotations
@@ -155,6 +156,9 @@ class MoE(nn.Module):
                                bias=cfg.bias)
         self.shared = shared
         self.dropout = dropout
+        #: None: this layer's own experts run the rows; else (experts, rows, counts, expert_of_row) -> outputs
+        #: (expert parallelism's all-to-all, set from outside)
+        self.dispatch: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
         # DeepSeek-V3's aux-loss-free balancing: added to the scores for selection only, nudged after each step
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.last_loss: torch.Tensor | None = None  # aux_coef * aux + z_coef * z of the last forward
@@ -198,7 +202,10 @@ class MoE(nn.Module):
             keep = torch.arange(order.numel(), device=x.device) - starts[expert_sorted] < capacity
             expert_sorted, token_sorted, weight_sorted = expert_sorted[keep], token_sorted[keep], weight_sorted[keep]
             counts = counts.clamp(max=capacity)
-        rows = self.experts(flat[token_sorted], counts, expert_sorted)  # (M, C)
+        if self.dispatch is None:
+            rows = self.experts(flat[token_sorted], counts, expert_sorted)  # (M, C)
+        else:
+            rows = self.dispatch(self.experts, flat[token_sorted], counts, expert_sorted)
         rows = rows * weight_sorted.to(rows.dtype)[:, None]
         out = torch.zeros_like(flat, dtype=rows.dtype).index_add_(0, token_sorted, rows).to(x.dtype)
         if self.training and not _in_backward():  # (not again when activation checkpointing recomputes)

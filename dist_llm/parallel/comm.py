@@ -187,6 +187,27 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGrou
     return None
 
 
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup | None, stats: CommStats | None, *,
+               output_splits: list[int] | None = None, input_splits: list[int] | None = None) -> None:
+    """`output` = the ranks' pieces of `input` meant for this rank, in rank order: rank i's `input` is cut along
+    dim 0 into `input_splits` (even pieces when None) and piece j goes to rank j. The splits are host ints, as
+    NCCL needs them before the call: a caller with sizes on the device reads them first (one sync).
+
+    Bytes counted: what leaves this rank, i.e. every piece of `input` but its own."""
+    n = group_size(group)
+    if n == 1:
+        output.copy_(input)
+        return
+    if stats is not None:
+        row = _nbytes(input) // max(1, input.shape[0])
+        me = dist.get_rank(group)
+        own = (input_splits[me] if input_splits is not None else input.shape[0] // n) * row
+        stats.add("all_to_all", _nbytes(input) - own)
+    with span("comm.all_to_all"):
+        dist.all_to_all_single(output, input.contiguous(), output_split_sizes=output_splits,
+                               input_split_sizes=input_splits, group=group)
+
+
 # -- failures -------------------------------------------------------------------------------------------------
 _TIMED_OUT = ("Timed out", "timed out", "Timeout", "timeout")
 _PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "pair closure", "Broken pipe",

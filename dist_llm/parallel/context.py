@@ -8,6 +8,11 @@ Ranks are laid out on a DeviceMesh with dims ("dp", "pp", "tp"), tp innermost: c
 GPUs under torchrun) share a tensor-parallel group, whose all-reduces on every layer need the fastest links;
 pipeline stages come next (their point-to-point activations cross nodes), and data-parallel replicas are
 the outermost split (their gradient reductions overlap with backward and tolerate the slower network).
+
+Expert parallelism (`parallel.ep`) is carved out of dp: dp rank d is expert-parallel rank d % ep of the ep group
+of dp ranks [d - d % ep, d - d % ep + ep), so an ep group's ranks are adjacent in dp (on one node when tp = pp = 1)
+for its all-to-alls on every MoE layer; the expert-data-parallel group joins the dp ranks d' with d' % ep == d % ep,
+which hold the same experts and reduce their gradients.
 """
 
 from __future__ import annotations
@@ -90,6 +95,7 @@ class ParallelContext:
     tp: int
     pp: int
     device: torch.device
+    ep: int = 1
     mesh: DeviceMesh | None = None
     comm: CommStats = field(default_factory=CommStats)
     owns_group: bool = False
@@ -100,6 +106,10 @@ class ParallelContext:
     #: a gloo group of every rank for small host-side agreements (whether to stop, peak memory): a collective on
     #: CPU tensors that never makes the host wait for the GPU. The default group when that is gloo already.
     cpu_group: dist.ProcessGroup | None = None
+    #: the ep ranks of this rank's dp row that hold different experts (all-to-all of tokens); None when ep = 1
+    ep_group: dist.ProcessGroup | None = None
+    #: the dp ranks that hold this rank's experts (their gradient reduction); the dp group when ep = 1
+    expert_dp_group: dist.ProcessGroup | None = None
 
     # -- coordinates ------------------------------------------------------------------------------------------
     @property
@@ -112,6 +122,16 @@ class ParallelContext:
     @property
     def dp_rank(self) -> int:
         return self._coord("dp")
+
+    @property
+    def ep_rank(self) -> int:
+        """This rank's place in its ep group: it holds experts [ep_rank * E/ep, (ep_rank + 1) * E/ep)."""
+        return self.dp_rank % self.ep
+
+    @property
+    def expert_dp(self) -> int:
+        """Replicas of each expert: dp / ep."""
+        return self.dp // self.ep
 
     @property
     def tp_rank(self) -> int:
@@ -167,14 +187,17 @@ class ParallelContext:
         by_host: dict[str, list[int]] = {}
         for rank, host in enumerate(self.hosts):
             by_host.setdefault(host, []).append(rank)
-        lines = [f"mesh (dp={self.dp}, pp={self.pp}, tp={self.tp}) over {len(by_host)} host(s), ranks as (dp, pp, tp):"]
+        ep = (f"; ep={self.ep} inside dp: expert groups (dp ranks) "
+              + ", ".join(str(list(range(d, d + self.ep))) for d in range(0, self.dp, self.ep))) if self.ep > 1 else ""
+        lines = [f"mesh (dp={self.dp}, pp={self.pp}, tp={self.tp}{ep}) over {len(by_host)} host(s), ranks as (dp, pp, tp):"]
         for host, ranks in by_host.items():
             shown = ", ".join(f"{r}{coords[r]}" for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
             lines.append(f"  {host}: {shown}")
         return lines
 
     def layout(self) -> dict[str, int]:
-        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
+        out = {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
+        return {**out, "ep": self.ep} if self.ep > 1 else out
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -188,8 +211,10 @@ class ParallelContext:
         p = cfg.parallel
         dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
                                      micro_batch_size=cfg.train.micro_batch_size)
+        if dp % p.ep:
+            raise ConfigError(f"parallel.ep: {p.ep} does not divide dp={dp} (WORLD_SIZE={world_size} / (tp*pp))")
         device = pick_device(cfg.train.device, local_rank)
-        ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device)
+        ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device, ep=p.ep)
         if world_size > 1:
             if not dist.is_initialized():
                 backend = "nccl" if device.type == "cuda" else "gloo"
@@ -208,7 +233,28 @@ class ParallelContext:
                         group = dist.new_group(pair)
                         if rank in pair:
                             ctx.embedding_group = group
+            ctx.expert_dp_group = ctx.dp_group
+            if ctx.ep > 1:
+                ctx._expert_groups()
         return ctx
+
+    def _expert_groups(self) -> None:
+        """The ep groups (runs of ep adjacent dp ranks) and the expert-dp groups (dp ranks equal modulo ep), at
+        every (pp, tp) position; every rank creates every group, in the same order, and keeps its own."""
+        grid = torch.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
+        for p in range(self.pp):
+            for t in range(self.tp):
+                column = [int(r) for r in grid[:, p, t]]  # the dp group at (p, t)
+                for start in range(0, self.dp, self.ep):
+                    ranks = column[start : start + self.ep]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self.ep_group = group
+                for first in range(self.ep):
+                    ranks = column[first :: self.ep]
+                    group = dist.new_group(ranks)
+                    if self.rank in ranks:
+                        self.expert_dp_group = group
 
     # -- whole-job operations ------------------------------------------------------------------------------------
     def barrier(self) -> None:

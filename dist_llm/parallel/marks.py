@@ -10,7 +10,10 @@ needs a special case per layer. They are plain attributes on the Parameter (they
 - replicated rows (first, end, factor): rows [first, end) of a tp slice are held by `factor` tp ranks (grouped
   KV heads when tp exceeds the KV heads): the norm counts them once;
 - pipeline duplicate: the tied embedding held by the last stage as the head, also held by the first stage: the
-  norm counts it once.
+  norm counts it once;
+- expert slice (first, total): a stacked expert tensor (E_local, ...) holding experts [first, first + E_local) of
+  `total`, this rank's part under expert parallelism: checkpoints place it at that offset along dim 0, its
+  gradient is reduced over the expert-data-parallel group only, the norm sums it over the ep group.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ _PARTITION_DIM = "tp_partition_dim"
 _SEQUENCE_PARALLEL = "sequence_parallel"
 _REPLICATED_ROWS = "tp_replicated_rows"
 _PP_DUPLICATE = "pp_duplicate"
-MARKS = (_PARTITION_DIM, _SEQUENCE_PARALLEL, _REPLICATED_ROWS, _PP_DUPLICATE)
+_EXPERT_SLICE = "ep_expert_slice"
+MARKS = (_PARTITION_DIM, _SEQUENCE_PARALLEL, _REPLICATED_ROWS, _PP_DUPLICATE, _EXPERT_SLICE)
 
 
 def mark_partition(p: torch.Tensor, dim: int) -> None:
@@ -58,6 +62,16 @@ def mark_pp_duplicate(p: torch.Tensor) -> None:
 
 def is_pp_duplicate(p: torch.Tensor) -> bool:
     return bool(getattr(p, _PP_DUPLICATE, False))
+
+
+def mark_expert_slice(p: torch.Tensor, first: int, total: int) -> None:
+    """`p` (E_local, ...) holds experts [first, first + E_local) of `total`."""
+    setattr(p, _EXPERT_SLICE, (first, total))
+
+
+def expert_slice(p: torch.Tensor) -> tuple[int, int] | None:
+    """(first expert, total experts) of an expert-parallel slice; None for any other parameter."""
+    return getattr(p, _EXPERT_SLICE, None)
 
 
 def marks_of(p: torch.Tensor) -> dict[str, Any]:

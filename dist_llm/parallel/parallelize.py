@@ -32,6 +32,7 @@ from dist_llm.model import GPT, LayerFactory
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
+from dist_llm.parallel.expert import apply_expert_parallel
 from dist_llm.parallel.pipeline.stage import cut_to_stage
 from dist_llm.parallel.tensor import TensorParallelFactory
 from dist_llm.peft import apply_peft, parameter_counts, peft_parameter_names, qlora, reset_peft_parameters
@@ -57,10 +58,11 @@ class Parallelized:
 
 def meta_model(cfg: Config, ctx: ParallelContext) -> GPT:
     """The GPT for `cfg` on the meta device: every shape, no storage, nothing drawn. Its layers are this
-    rank's tensor-parallel ones when parallel.tp > 1."""
+    rank's tensor-parallel ones when parallel.tp > 1, its MoE layers' experts this rank's when parallel.ep > 1."""
     with torch.device("meta"):
         layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
         model = GPT(cfg.model, layers)
+        apply_expert_parallel(model, ctx)
     if layers.summary():
         log.info(layers.summary())
     return model

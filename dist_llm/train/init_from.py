@@ -210,7 +210,7 @@ def load_initial_weights(model: GPT, cfg: Config, ctx: ParallelContext) -> None:
     else:
         from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 
-        _load_checkpoint_shards(model, cfg, TensorParallelState(model, ctx) if ctx.tp > 1 else None, ctx)
+        _load_checkpoint_shards(model, cfg, TensorParallelState(model, ctx) if ctx.tp > 1 or ctx.ep > 1 else None, ctx)
     log.info("initialised from %s", cfg.model.init_from)
 
 

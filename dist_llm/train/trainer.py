@@ -129,7 +129,7 @@ class Trainer:
         self.model = self.runtime.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
         self.module = self.runtime.module  # the GPT
         self.moe_layers = moe.moe_layers(self.module)  # (empty for a dense model)
-        self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 else None
+        self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 or ctx.ep > 1 else None
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
         self.scaler = LossScaler(enabled=t.precision == "fp16" and not self.dp.handles_loss_scaling,
@@ -412,10 +412,11 @@ class Trainer:
             (self.out_dir / "config.yaml").write_text(self.cfg.to_yaml())
         self.metrics.write(self.header())
         active = f" ({self.n_active_params / 1e6:.2f}M active)" if self.n_active_params != self.n_params else ""
-        log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d) | data-parallel form %s | backend "
+        log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d%s) | data-parallel form %s | backend "
                  "%s | %s | %s | global batch %d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, active,
                  self.ctx.world_size,
-                 self.ctx.dp, self.ctx.tp, self.ctx.pp, self.dp.name, self.ctx.backend, self.device, t.precision,
+                 self.ctx.dp, self.ctx.tp, self.ctx.pp, f", ep {self.ctx.ep}" if self.ctx.ep > 1 else "", self.dp.name,
+                 self.ctx.backend, self.device, t.precision,
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
             log.info(line)

@@ -56,6 +56,10 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
         from dist_llm.parallel.data.ddp import DDPDataParallel, FlatAllReduceDataParallel
 
         return FlatAllReduceDataParallel(model, cfg, ctx) if ctx.pp > 1 else DDPDataParallel(model, cfg, ctx)
+    if ctx.ep > 1:  # the experts in ZeRO buffers of their own, over the expert-dp group
+        from dist_llm.parallel.expert.zero import ExpertZeroDataParallel
+
+        return ExpertZeroDataParallel(model, cfg, ctx, stage=stage)
     from dist_llm.parallel.data.zero import ZeroDataParallel
 
     return ZeroDataParallel(model, cfg, ctx, stage=stage)

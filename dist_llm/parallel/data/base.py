@@ -20,7 +20,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.optim import build_optimizer, guarded_step, set_lr
-from dist_llm.parallel.marks import is_pp_duplicate, partition_dim, replicated_rows
+from dist_llm.parallel.marks import expert_slice, is_pp_duplicate, partition_dim, replicated_rows
 
 
 def tensor_bytes(tensors: Any) -> int:
@@ -111,10 +111,13 @@ class DataParallel:
         """Clip to `max_norm` (inf: no clipping) by the global L2 norm, and return that norm.
 
         Squares are summed per rank, then over the dp group where ranks hold disjoint gradient pieces, and
-        over the tp group for tensor-parallel shards (replicated parameters are counted once)."""
+        over the tp group for tensor-parallel shards (replicated parameters are counted once). Expert-parallel
+        slices are disjoint over the ep group: where the dp group does not sum them already (replicas, DDP),
+        the ep group does, so each expert counts once."""
         shards = self.grad_shards()
         device = self.ctx.device  # where collectives run; gradients may live elsewhere (parallel.offload=cpu)
         sums = torch.zeros(2, dtype=torch.float32, device=device)  # [tp-sharded, replicated across tp]
+        expert_sum = torch.zeros(1, dtype=torch.float32, device=device)
         if shards:
             grad_device = shards[0][1].device
             norms = torch._foreach_norm([g for _, g, _ in shards], dtype=torch.float32)  # fp16 squares overflow
@@ -124,11 +127,17 @@ class DataParallel:
                     squares[i] = replicated_rows_square_sum(p, g, offset)
                 if is_pp_duplicate(p):  # the tied embedding, also held by the first stage
                     squares[i] = 0.0
-            sharded = self._tp_sharded_mask(shards, grad_device)
+            sharded, expert = self._masks(shards, grad_device)
             # (where, not a boolean index: indexing by a mask makes the host wait for the device)
-            sums = torch.stack([torch.where(sharded, squares, 0.0).sum(), torch.where(sharded, 0.0, squares).sum()])
+            dense = torch.where(expert, 0.0, squares)
+            sums = torch.stack([torch.where(sharded, dense, 0.0).sum(), torch.where(sharded, 0.0, dense).sum()])
             sums = sums.to(device)  # two floats to the collectives' device (NCCL reduces device tensors only)
-        if self.dp_sharded_grads:
+            expert_sum = torch.where(expert, squares, 0.0).sum()[None].to(device)
+        if self.ctx.ep > 1:
+            if not self.dp_sharded_grads:  # replicas over dp/ep, disjoint experts over ep
+                comm.all_reduce(expert_sum, self.ctx.ep_group, self.ctx.comm)
+            sums = torch.cat([sums[:1], sums[1:] + expert_sum])  # (tp = pp = 1 under ep for now)
+        if self.dp_sharded_grads:  # (ZeRO's expert shards are disjoint over expert-dp x ep = dp: summed here)
             comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
         comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
         tp_part = sums[:1].clone()
@@ -139,15 +148,16 @@ class DataParallel:
             torch._foreach_mul_([g for _, g, _ in shards], coef.to(shards[0][1].device))
         return norm
 
-    def _tp_sharded_mask(self, shards: list[tuple[nn.Parameter, torch.Tensor, int]],
-                         device: torch.device) -> torch.Tensor:
-        """Which of `shards` are tensor-parallel shards, as a bool tensor on the gradients' `device`, made once
-        (the parameters with gradients are the same every step)."""
+    def _masks(self, shards: list[tuple[nn.Parameter, torch.Tensor, int]],
+               device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Which of `shards` are tensor-parallel shards, and which expert-parallel slices, as bool tensors on the
+        gradients' `device`, made once (the parameters with gradients are the same every step)."""
         key = tuple(id(p) for p, _, _ in shards)
         cached = getattr(self, "_sharded_mask", None)
         if cached is None or cached[0] != key:
-            mask = torch.tensor([partition_dim(p) is not None for p, _, _ in shards], device=device)
-            self._sharded_mask = cached = (key, mask)
+            tp = torch.tensor([partition_dim(p) is not None for p, _, _ in shards], device=device)
+            ep = torch.tensor([expert_slice(p) is not None for p, _, _ in shards], device=device)
+            self._sharded_mask = cached = (key, (tp, ep))
         return cached[1]
 
     def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:

@@ -11,6 +11,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
+from dist_llm.parallel.expert.grads import expert_parameters, reduce_expert_grads
 
 
 # No annotations on `bucket` and the return: DDP compares them with the real classes, and this module's
@@ -33,6 +34,12 @@ class DDPDataParallel(DataParallel):
 
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        # expert-parallel slices differ across the dp group: DDP leaves them, finish_grads reduces them over
+        # the ranks that hold the same experts
+        experts = expert_parameters(model)
+        self.expert_params = [p for _, p in experts]
+        if experts:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
         # gradient_as_bucket_view: grads live in DDP's buckets, not in a second copy
         wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_group, gradient_as_bucket_view=True,
                       bucket_cap_mb=cfg.parallel.bucket_mb)
@@ -43,6 +50,9 @@ class DDPDataParallel(DataParallel):
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last else self.ddp.no_sync()
+
+    def finish_grads(self) -> None:
+        reduce_expert_grads(self.expert_params, self.ctx)
 
 
 class FlatAllReduceDataParallel(DataParallel):

@@ -145,18 +145,36 @@ def tied_alone(cfg: Config, pp: int, model: nn.Module) -> str | None:
     return "wte.weight" if pp > 1 and cfg.model.tie_embeddings and getattr(model, "wte", None) is not None else None
 
 
+@dataclass
+class ZeroPart:
+    """Which parameters one ZeRO form holds and over which ranks it shards them (expert parallelism keeps the
+    experts in a form of their own over the expert-dp group): `names`, the group with its size and this rank's
+    place in it, and what the summed gradients are divided by."""
+
+    names: frozenset[str]
+    group: Any
+    size: int
+    rank: int
+    divisor: int
+
+
 class ZeroDataParallel(DataParallel):
-    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int,
+                 part: ZeroPart | None = None) -> None:
         self.stage = stage
         self.name = f"zero{stage}"
         self.cfg, self.ctx = cfg, ctx
         self.module = self.model = model
         self.dp, self.rank, self.group = ctx.dp, ctx.dp_rank, ctx.dp_group
+        self.divisor = ctx.dp  # the dp ranks' gradients are averaged
+        if part is not None:
+            self.dp, self.rank, self.group, self.divisor = part.size, part.rank, part.group, part.divisor
         device = ctx.device
         self.mixed = cfg.train.precision != "fp32"
         self.param_dtype = DTYPES[cfg.train.precision]
 
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad][::-1]
+        named = [(n, p) for n, p in model.named_parameters()
+                 if p.requires_grad and (part is None or n in part.names)][::-1]
         self.tied = tied_alone(cfg, ctx.pp, model)
         self.buckets = plan_buckets(named, self.dp, bucket_numel(cfg.parallel.bucket_mb, self.param_dtype),
                                     frozenset([self.tied] if self.tied else []))
@@ -277,7 +295,7 @@ class ZeroDataParallel(DataParallel):
             else:  # no gradient this micro-step (an unused parameter): the buffer holds an older bucket's values
                 piece.zero_()
         buffer[sum(e.numel for e in b.entries) :].zero_()  # the padding to a multiple of dp
-        buffer.div_(self.dp)  # divide before summing, as DDP does: an fp16 sum of dp gradients could overflow
+        buffer.div_(self.divisor)  # divide before summing, as DDP does: an fp16 sum of dp gradients could overflow
         # in place: this rank's chunk of the buffer receives its reduced slice (NCCL allows exactly this aliasing)
         handle = comm.reduce_scatter(self._piece_of_bucket(buffer, b), buffer, self.group, self.ctx.comm, async_op=True)
         self._pending.append((b, handle, index))
@@ -312,7 +330,7 @@ class ZeroDataParallel(DataParallel):
 
     def finish_grads(self) -> None:
         if self.stage == 1:
-            self.flat_grads.div_(self.dp)  # divide before summing (see _launch)
+            self.flat_grads.div_(self.divisor)  # divide before summing (see _launch)
             for b in self.buckets:
                 full = self.flat_grads[b.start : b.start + b.numel]
                 comm.reduce_scatter(self._piece(self.flat_grads, b), full, self.group, self.ctx.comm)

@@ -6,6 +6,8 @@ a row-parallel weight's block of columns; a column-parallel weight's rows, which
 (the fused QKV projection holds its query heads and the KV heads they read) and so become one chunk per run of
 consecutive full-weight rows; a vocabulary slice. Rows that several ranks hold alike (KV heads shared when
 n_kv_head < tp) form runs of their own, the same on each of those ranks, so DCP writes them once.
+Expert parallelism's slices of the stacked expert weights (a run of experts along dim 0, the expert-slice mark)
+are rows alike: one run at the first expert's offset, written once by the ranks that hold the same experts.
 
 `to_full` (an all-gather to full tensors) remains for tests and diagnostics; checkpoints never use it.
 """
@@ -19,7 +21,7 @@ import torch
 from torch import nn
 
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.marks import partition_dim, replicated_rows
+from dist_llm.parallel.marks import expert_slice, partition_dim, replicated_rows
 from dist_llm.parallel.shards import ChunkedTensor, Offsets, Rect
 from dist_llm.parallel.tensor.mappings import all_gather_dim
 
@@ -55,6 +57,10 @@ def tp_slice(module: nn.Module, pname: str) -> TPSlice | None:
     between `to_empty` and `reset_buffers`."""
     p = module._parameters[pname]
     dim = partition_dim(p) if p is not None else None
+    experts = expert_slice(p) if p is not None else None
+    if experts is not None:  # expert parallelism: experts [first, first + E_local) of the layer's stack
+        first, total = experts
+        return TPSlice(torch.Size((total, *p.shape[1:])), rows=torch.arange(first, first + p.shape[0]))
     if dim is None:
         return None
     full = torch.Size(module.full_shape(pname))  # type: ignore[operator]
@@ -75,6 +81,8 @@ class TensorParallelState:
 
     def __init__(self, module: nn.Module, ctx: ParallelContext) -> None:
         self.group, self.tp = ctx.tp_group, ctx.tp
+        self.ep_group = ctx.ep_group
+        self.expert_fqns: set[str] = set()  # expert-parallel slices: gathered over the ep group, not tp
         self.cols: dict[str, int] = {}  # fqn -> first full-weight column this rank holds (split along dim 1)
         self.runs: dict[str, list[Run]] = {}  # fqn -> runs of rows (split along dim 0)
         self.local_rows: dict[str, torch.Tensor] = {}  # fqn -> the full-weight rows this rank holds
@@ -86,6 +94,8 @@ class TensorParallelState:
                     continue
                 fqn = f"{mod_name}.{p_name}" if mod_name else p_name
                 self.full_shape[fqn] = part.full_shape
+                if expert_slice(p) is not None:
+                    self.expert_fqns.add(fqn)
                 if part.col_start is not None:
                     self.cols[fqn] = part.col_start
                 else:
@@ -167,8 +177,9 @@ class TensorParallelState:
             local = local.full_tensor()
         if fqn in self.cols:
             return all_gather_dim(local, 1, self.group, None)
-        rows = all_gather_dim(self.local_rows[fqn].to(local.device)[None], 0, self.group, None)
-        gathered = all_gather_dim(local, 0, self.group, None)  # rank 0's rows, then rank 1's, ...
+        group = self.ep_group if fqn in self.expert_fqns else self.group
+        rows = all_gather_dim(self.local_rows[fqn].to(local.device)[None], 0, group, None)
+        gathered = all_gather_dim(local, 0, group, None)  # rank 0's rows, then rank 1's, ...
         full = torch.empty(self.full_shape[fqn], dtype=local.dtype, device=local.device)
         full[rows.reshape(-1)] = gathered
         return full

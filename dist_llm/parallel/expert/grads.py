@@ -1,0 +1,38 @@
+"""Gradients of expert-parallel slices: reduced over the expert-data-parallel group only.
+
+The divisor. Every rank divides its token-loss sum by 1/dp of the global batch's targets, and the dense
+parameters' gradients are averaged over the dp ranks, so the result is the one-process gradient. An expert's
+gradient on this rank already sums, through the all-to-all's backward, the contributions of the tokens of all
+ep ranks of its group; summing it over the expert-dp group (the dp/ep ranks holding the same experts) adds the
+other groups' tokens, so the sum covers every dp rank's tokens once. Dividing by dp (not dp/ep) then gives what
+the dense parameters get: the mean over dp of the ranks' loss gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dist_llm.parallel import comm
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.marks import expert_slice
+
+
+def expert_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """(name, parameter) of every expert-parallel slice of `model` that trains."""
+    return [(n, p) for n, p in model.named_parameters() if expert_slice(p) is not None and p.requires_grad]
+
+
+def reduce_expert_grads(params: list[nn.Parameter], ctx: ParallelContext) -> None:
+    """Sum the experts' gradients over the expert-dp group and divide by dp (see the module docstring), in one
+    flat all-reduce. A parameter no token reached on this rank contributes zeros."""
+    if not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]).div_(ctx.dp)
+    comm.all_reduce(flat, ctx.expert_dp_group, ctx.comm)
+    at = 0
+    for p, g in zip(params, grads):
+        g.copy_(flat[at : at + g.numel()].view_as(g))
+        p.grad = g
+        at += g.numel()

@@ -1,0 +1,77 @@
+"""ZeRO-1/2 under expert parallelism: two ZeRO forms over one model.
+
+The dense parameters (attention, router, dense and shared-expert MLPs, embeddings) shard over the whole dp
+group as without experts; this rank's expert slices, which only the expert-dp group's ranks hold alike, go into
+flat buffers of their own sharded over that group, their summed gradients divided by dp (grads.py says why).
+The trainer drives the pair as one form: each step, clip, checkpoint and byte count covers both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import nn
+
+from dist_llm.config import Config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data.base import DataParallel
+from dist_llm.parallel.data.zero import ZeroDataParallel, ZeroPart
+from dist_llm.parallel.expert.grads import expert_parameters
+
+
+class ExpertZeroDataParallel(DataParallel):
+    dp_sharded_grads = True  # dense shards disjoint over dp; expert shards over expert-dp x ep = dp
+
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int) -> None:
+        self.cfg, self.ctx, self.stage = cfg, ctx, stage
+        self.name = f"zero{stage}+ep"
+        self.module = self.model = model
+        experts = frozenset(n for n, _ in expert_parameters(model))
+        dense = frozenset(n for n, p in model.named_parameters() if p.requires_grad and n not in experts)
+        self.dense = ZeroDataParallel(model, cfg, ctx, stage=stage,
+                                      part=ZeroPart(dense, ctx.dp_group, ctx.dp, ctx.dp_rank, ctx.dp))
+        self.experts = ZeroDataParallel(model, cfg, ctx, stage=stage, part=ZeroPart(
+            experts, ctx.expert_dp_group, ctx.expert_dp, ctx.dp_rank // ctx.ep, ctx.dp))
+        self.expert_names = experts
+        self.optimizer = self.dense.optimizer  # (the learning rate the trainer reads; both step alike)
+        self.forms = (self.dense, self.experts)
+
+    def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
+        stack = contextlib.ExitStack()
+        for form in self.forms:
+            stack.enter_context(form.micro_step(last=last))
+        return stack
+
+    def finish_grads(self) -> None:
+        for form in self.forms:
+            form.finish_grads()
+
+    def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
+        return [s for form in self.forms for s in form.grad_shards()]
+
+    def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
+        for form in self.forms:
+            form.step(lr, found_inf)
+        return None
+
+    def zero_grad(self) -> None:
+        for form in self.forms:
+            form.zero_grad()
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        dense, experts = self.dense.checkpoint_state(), self.experts.checkpoint_state()
+        model = {k: experts["model"][k] if k in self.expert_names else v for k, v in dense["model"].items()}
+        return {"model": model, "optim": {"state": {**dense["optim"]["state"], **experts["optim"]["state"]}}}
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        optim = state["optim"]["state"]
+        for form, experts in ((self.dense, False), (self.experts, True)):
+            mine = {k: v for k, v in optim.items() if (k in self.expert_names) == experts}
+            form.load_checkpoint_state({"model": state["model"], "optim": {"state": mine}})
+
+    def model_state_bytes(self) -> dict[str, int]:
+        a, b = self.dense.model_state_bytes(), self.experts.model_state_bytes()
+        return {k: a[k] + b[k] for k in a}  # (each holds its own buffers; PEFT, whose frozen base both would
+        # count, is refused with MoE)
