@@ -38,8 +38,7 @@ from dist_llm.config import Config, ConfigError
 
 
 def ep_degree(cfg: Config) -> int:
-    """parallel.ep (1 until the config knows the key)."""
-    return int(getattr(cfg.parallel, "ep", 1) or 1)
+    return cfg.parallel.ep
 
 
 def check_ep(cfg: Config, dp: int) -> int:

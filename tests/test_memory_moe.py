@@ -59,8 +59,8 @@ TENSORS = 1 + L * 8 + 1
 
 
 def _ep_config(tmp_path: Path, ep: int, *, zero_stage: int = 0, **extra: Any):  # type: ignore[no-untyped-def]
-    """The config at `ep`, set after loading: parallel.ep lands with expert parallelism (memory reads it with
-    getattr), and the config refuses MoE at ZeRO-3 until then, which the calculator plans for already."""
+    """The config at `ep`, the ZeRO stage set after loading: the config refuses MoE at ZeRO-3 until FSDP2 learns
+    the expert group, which the calculator plans for already."""
     cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, **extra}))
     cfg.parallel.ep = ep
     cfg.parallel.zero_stage = zero_stage
