@@ -167,8 +167,8 @@ class ParallelConfig:
     """Pipeline-parallel degree."""
     zero_stage: int = 0
     """0 = DDP, 1/2 = optimizer (+gradient) sharding, 3 = FSDP2."""
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Pipeline schedule."""
+    pp_schedule: Literal["gpipe", "1f1b", "zb1"] = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, or zb1 (ZB-H1: backward split into input and weight gradients)."""
     pp_layers: list[int] = field(default_factory=list)
     """Blocks per pipeline stage; empty balances them by training FLOPs per token (blocks 6N + 12CT, the LM head and loss on the last stage, the embedding lookup ~0)."""
     sequence_parallel: bool = False
@@ -653,6 +653,10 @@ def _check_pipeline(cfg: Config) -> None:
     # all-reduce, ZeRO-1 and ZeRO-2. FSDP2's and DeepSpeed's own wrappers expect to run the whole forward.
     if p.pp > 1 and p.zero_stage == 3:
         raise ConfigError("parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2")
+    # a torch.compile'd block's backward is one compiled function run once (donated buffers): it cannot be split
+    if p.pp > 1 and p.pp_schedule == "zb1" and cfg.train.compile:
+        raise ConfigError("parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; "
+                          "set train.compile=false or use pp_schedule=1f1b")
     if p.pp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.pp>1; use backend=native")
     # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards

@@ -203,6 +203,8 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) ->
         in_flight = 1
     elif p.pp_schedule == "gpipe":
         in_flight = micro
+    elif p.pp_schedule == "zb1":  # a held-back W keeps its micro-batch: every stage up to the first's p
+        in_flight = min(micro, pp)
     else:
         in_flight = min(micro, pp - pp_rank)
     return round(per_micro * tokens * in_flight)

@@ -18,6 +18,7 @@ from dist_llm.parallel.pipeline.schedule import (
     one_f_one_b,
     peak_in_flight,
     simulate,
+    zb1,
 )
 from dist_llm.parallel.pipeline.stage import block_params, describe_stages, partition_layers, stage_ranges
 
@@ -34,12 +35,17 @@ def test_every_micro_batch_once_forward_before_backward(name: str, stages: int, 
             assert sorted(a.micro for a in plan if a.kind == kind) == list(range(micro))
         for m in range(micro):
             assert plan.index(Action("F", m)) < plan.index(Action("B", m))
+        if name == "zb1":  # the backward split: each weight-gradient half once, after its input-gradient half
+            assert sorted(a.micro for a in plan if a.kind == "W") == list(range(micro))
+            assert all(plan.index(Action("B", m)) < plan.index(Action("W", m)) for m in range(micro))
+        else:
+            assert not any(a.kind == "W" for a in plan)
         # first stage never receives activations, last stage never sends them
         assert (s == 0) == (not any(a.kind == "RECV_F" for a in plan))
         assert (s == stages - 1) == (not any(a.kind == "SEND_F" for a in plan))
 
 
-@pytest.mark.parametrize("name", [*SCHEDULES, "forward"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "forward"])
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
 def test_no_deadlock_and_the_bubble_formula(name: str, stages: int, micro: int) -> None:
     """The executor's plans (exchanges) under rendezvous semantics: no deadlock, and with equal stages (backward
@@ -64,6 +70,33 @@ def test_each_exchange_is_one_send_and_receive_with_one_neighbour(name: str, sta
                 # with the next stage: send an activation, receive a gradient; with the previous: the reverse
                 assert kinds in (["SEND_F"], ["RECV_B"], ["RECV_B", "SEND_F"],
                                  ["RECV_F"], ["SEND_B"], ["RECV_F", "SEND_B"]), (s, x)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16, 32)])
+def test_zb1_bubble(stages: int, micro: int) -> None:
+    """ZB-H1 with F = B = W (a whole backward 2 forwards, as for the others): the exchanges run free of deadlock,
+    the W's take the weight half of the backward out of the bubble, so a step lasts 3m + 2(p-1) forwards (one
+    less at m = p) against 1F1B's 3m + 3(p-1), and no stage holds more micro-batches than 1F1B's first."""
+    makespan, busy = simulate(build_plans("zb1", stages, micro))
+    assert makespan == 3 * micro + 2 * (stages - 1) - (1 if micro == stages > 1 else 0)
+    assert busy == [3.0 * micro] * stages  # every stage's F, B and W of every micro-batch
+    if micro != stages:
+        for b in busy:
+            assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, schedule="zb1"))
+    assert makespan <= simulate(build_plans("1f1b", stages, micro))[0]
+    assert max(peak_in_flight(plan) for plan in zb1(stages, micro)) == min(stages, micro)
+
+
+def test_zb1_order_on_two_stages() -> None:
+    """The first stage runs each W right after its B; the last holds back one W and runs it after the exchange
+    that follows its next B (so that exchange stays one, as the first stage posts it)."""
+    first, last = build_plans("zb1", 2, 3)
+    assert [a for a in first if isinstance(a, Action)] == [
+        Action("F", 0), Action("F", 1), Action("B", 0), Action("W", 0), Action("F", 2), Action("B", 1),
+        Action("W", 1), Action("B", 2), Action("W", 2)]
+    assert [a for a in last if isinstance(a, Action)] == [
+        Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1), Action("W", 0), Action("F", 2),
+        Action("B", 2), Action("W", 1), Action("W", 2)]
 
 
 @pytest.mark.parametrize(("stages", "micro"), [(p, m) for p, m in SHAPES if p > 1 and m > 1])
@@ -102,6 +135,8 @@ def test_activation_memory(stages: int, micro: int) -> None:
         assert peak_in_flight(plan) == micro
     for s, plan in enumerate(one_f_one_b(stages, micro)):
         assert peak_in_flight(plan) == min(stages - s, micro)
+    for s, plan in enumerate(zb1(stages, micro)):  # a held-back W keeps its micro-batch's activations
+        assert peak_in_flight(plan) == min(stages, micro)
 
 
 def test_one_f_one_b_order_on_two_stages() -> None:
@@ -185,3 +220,29 @@ def test_partition_errors_name_the_key(args: tuple, message: str) -> None:
     n, p, *explicit = args
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         partition_layers(n, p, explicit=explicit[0] if explicit else None)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.pp=2", "parallel.pp_schedule=zb1", "train.compile=true"],
+     "parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; set train.compile=false "
+     "or use pp_schedule=1f1b"),
+])
+def test_schedule_refusals_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == message
+
+
+def test_memory_counts_zb1s_held_back_micro_batches() -> None:
+    """`dist-llm memory`'s activations per stage: 1F1B holds p - s micro-batches on stage s, ZB-H1 p on every stage
+    (a W held back keeps its micro-batch's activations), GPipe all m."""
+    from dist_llm.memory import activation_bytes
+
+    held = {}
+    for schedule in ("gpipe", "1f1b", "zb1"):
+        cfg = load_config(None, ["model.n_layer=4", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                                 "train.micro_batch_size=2", "train.global_batch_size=16"])
+        held[schedule] = [activation_bytes(cfg, dp=1, tp=1, pp=2, pp_rank=r) for r in (0, 1)]
+    # m = 8 micro-batches: GPipe holds 8 on each stage, 1F1B 2 and 1, ZB-H1 2 and 2 (abs 1: each figure rounded)
+    assert held["zb1"][0] == held["1f1b"][0] == pytest.approx(held["gpipe"][0] / 4, abs=1)
+    assert held["zb1"][1] == pytest.approx(2 * held["1f1b"][1], abs=1) == pytest.approx(held["gpipe"][1] / 4, abs=1)

@@ -25,6 +25,7 @@ from torch import nn
 
 from dist_llm.parallel import comm
 from dist_llm.parallel.pipeline.schedule import Action, Exchange, Step
+from dist_llm.parallel.pipeline.split_backward import WeightWork, backward_input, backward_weights
 from dist_llm.profiling import span
 
 
@@ -113,12 +114,16 @@ def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
     """Perform this stage's actions for one step; return the sum of the micro-batches' token losses on the
     last stage (zero elsewhere) and when the stage computed. `loss_fn(loss)` makes the tensor to backward from
     a micro-batch's token-loss sum (divided by the global count, scaled); `micro_step(last)` is the
-    data-parallel context around each backward."""
+    data-parallel context around each action that produces weight gradients (B, or W where the plan splits
+    the backward: there B computes the input gradient alone, split_backward.py)."""
     inputs: dict[int, torch.Tensor] = {}
     outputs: dict[int, torch.Tensor] = {}
     out_grads: dict[int, torch.Tensor] = {}
+    weight_work: dict[int, WeightWork] = {}
     loss_sum = torch.zeros((), device=device)
-    last_backward = max((a.micro for a in plan if isinstance(a, Action) and a.kind == "B"), default=-1)
+    split = any(isinstance(a, Action) and a.kind == "W" for a in plan)
+    grads_at = "W" if split else "B"
+    last_backward = max((a.micro for a in plan if isinstance(a, Action) and a.kind == grads_at), default=-1)
     clock = StageClock(device)
     for a in plan:
         if isinstance(a, Exchange):
@@ -126,7 +131,7 @@ def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
                       train=train)
             continue
         m = a.micro
-        if a.kind not in ("F", "B"):
+        if a.kind not in ("F", "B", "W"):
             raise ValueError(f"{a} outside an Exchange: run the plans of schedule.build_plans")
         elif a.kind == "F":
             x, y = batches[m]
@@ -141,6 +146,14 @@ def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
                 outputs[m] = out
             if not train:
                 inputs.pop(m, None)
+        elif a.kind == "B" and split:  # the input gradient only; W m accumulates the weights' later
+            with _computing(clock), span(f"backward-input {m}"):
+                out = outputs.pop(m)
+                grad = None if stage.last else out_grads.pop(m).to(out.dtype)
+                inp = None if stage.first else inputs[m]
+                d_inp, weight_work[m] = backward_input(out, grad, inp, list(stage.model.parameters()))
+                if inp is not None:
+                    inp.grad = d_inp
         elif a.kind == "B":
             with _computing(clock), span(f"backward {m}"), micro_step(m == last_backward):
                 if stage.last:
@@ -148,10 +161,14 @@ def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
                 else:
                     out = outputs.pop(m)
                     torch.autograd.backward(out, out_grads.pop(m).to(out.dtype))
+        else:
+            with _computing(clock), span(f"backward-weights {m}"), micro_step(m == last_backward):
+                backward_weights(weight_work.pop(m))
     clock.end = clock.mark()
-    if inputs or outputs or out_grads:
+    if inputs or outputs or out_grads or weight_work:
         raise RuntimeError(f"pipeline stashes not empty after the step: inputs {sorted(inputs)}, "
-                           f"outputs {sorted(outputs)}, gradients {sorted(out_grads)}")
+                           f"outputs {sorted(outputs)}, gradients {sorted(out_grads)}, "
+                           f"weight gradients {sorted(weight_work)}")
     return loss_sum, clock
 
 

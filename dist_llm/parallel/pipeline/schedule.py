@@ -12,6 +12,8 @@ NCCL's semantics, where a send waits for its receive. One executor runs any plan
   RECV_B m   receive the gradient of micro-batch m's output from the next stage (not on the last stage)
   B m        backward micro-batch m
   SEND_B m   send the gradient of micro-batch m's input to the previous stage (not on the first stage)
+  W m        the weight gradients of micro-batch m (zero-bubble schedules only: there B computes the input
+             gradient alone, which the previous stage waits for, and W the rest, later, where a stage would idle)
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-Kind = Literal["RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B"]
+Kind = Literal["RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "W"]
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,56 @@ def one_f_one_b(stages: int, micro_batches: int) -> list[list[Action]]:
     return plans
 
 
-SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order of forwards and backwards, each
+    backward split into B (the input gradient, which the previous stage waits for) and W (the weight gradients,
+    which nobody waits for). Stage s holds back the W of its first s micro-batches and runs them late, where
+    1F1B would wait on a neighbour; so it holds at most `stages` micro-batches' activations, 1F1B's peak (its
+    first stage's), and its stages' critical path shrinks to F + B per hop.
+
+    Where a W goes was chosen with `simulate` (rendezvous sends, exchanges posted as one): on the first stage
+    right after its B; on the middle stages between B and the send of its input gradient (a W after that send
+    would split the send-backward-receive-forward exchange the previous stage posts as one); on the last
+    stage after that exchange. Under those semantics it recovers about half of the ideal saving of (p-1)(F+B-W)
+    over 1F1B's (p-1)(F+B+W): test_pipeline_schedule checks the figures."""
+    plans = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, micro_batches)
+        order = [("F", m) for m in range(warmup)]
+        for i in range(micro_batches - warmup):
+            order += [("F", warmup + i), ("B", i)]
+        order += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+        acts: list[Action] = []
+        due: list[Action] = []  # W's to place after the coming exchange (last stage)
+        weights = backwards = 0
+        for kind, m in order:
+            if kind == "F":
+                head = _forward(s, stages, m)
+                acts += head[:1] if head[0].kind == "RECV_F" else []
+                acts += due + head[1:] if head[0].kind == "RECV_F" else due + head
+                due = []
+                continue
+            acts += due
+            due = []
+            back = _backward(s, stages, m)
+            backwards += 1
+            ws = []
+            while backwards - weights > s:
+                ws.append(Action("W", weights))
+                weights += 1
+            if s == 0:
+                acts += back + ws
+            elif s < stages - 1:  # before the send of the input gradient
+                acts += back[:-1] + ws + back[-1:]
+            else:  # after the exchange that follows (the send, and the next forward's receive)
+                acts += back
+                due = ws
+        acts += due + [Action("W", m) for m in range(weights, micro_batches)]
+        plans.append(acts)
+    return plans
+
+
+SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zb1}
 
 
 def forward_only(stages: int, micro_batches: int) -> list[list[Action]]:
@@ -122,16 +173,24 @@ def build_plans(name: str, stages: int, micro_batches: int) -> list[list[Step]]:
     return [exchanges(p) for p in make(stages, micro_batches)]
 
 
-def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0,
-             backward_cost: float = 2.0) -> tuple[float, list[float]]:
+def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cost: float = 2.0,
+             weight_cost: float | None = None,
+             trace: list[tuple[int, Action, float]] | None = None) -> tuple[float, list[float]]:
     """Run the plans on an idealised machine with NCCL's rendezvous semantics and return the makespan and each
     stage's busy time. Raises ValueError if the plans deadlock or a receive would get another message.
+
+    `backward_cost` is a whole backward; where a plan splits it (W actions), W costs `weight_cost` (half of it
+    unless given: the weight-gradient matmuls are as many as the input-gradient ones) and B the rest.
 
     An `Exchange` posts its actions together and the stage waits until all of them complete; a bare
     send or receive action is an exchange of its own (one `batch_isend_irecv` per action). A send completes
     only when the peer has posted the matching receive, and a receive when the send is posted (transfers cost
     nothing). Messages between two stages pair in the order posted (NCCL has no tags)."""
     stages = len(plans)
+    w_cost = backward_cost / 2 if weight_cost is None else weight_cost
+    costs = [{"F": forward_cost, "W": w_cost,
+              "B": backward_cost - w_cost if any(isinstance(x, Action) and x.kind == "W" for x in p) else backward_cost}
+             for p in plans]
     steps = [[x if isinstance(x, Exchange) or x.kind not in _COMM else Exchange((x,)) for x in p] for p in plans]
     clock = [0.0] * stages
     busy = [0.0] * stages
@@ -147,7 +206,9 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0,
             while pos[s] < len(steps[s]):
                 x = steps[s][pos[s]]
                 if isinstance(x, Action):
-                    cost = forward_cost if x.kind == "F" else backward_cost
+                    cost = costs[s][x.kind]
+                    if trace is not None:  # (stage, computation, its start)
+                        trace.append((s, x, clock[s]))
                     clock[s] += cost
                     busy[s] += cost
                     pos[s] += 1
@@ -194,17 +255,23 @@ def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
 
 
 def peak_in_flight(plan: list[Action]) -> int:
-    """The most micro-batches whose activations a stage holds at once (forwarded, not yet backwarded)."""
+    """The most micro-batches whose activations a stage holds at once (forwarded, their backward not done)."""
+    frees = "W" if any(a.kind == "W" for a in plan) else "B"  # W still needs the saved activations
     held = peak = 0
     for a in plan:
         if a.kind == "F":
             held += 1
             peak = max(peak, held)
-        elif a.kind == "B":
+        elif a.kind == frees:
             held -= 1
     return peak
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """The idle share of a synchronous pipeline with equal stages: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b") -> float:
+    """The idle share of a step with equal stages, a backward twice a forward, W half of it (as `simulate`):
+    GPipe and 1F1B (p-1)/(m+p-1); ZB-H1 2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W)
+    (at m = p one forward less)."""
+    p, m = stages, micro_batches
+    if schedule == "zb1":
+        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    return (p - 1) / (m + p - 1)
