@@ -205,21 +205,27 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) ->
         in_flight = micro
     elif p.pp_schedule == "zb1":  # a held-back W keeps its micro-batch: every stage up to the first's p
         in_flight = min(micro, pp)
+    elif p.pp_schedule == "interleaved" and micro % pp == 0:  # chunk forwards at the peak, each 1/v of the blocks
+        from dist_llm.parallel.pipeline.schedule import interleaved, peak_in_flight
+
+        in_flight = peak_in_flight(interleaved(pp, micro, p.pp_virtual)[pp_rank]) / p.pp_virtual
     else:
         in_flight = min(micro, pp - pp_rank)
     return round(per_micro * tokens * in_flight)
 
 
-def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> range:
-    """This stage's blocks, as `cut_to_stage` splits them (balanced by training FLOPs, or parallel.pp_layers)."""
+def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> list[int]:
+    """This stage's blocks, as `cut_to_stage` splits them (balanced by training FLOPs, or parallel.pp_layers;
+    interleaved: its chunks' blocks)."""
     from dist_llm.parallel.pipeline.stage import stage_ranges
 
     # remembered per model and split: the search is the dearest part of counting a layout
-    key = repr((cfg.model, pp, cfg.parallel.pp_layers))
+    v = cfg.parallel.pp_virtual
+    key = repr((cfg.model, pp, cfg.parallel.pp_layers, v))
     if key not in _RANGES:
         shapes = [(n, s) for n, s, _ in _model_params(cfg, peft=False)]
-        _RANGES[key] = stage_ranges(cfg.model, pp, shapes, cfg.parallel.pp_layers or None)
-    return _RANGES[key][pp_rank]
+        _RANGES[key] = stage_ranges(cfg.model, pp * v, shapes, cfg.parallel.pp_layers or None)
+    return [i for c in range(v) for i in _RANGES[key][c * pp + pp_rank]]
 
 
 _RANGES: dict[str, list[range]] = {}

@@ -47,6 +47,23 @@ def test_matches_one_stage(tmp_path: Path, tmp_path_factory: pytest.TempPathFact
                    reference(tmp_path_factory, corpus, **LAYERS))
 
 
+@pytest.mark.parametrize("layout", [{}, {"parallel__zero_stage": 1}, {"parallel__tp": 2}], ids=["pp2", "dp2-zero1", "tp2"])
+def test_interleaved_matches_one_stage(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+                                       corpus: Path, layout: dict[str, Any]) -> None:
+    """Interleaved 1F1B, 2 stages x 2 chunks of the 4 blocks (rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3,
+    activations going round the ring), alone on 2 processes or with dp=2 or tp=2 on 4."""
+    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2, **layout}
+    world = 4 if layout else 2
+    if "parallel__zero_stage" in layout:
+        extra["train__micro_batch_size"] = 1  # 4 micro-batches a step on each dp rank
+    results = run_distributed(train, world, tmp_path, corpus, extra, init_group=False)
+    for r in results:  # the chunks: virtual stages r and r + 2
+        held = {n.split(".")[1] for n in r["params"] if n.startswith("blocks.")}
+        assert held == ({"0", "2"} if r["pp_rank"] == 0 else {"1", "3"})
+    # tp and dp sum in other orders: the tolerances of test_3d_layout
+    assert_matches(results, reference(tmp_path_factory, corpus, **LAYERS), atol=3e-5 if layout else 1e-7)
+
+
 @pytest.mark.parametrize("variant", [
     {"model__tie_embeddings": False},
     {"model__n_layer": 3},  # uneven: 2 + 1 blocks
@@ -251,6 +268,23 @@ def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: 
         assert {(op[2], op[3]) for op in ops} == {((2, 32, 32), dtype)}
     if schedule == "1f1b":  # the steady state's send-forward-receive-backward is one call: 3 of them a step
         assert sum(len(c) == 2 for c in first["calls"]) == 2 * 3
+
+
+def test_interleaved_exchanges_round_the_ring_without_a_circular_wait(tmp_path: Path,
+                                                                      corpus: Path) -> None:  # noqa: F811
+    """Interleaved on 2 ranks x 2 chunks, a step and an evaluation: rank 0 and rank 1 are each other's previous and
+    next stage, so activations and gradients of both directions share one pair of ranks, and every batch is
+    waited on. 4 micro-batches through 4 virtual stages: 3 hops each way a step, 3 forward hops in evaluation."""
+    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
+             "train__max_steps": 2, "train__eval_interval": 2}
+    first, last = run_distributed(train_recording_p2p, 2, tmp_path, corpus, extra, init_group=False)
+    assert crossed_waits(first["calls"], last["calls"], 0, 1) == []
+    for r, eval_sends in ((first, 8), (last, 4)):
+        assert r["unwaited"] == [0] * len(r["calls"])
+        sends = [op for c in r["calls"] for op in c if op[0]]
+        # a step: 4 micro-batches x 3 hops x 2 directions, 12 sent by each rank (rank 0 forwards from virtual
+        # stages 0 and 2, rank 1 from 1; the backwards the reverse); each of evaluation's 2 batches: forwards only
+        assert len(sends) == 2 * 12 + 2 * eval_sends
 
 
 def test_a_middle_stage_exchanges_with_both_neighbours_without_a_circular_wait(tmp_path: Path,

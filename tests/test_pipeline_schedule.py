@@ -15,6 +15,7 @@ from dist_llm.parallel.pipeline.schedule import (
     bubble_fraction,
     forward_only,
     gpipe,
+    interleaved,
     one_f_one_b,
     peak_in_flight,
     simulate,
@@ -85,6 +86,47 @@ def test_zb1_bubble(stages: int, micro: int) -> None:
             assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, schedule="zb1"))
     assert makespan <= simulate(build_plans("1f1b", stages, micro))[0]
     assert max(peak_in_flight(plan) for plan in zb1(stages, micro)) == min(stages, micro)
+
+
+INTERLEAVED = [(p, v, m) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p, 8 * p)]
+
+
+@pytest.mark.parametrize(("stages", "chunks", "micro"), INTERLEAVED)
+def test_interleaved_bubble(stages: int, chunks: int, micro: int) -> None:
+    """Interleaved 1F1B with each chunk 1/v of a stage (a chunk's forward 1/v, its backward 2/v): no deadlock round
+    the ring, every (micro-batch, chunk) forward then backward once per rank, and every rank idle
+    (p-1)/(v*m + p-1) of the step, v times less than 1F1B's bubble at the same m."""
+    plans = interleaved(stages, micro, chunks)
+    for plan in plans:
+        for kind in ("F", "B"):
+            assert sorted((a.micro, a.chunk) for a in plan if a.kind == kind) == [
+                (m, c) for m in range(micro) for c in range(chunks)]
+    makespan, busy = simulate(build_plans("interleaved", stages, micro, chunks),
+                              forward_cost=1 / chunks, backward_cost=2 / chunks)
+    assert makespan == pytest.approx(3 * micro + 3 * (stages - 1) / chunks)
+    for b in busy:
+        assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, chunks=chunks))
+        assert 1 - b / makespan < bubble_fraction(stages, micro)
+    # evaluation: forwards only, round the ring chunk by chunk
+    assert simulate(build_plans("forward", stages, micro, chunks), forward_cost=1 / chunks)[0] == pytest.approx(
+        micro + (stages - 1) / chunks)
+
+
+def test_interleaved_order_on_two_stages() -> None:
+    """2 ranks x 2 chunks, 4 micro-batches: rank 0 warms up with 2(p-1-r) + (v-1)p = 4 forwards (micro-batches 0
+    and 1 through chunk 0, then through chunk 1), rank 1 with 2; the backwards start from the last chunk."""
+    def acts(plan: list[Action]) -> list[str]:
+        return [f"{a.kind}{a.micro}.{a.chunk}" for a in plan if a.kind in ("F", "B")]
+    first, last = interleaved(2, 4, 2)
+    assert acts(first) == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0", "B0.1", "F3.0", "B1.1", "F2.1", "B0.0",
+                           "F3.1", "B1.0", "B2.1", "B3.1", "B2.0", "B3.0"]
+    assert acts(last)[:4] == ["F0.0", "F1.0", "F0.1", "B0.1"]
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 3), (4, 6), (3, 4)])
+def test_interleaved_needs_micro_batches_a_multiple_of_stages(stages: int, micro: int) -> None:
+    with pytest.raises(ValueError, match=f"{micro} micro-batches are not a multiple of {stages} stages"):
+        interleaved(stages, micro, 2)
 
 
 def test_zb1_order_on_two_stages() -> None:
@@ -226,6 +268,19 @@ def test_partition_errors_name_the_key(args: tuple, message: str) -> None:
     (["parallel.pp=2", "parallel.pp_schedule=zb1", "train.compile=true"],
      "parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; set train.compile=false "
      "or use pp_schedule=1f1b"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.dp=1",
+      "train.global_batch_size=6", "train.micro_batch_size=2"],
+     "parallel.pp_schedule: interleaved needs the micro-batches per step (train.global_batch_size / "
+     "(train.micro_batch_size * dp) = 3) to be a multiple of parallel.pp=2"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved"],
+     "parallel.pp_virtual: pp_schedule=interleaved needs 2 or more chunks per stage, got 1"),
+    (["parallel.pp=2", "parallel.pp_virtual=2"],
+     "parallel.pp_virtual: 2 chunks per stage need parallel.pp > 1 and parallel.pp_schedule=interleaved"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=3"],
+     "parallel.pp_virtual: 2 stages x 3 chunks need at least as many blocks, model.n_layer=4"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.pp_layers=[1, 3]"],
+     "parallel.pp_layers: [1, 3] must be 4 positive counts summing to model.n_layer=4"),
+    (["parallel.pp_virtual=0"], "parallel.pp_virtual: must be positive, got 0"),
 ])
 def test_schedule_refusals_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -246,3 +301,22 @@ def test_memory_counts_zb1s_held_back_micro_batches() -> None:
     # m = 8 micro-batches: GPipe holds 8 on each stage, 1F1B 2 and 1, ZB-H1 2 and 2 (abs 1: each figure rounded)
     assert held["zb1"][0] == held["1f1b"][0] == pytest.approx(held["gpipe"][0] / 4, abs=1)
     assert held["zb1"][1] == pytest.approx(2 * held["1f1b"][1], abs=1) == pytest.approx(held["gpipe"][1] / 4, abs=1)
+
+
+def test_interleaved_chunks_balance_and_keep_whole_model_names() -> None:
+    """pp=2 x 2 chunks of 8 blocks: the FLOP balance runs over the 4 virtual stages (the head's cost on the last
+    pushes blocks forward), rank r holds runs r and r+2, and the cut keeps the whole model's parameter names."""
+    from dist_llm.parallel.pipeline.stage import cut_to_stage, rank_chunks
+
+    cfg = load_config(None, ["model.n_layer=8", "parallel.pp=2", "parallel.pp_schedule=interleaved",
+                             "parallel.pp_virtual=2"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    ranges = stage_ranges(cfg.model, 4, shapes)
+    assert rank_chunks(cfg.model, 2, 2, shapes) == [(ranges[0], ranges[2]), (ranges[1], ranges[3])]
+    blocks, first, last = cut_to_stage(model, cfg, 2, 1)
+    assert blocks == (ranges[1], ranges[3]) and (first, last) == (False, True)
+    held = {int(n.split(".")[1]) for n, _ in model.named_parameters() if n.startswith("blocks.")}
+    assert held == {*ranges[1], *ranges[3]}
+    assert any(n.startswith("lm_head.") or n == "wte.weight" for n, _ in model.named_parameters())

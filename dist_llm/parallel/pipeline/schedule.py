@@ -28,24 +28,28 @@ Kind = Literal["RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "W"]
 class Action:
     kind: Kind
     micro: int
+    chunk: int = 0  # which of the rank's model chunks (interleaved schedules; 0 elsewhere)
 
     def __repr__(self) -> str:
-        return f"{self.kind} {self.micro}"
+        return f"{self.kind} {self.micro}" + (f"/{self.chunk}" if self.chunk else "")
 
 
-def _forward(stage: int, stages: int, m: int) -> list[Action]:
-    acts = [] if stage == 0 else [Action("RECV_F", m)]
-    acts.append(Action("F", m))
-    if stage < stages - 1:
-        acts.append(Action("SEND_F", m))
+def _forward(stage: int, stages: int, m: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    """`stage` of `stages` ranks; with chunks > 1, virtual stage chunk * stages + stage of stages * chunks."""
+    v = chunk * stages + stage
+    acts = [] if v == 0 else [Action("RECV_F", m, chunk)]
+    acts.append(Action("F", m, chunk))
+    if v < stages * chunks - 1:
+        acts.append(Action("SEND_F", m, chunk))
     return acts
 
 
-def _backward(stage: int, stages: int, m: int) -> list[Action]:
-    acts = [] if stage == stages - 1 else [Action("RECV_B", m)]
-    acts.append(Action("B", m))
-    if stage > 0:
-        acts.append(Action("SEND_B", m))
+def _backward(stage: int, stages: int, m: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    v = chunk * stages + stage
+    acts = [] if v == stages * chunks - 1 else [Action("RECV_B", m, chunk)]
+    acts.append(Action("B", m, chunk))
+    if v > 0:
+        acts.append(Action("SEND_B", m, chunk))
     return acts
 
 
@@ -120,12 +124,67 @@ def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
     return plans
 
 
+def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al. 2021; Megatron's virtual pipeline): rank r holds `chunks` model chunks,
+    virtual stages r, r + p, ..., so a micro-batch passes every rank `chunks` times and the bubble shrinks to
+    (p-1)/(v*m + p-1) of a step. Each rank runs its chunks' forwards in groups of p micro-batches (chunk 0 of
+    micro-batches 0..p-1, then chunk 1 of them, ...), the backwards likewise from the last chunk, warming up
+    with 2(p-1-r) + (v-1)p forwards. It needs m divisible by p (config.py refuses other m).
+
+    Its point-to-point actions come as Megatron posts them, one exchange after each computation (or forward-
+    backward pair in the steady state) with every message of that moment, in both directions round the ring:
+    the send of what was computed and the receive of what is computed next."""
+    p, m, v = stages, micro_batches, chunks
+    if m % p:
+        raise ValueError(f"interleaved schedule: {m} micro-batches are not a multiple of {p} stages")
+    total = m * v
+
+    def fwd(r: int, k: int) -> list[Action]:  # the rank's k-th forward: [RECV_F], F, [SEND_F]
+        return _forward(r, p, (k // (p * v)) * p + k % p, (k // p) % v, v)
+
+    def bwd(r: int, k: int) -> list[Action]:
+        return _backward(r, p, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v, v)
+
+    def sends(acts: list[Action]) -> list[Action]:
+        return [a for a in acts if a.kind.startswith("SEND")]
+
+    def recvs(acts: list[Action]) -> list[Action]:
+        return [a for a in acts if a.kind.startswith("RECV")]
+
+    def computes(acts: list[Action]) -> list[Action]:
+        return [a for a in acts if a.kind not in _COMM]
+
+    plans = []
+    for r in range(p):
+        warmup = total if m == p else min(total, 2 * (p - 1 - r) + (v - 1) * p)
+        acts = recvs(fwd(r, 0))
+        for k in range(warmup):
+            after = sends(fwd(r, k)) + (recvs(fwd(r, k + 1)) if k + 1 < total else [])
+            if k == warmup - 1:  # the first backward's gradient, with the last warm-up forward's messages
+                after += recvs(bwd(r, 0))
+            acts += computes(fwd(r, k)) + after
+        for i in range(total - warmup):
+            k = warmup + i
+            acts += computes(fwd(r, k)) + computes(bwd(r, i))
+            acts += sends(fwd(r, k)) + sends(bwd(r, i))
+            acts += (recvs(fwd(r, k + 1)) if k + 1 < total else []) + recvs(bwd(r, i + 1))
+        for i in range(total - warmup, total):
+            acts += computes(bwd(r, i)) + sends(bwd(r, i)) + (recvs(bwd(r, i + 1)) if i + 1 < total else [])
+        plans.append(acts)
+    return plans
+
+
 SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zb1}
 
 
-def forward_only(stages: int, micro_batches: int) -> list[list[Action]]:
-    """The forward half of a schedule (evaluation): receive, forward, send each micro-batch in turn."""
-    return [[a for m in range(micro_batches) for a in _forward(s, stages, m)] for s in range(stages)]
+def forward_only(stages: int, micro_batches: int, chunks: int = 1) -> list[list[Action]]:
+    """The forward half of a schedule (evaluation): receive, forward, send each micro-batch in turn (with
+    chunks > 1, through each chunk in turn: a micro-batch goes round the ring `chunks` times)."""
+    p, m, v = stages, micro_batches, chunks
+    # (interleaved: chunk by chunk in groups of p micro-batches, as its forwards, so the ring stays busy)
+    order = ([((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)] if v > 1 and m % p == 0
+             else [(i, c) for i in range(m) for c in range(v)])
+    return [[a for i, c in order for a in _forward(s, p, i, c, v)] for s in range(p)]
 
 
 @dataclass(frozen=True)
@@ -152,23 +211,30 @@ def peer_offset(kind: Kind) -> int:
     return 1 if kind in ("SEND_F", "RECV_B") else -1
 
 
-def exchanges(plan: list[Action]) -> list[Step]:
+def exchanges(plan: list[Action], *, both_neighbours: bool = False) -> list[Step]:
     """Group a stage's point-to-point actions into exchanges: the actions between two computations that talk
-    to the same neighbour go together (a send and the receive that pairs with it), others apart."""
+    to the same neighbour go together (a send and the receive that pairs with it), others apart; with
+    `both_neighbours` all of them (interleaved schedules, whose ranks talk around a ring, post a chunk's
+    send-forward with another chunk's receive-backward, as Megatron's batched p2p does)."""
     steps: list[Step] = []
     for a in plan:
         last = steps[-1] if steps else None
         if a.kind not in _COMM:
             steps.append(a)
-        elif isinstance(last, Exchange) and peer_offset(last.ops[0].kind) == peer_offset(a.kind):
+        elif isinstance(last, Exchange) and (both_neighbours or peer_offset(last.ops[0].kind) == peer_offset(a.kind)):
             steps[-1] = Exchange((*last.ops, a))
         else:
             steps.append(Exchange((a,)))
     return steps
 
 
-def build_plans(name: str, stages: int, micro_batches: int) -> list[list[Step]]:
-    """Every stage's steps for schedule `name` ("forward" for evaluation), as the executor runs them."""
+def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Step]]:
+    """Every stage's steps for schedule `name` ("forward" for evaluation; "interleaved" with `chunks` model
+    chunks per rank), as the executor runs them."""
+    if name == "interleaved" or (name == "forward" and chunks > 1):
+        plans = (interleaved(stages, micro_batches, chunks) if name == "interleaved"
+                 else forward_only(stages, micro_batches, chunks))
+        return [exchanges(p, both_neighbours=True) for p in plans]
     make = forward_only if name == "forward" else SCHEDULES[name]
     return [exchanges(p) for p in make(stages, micro_batches)]
 
@@ -234,7 +300,11 @@ def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, i
     for a in x.ops:
         peer = s + peer_offset(a.kind)
         if not 0 <= peer < stages:
-            raise ValueError(f"stage {s}: {a} has no neighbour stage {peer}")
+            if a.chunk == 0 and not (a.kind == "SEND_F" or a.kind == "RECV_B"):
+                raise ValueError(f"stage {s}: {a} has no neighbour stage {peer}")
+            peer %= stages  # interleaved: the ring's next chunk (last rank to the first) or previous one
+        if peer == s:
+            raise ValueError(f"stage {s}: {a} has no neighbour stage {s + peer_offset(a.kind)}")
         if a.kind.startswith("SEND"):
             sends.setdefault((s, peer), []).append((s, a, now))
         else:
@@ -244,11 +314,15 @@ def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, i
 def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
           recvs: dict[tuple[int, int], list[tuple[int, Action, float]]], done: list[list[float]]) -> None:
     """Pair the posted sends and receives of each direction in order; both complete when the later is posted."""
+    stages = len(done)
     for key, queue in sends.items():
         waiting = recvs.get(key, [])
         while queue and waiting:
             (src, send, t_send), (dst, recv, t_recv) = queue.pop(0), waiting.pop(0)
-            if (send.kind[-1], send.micro) != (recv.kind[-1], recv.micro):
+            # the receiver's virtual stage (chunk * stages + stage) must be the sender's next (F) or previous (B)
+            step = 1 if send.kind == "SEND_F" else -1
+            if ((send.kind[-1], send.micro, send.chunk * stages + src + step)
+                    != (recv.kind[-1], recv.micro, recv.chunk * stages + dst)):
                 raise ValueError(f"stage {dst}'s {recv} would receive stage {src}'s {send}")
             done[src].append(max(t_send, t_recv))
             done[dst].append(max(t_send, t_recv))
@@ -267,11 +341,11 @@ def peak_in_flight(plan: list[Action]) -> int:
     return peak
 
 
-def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b") -> float:
+def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b", chunks: int = 1) -> float:
     """The idle share of a step with equal stages, a backward twice a forward, W half of it (as `simulate`):
-    GPipe and 1F1B (p-1)/(m+p-1); ZB-H1 2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W)
-    (at m = p one forward less)."""
+    GPipe and 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v*m+p-1); ZB-H1
+    2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W) (at m = p one forward less)."""
     p, m = stages, micro_batches
     if schedule == "zb1":
         return 2 * (p - 1) / (3 * m + 2 * (p - 1))
-    return (p - 1) / (m + p - 1)
+    return (p - 1) / (chunks * m + p - 1)
