@@ -47,21 +47,25 @@ def test_matches_one_stage(tmp_path: Path, tmp_path_factory: pytest.TempPathFact
                    reference(tmp_path_factory, corpus, **LAYERS))
 
 
-@pytest.mark.parametrize("layout", [{}, {"parallel__zero_stage": 1}, {"parallel__tp": 2}], ids=["pp2", "dp2-zero1", "tp2"])
+@pytest.mark.parametrize("layout", [{}, {"parallel__zero_stage": 1}, {"parallel__tp": 2},
+                                    {"parallel__pp": 4, "model__n_layer": 8}], ids=["pp2", "dp2-zero1", "tp2", "pp4"])
 def test_interleaved_matches_one_stage(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
                                        corpus: Path, layout: dict[str, Any]) -> None:
-    """Interleaved 1F1B, 2 stages x 2 chunks of the 4 blocks (rank 0 holds blocks 0 and 2, rank 1 blocks 1 and 3,
-    activations going round the ring), alone on 2 processes or with dp=2 or tp=2 on 4."""
+    """Interleaved 1F1B, p stages x 2 chunks of one block each (at p=2 rank 0 holds blocks 0 and 2, rank 1 blocks 1
+    and 3, activations going round the ring), alone on 2 processes, with dp=2 or tp=2 on 4, or p=4 on 4."""
     extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2, **layout}
+    pp = extra["parallel__pp"]
     world = 4 if layout else 2
     if "parallel__zero_stage" in layout:
         extra["train__micro_batch_size"] = 1  # 4 micro-batches a step on each dp rank
     results = run_distributed(train, world, tmp_path, corpus, extra, init_group=False)
-    for r in results:  # the chunks: virtual stages r and r + 2
-        held = {n.split(".")[1] for n in r["params"] if n.startswith("blocks.")}
-        assert held == ({"0", "2"} if r["pp_rank"] == 0 else {"1", "3"})
+    for r in results:  # the chunks: virtual stages r and r + p
+        held = {int(n.split(".")[1]) for n in r["params"] if n.startswith("blocks.")}
+        assert held == {r["pp_rank"], r["pp_rank"] + pp}
+    model = {**LAYERS, **{k: v for k, v in layout.items() if k.startswith("model__")}}
     # tp and dp sum in other orders: the tolerances of test_3d_layout
-    assert_matches(results, reference(tmp_path_factory, corpus, **LAYERS), atol=3e-5 if layout else 1e-7)
+    atol = 3e-5 if "parallel__tp" in layout or "parallel__zero_stage" in layout else 1e-7
+    assert_matches(results, reference(tmp_path_factory, corpus, **model), atol=atol)
 
 
 @pytest.mark.parametrize("variant", [
