@@ -127,7 +127,7 @@ def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     from dist_llm.parallel.pipeline.schedule import SCHEDULES, interleaved, peak_in_flight
 
     one = {r["schedule"]: r["first_stage_saved_bytes"] for r in rows if r["m"] == 1}
-    head = (f"{'schedule':>11} {'m':>3}  {'busy s per stage':>{8 * pp}}  {'idle s per stage':>{8 * pp}}  "
+    head = (f"{'schedule':>15} {'m':>3}  {'busy s per stage':>{8 * pp}}  {'idle s per stage':>{8 * pp}}  "
             f"{'idle fraction':>{8 * pp}}  {'simulated':>{8 * pp}}  {'formula':>7}  "
             f"{'stage-0 saved MiB':>17} {'in micro-batches':>16} {'expected':>8}  peak MiB per stage")
     lines = [head, "-" * len(head)]
@@ -141,7 +141,7 @@ def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
         expected = peak_in_flight(plan) / v
         held = (f"{r['first_stage_saved_bytes'] / one[r['schedule']]:>16.2f}" if r["schedule"] in one else f"{'-':>16}")
         name = r["schedule"] + (f" v={v}" if v > 1 else "")
-        lines.append(f"{name:>11} {r['m']:>3}  " + "  ".join(f"{c:>{8 * pp}}" for c in cols)
+        lines.append(f"{name:>15} {r['m']:>3}  " + "  ".join(f"{c:>{8 * pp}}" for c in cols)
                      + f"  {r['formula']:>7.3f}  {r['first_stage_saved_bytes'] / 2**20:>17.2f} {held} {expected:>8.2f}  "
                      + " ".join(f"{b / 2**20:.1f}" for b in r["peak_bytes"]))
     return "\n".join(lines)
