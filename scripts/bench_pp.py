@@ -137,12 +137,14 @@ def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
         cols = [" ".join(f"{x:7.3f}" for x in r[k]) for k in ("busy_s", "idle_s", "idle_fraction",
                                                             "predicted_idle_fraction")]
         v = r.get("v", 1)
-        plan = (interleaved(pp, r["m"], v) if r["schedule"] == "interleaved" else SCHEDULES[r["schedule"]](pp, r["m"]))[0]
+        plans = interleaved(pp, r["m"], v) if r["schedule"] == "interleaved" else SCHEDULES[r["schedule"]](pp, r["m"])
+        plan = plans[0]
         expected = peak_in_flight(plan) / v
         held = (f"{r['first_stage_saved_bytes'] / one[r['schedule']]:>16.2f}" if r["schedule"] in one else f"{'-':>16}")
         name = r["schedule"] + (f" v={v}" if v > 1 else "")
         lines.append(f"{name:>15} {r['m']:>3}  " + "  ".join(f"{c:>{8 * pp}}" for c in cols)
-                     + f"  {r['formula']:>7.3f}  {r['first_stage_saved_bytes'] / 2**20:>17.2f} {held} {expected:>8.2f}  "
+                     + f"  {r['formula']:>7.3f}  {r['first_stage_saved_bytes'] / 2**20:>17.2f} {held}"
+                     + f" {expected:>8.2f}  "
                      + " ".join(f"{b / 2**20:.1f}" for b in r["peak_bytes"]))
     return "\n".join(lines)
 
