@@ -170,8 +170,10 @@ class ParallelConfig:
     consecutive dp ranks form an ep group), tokens sent to their experts by all-to-all."""
     zero_stage: int = 0
     """0 = DDP, 1/2 = optimizer (+gradient) sharding, 3 = FSDP2."""
-    pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
-    """Pipeline schedule."""
+    pp_schedule: Literal["gpipe", "1f1b", "zb1", "interleaved"] = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, zb1 (ZB-H1: backward split into input and weight gradients), interleaved."""
+    pp_virtual: int = 1
+    """Model chunks per pipeline stage (pp_schedule=interleaved, 2 or more): rank r holds chunks r, r+pp, ..."""
     pp_layers: list[int] = field(default_factory=list)
     """Blocks per pipeline stage; empty balances them by training FLOPs per token (blocks 6N + 12CT, the LM head and loss on the last stage, the embedding lookup ~0)."""
     sequence_parallel: bool = False
@@ -648,19 +650,48 @@ def _check_pipeline(cfg: Config) -> None:
     p = cfg.parallel
     if p.pp > cfg.model.n_layer:
         raise ConfigError(f"parallel.pp: {p.pp} stages need at least as many blocks, model.n_layer={cfg.model.n_layer}")
-    if p.pp_layers and (len(p.pp_layers) != p.pp or sum(p.pp_layers) != cfg.model.n_layer or min(p.pp_layers) < 1):
-        raise ConfigError(f"parallel.pp_layers: {p.pp_layers} must be {p.pp} positive counts summing to "
+    chunks = p.pp * p.pp_virtual  # (virtual) stages, each a contiguous run of blocks
+    if p.pp_layers and (len(p.pp_layers) != chunks or sum(p.pp_layers) != cfg.model.n_layer or min(p.pp_layers) < 1):
+        raise ConfigError(f"parallel.pp_layers: {p.pp_layers} must be {chunks} positive counts summing to "
                           f"model.n_layer={cfg.model.n_layer}")
+    check_interleaved(cfg)
     # The pipeline drives its own forwards and backwards stage by stage, so it composes with the data-parallel
     # forms whose gradient reduction it can time (after the last micro-batch's backward): the flat-buffer
     # all-reduce, ZeRO-1 and ZeRO-2. FSDP2's and DeepSpeed's own wrappers expect to run the whole forward.
     if p.pp > 1 and p.zero_stage == 3:
         raise ConfigError("parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2")
+    # a torch.compile'd block's backward is one compiled function run once (donated buffers): it cannot be split
+    if p.pp > 1 and p.pp_schedule == "zb1" and cfg.train.compile:
+        raise ConfigError("parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; "
+                          "set train.compile=false or use pp_schedule=1f1b")
     if p.pp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.pp>1; use backend=native")
     # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards
     if p.tp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.tp>1; use backend=native")
+
+
+def check_interleaved(cfg: Config, dp: int | None = None) -> None:
+    """Interleaved 1F1B's rules: 2+ chunks per stage, a block per chunk, micro-batches a multiple of pp (its
+    forwards go in groups of pp, as Megatron's). `dp` where known (the runtime checks again once it is)."""
+    p, t = cfg.parallel, cfg.train
+    if p.pp_virtual < 1:
+        raise ConfigError(f"parallel.pp_virtual: must be positive, got {p.pp_virtual}")
+    if p.pp_schedule != "interleaved" or p.pp == 1:
+        if p.pp_virtual > 1:
+            raise ConfigError(f"parallel.pp_virtual: {p.pp_virtual} chunks per stage need parallel.pp > 1 and "
+                              f"parallel.pp_schedule=interleaved")
+        return
+    if p.pp_virtual < 2:
+        raise ConfigError("parallel.pp_virtual: pp_schedule=interleaved needs 2 or more chunks per stage, got 1")
+    if p.pp * p.pp_virtual > cfg.model.n_layer:
+        raise ConfigError(f"parallel.pp_virtual: {p.pp} stages x {p.pp_virtual} chunks need at least as many blocks, "
+                          f"model.n_layer={cfg.model.n_layer}")
+    dp = dp or p.dp
+    if dp and (t.global_batch_size // (t.micro_batch_size * dp)) % p.pp:
+        m = t.global_batch_size // (t.micro_batch_size * dp)
+        raise ConfigError(f"parallel.pp_schedule: interleaved needs the micro-batches per step (train.global_batch_size"
+                          f" / (train.micro_batch_size * dp) = {m}) to be a multiple of parallel.pp={p.pp}")
 
 
 def _check_moe(cfg: Config) -> None:

@@ -209,18 +209,28 @@ def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
     return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
 
 
-def _blocks(cfg: Config, pp: int, pp_rank: int) -> range:
+def _blocks(cfg: Config, pp: int, pp_rank: int) -> list[int] | range:
     """The blocks of this pipeline stage."""
     return _stage_layers(cfg, pp, pp_rank) if pp > 1 else range(cfg.model.n_layer)
 
 
-def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> int:
-    """Micro-batches whose activations a stage holds at once: all of them with GPipe, pp - rank with 1F1B."""
+def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> float:
+    """Micro-batches whose activations a stage holds at once: all of them with GPipe, pp - rank with 1F1B, p
+    with ZB-H1, with interleaving the schedule's peak of chunk forwards over v."""
     t = cfg.train
     micro = t.global_batch_size // (t.micro_batch_size * dp)
+    p = cfg.parallel
     if pp == 1:
         return 1
-    return micro if cfg.parallel.pp_schedule == "gpipe" else min(micro, pp - pp_rank)
+    if p.pp_schedule == "gpipe":
+        return micro
+    if p.pp_schedule == "zb1":  # a held-back W keeps its micro-batch: every stage up to the first's p
+        return min(micro, pp)
+    if p.pp_schedule == "interleaved" and micro % pp == 0:  # chunk forwards at the peak, each 1/v of the blocks
+        from dist_llm.parallel.pipeline.schedule import interleaved, peak_in_flight
+
+        return peak_in_flight(interleaved(pp, micro, p.pp_virtual)[pp_rank]) / p.pp_virtual
+    return min(micro, pp - pp_rank)
 
 
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False) -> int:
@@ -248,16 +258,18 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     return round(per_micro * tokens * _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp))
 
 
-def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> range:
-    """This stage's blocks, as `cut_to_stage` splits them (balanced by training FLOPs, or parallel.pp_layers)."""
+def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> list[int]:
+    """This stage's blocks, as `cut_to_stage` splits them (balanced by training FLOPs, or parallel.pp_layers;
+    interleaved: its chunks' blocks)."""
     from dist_llm.parallel.pipeline.stage import stage_ranges
 
     # remembered per model and split: the search is the dearest part of counting a layout
-    key = repr((cfg.model, pp, cfg.parallel.pp_layers))
+    v = cfg.parallel.pp_virtual
+    key = repr((cfg.model, pp, cfg.parallel.pp_layers, v))
     if key not in _RANGES:
         shapes = [(n, s) for n, s, _ in _model_params(cfg, peft=False)]
-        _RANGES[key] = stage_ranges(cfg.model, pp, shapes, cfg.parallel.pp_layers or None)
-    return _RANGES[key][pp_rank]
+        _RANGES[key] = stage_ranges(cfg.model, pp * v, shapes, cfg.parallel.pp_layers or None)
+    return [i for c in range(v) for i in _RANGES[key][c * pp + pp_rank]]
 
 
 _RANGES: dict[str, list[range]] = {}

@@ -15,9 +15,11 @@ from dist_llm.parallel.pipeline.schedule import (
     bubble_fraction,
     forward_only,
     gpipe,
+    interleaved,
     one_f_one_b,
     peak_in_flight,
     simulate,
+    zb1,
 )
 from dist_llm.parallel.pipeline.stage import block_params, describe_stages, partition_layers, stage_ranges
 
@@ -34,12 +36,17 @@ def test_every_micro_batch_once_forward_before_backward(name: str, stages: int, 
             assert sorted(a.micro for a in plan if a.kind == kind) == list(range(micro))
         for m in range(micro):
             assert plan.index(Action("F", m)) < plan.index(Action("B", m))
+        if name == "zb1":  # the backward split: each weight-gradient half once, after its input-gradient half
+            assert sorted(a.micro for a in plan if a.kind == "W") == list(range(micro))
+            assert all(plan.index(Action("B", m)) < plan.index(Action("W", m)) for m in range(micro))
+        else:
+            assert not any(a.kind == "W" for a in plan)
         # first stage never receives activations, last stage never sends them
         assert (s == 0) == (not any(a.kind == "RECV_F" for a in plan))
         assert (s == stages - 1) == (not any(a.kind == "SEND_F" for a in plan))
 
 
-@pytest.mark.parametrize("name", [*SCHEDULES, "forward"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "forward"])
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
 def test_no_deadlock_and_the_bubble_formula(name: str, stages: int, micro: int) -> None:
     """The executor's plans (exchanges) under rendezvous semantics: no deadlock, and with equal stages (backward
@@ -64,6 +71,74 @@ def test_each_exchange_is_one_send_and_receive_with_one_neighbour(name: str, sta
                 # with the next stage: send an activation, receive a gradient; with the previous: the reverse
                 assert kinds in (["SEND_F"], ["RECV_B"], ["RECV_B", "SEND_F"],
                                  ["RECV_F"], ["SEND_B"], ["RECV_F", "SEND_B"]), (s, x)
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(p, m) for p in (1, 2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16, 32)])
+def test_zb1_bubble(stages: int, micro: int) -> None:
+    """ZB-H1 with F = B = W (a whole backward 2 forwards, as for the others): the exchanges run free of deadlock,
+    the W's take the weight half of the backward out of the bubble, so a step lasts 3m + 2(p-1) forwards (one
+    less at m = p) against 1F1B's 3m + 3(p-1), and no stage holds more micro-batches than 1F1B's first."""
+    makespan, busy = simulate(build_plans("zb1", stages, micro))
+    assert makespan == 3 * micro + 2 * (stages - 1) - (1 if micro == stages > 1 else 0)
+    assert busy == [3.0 * micro] * stages  # every stage's F, B and W of every micro-batch
+    if micro != stages:
+        for b in busy:
+            assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, schedule="zb1"))
+    assert makespan <= simulate(build_plans("1f1b", stages, micro))[0]
+    assert max(peak_in_flight(plan) for plan in zb1(stages, micro)) == min(stages, micro)
+
+
+INTERLEAVED = [(p, v, m) for p in (2, 3, 4) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p, 8 * p)]
+
+
+@pytest.mark.parametrize(("stages", "chunks", "micro"), INTERLEAVED)
+def test_interleaved_bubble(stages: int, chunks: int, micro: int) -> None:
+    """Interleaved 1F1B with each chunk 1/v of a stage (a chunk's forward 1/v, its backward 2/v): no deadlock round
+    the ring, every (micro-batch, chunk) forward then backward once per rank, and every rank idle
+    (p-1)/(v*m + p-1) of the step, v times less than 1F1B's bubble at the same m."""
+    plans = interleaved(stages, micro, chunks)
+    for plan in plans:
+        for kind in ("F", "B"):
+            assert sorted((a.micro, a.chunk) for a in plan if a.kind == kind) == [
+                (m, c) for m in range(micro) for c in range(chunks)]
+    makespan, busy = simulate(build_plans("interleaved", stages, micro, chunks),
+                              forward_cost=1 / chunks, backward_cost=2 / chunks)
+    assert makespan == pytest.approx(3 * micro + 3 * (stages - 1) / chunks)
+    for b in busy:
+        assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, chunks=chunks))
+        assert 1 - b / makespan < bubble_fraction(stages, micro)
+    # evaluation: forwards only, round the ring chunk by chunk
+    assert simulate(build_plans("forward", stages, micro, chunks), forward_cost=1 / chunks)[0] == pytest.approx(
+        micro + (stages - 1) / chunks)
+
+
+def test_interleaved_order_on_two_stages() -> None:
+    """2 ranks x 2 chunks, 4 micro-batches: rank 0 warms up with 2(p-1-r) + (v-1)p = 4 forwards (micro-batches 0
+    and 1 through chunk 0, then through chunk 1), rank 1 with 2; the backwards start from the last chunk."""
+    def acts(plan: list[Action]) -> list[str]:
+        return [f"{a.kind}{a.micro}.{a.chunk}" for a in plan if a.kind in ("F", "B")]
+    first, last = interleaved(2, 4, 2)
+    assert acts(first) == ["F0.0", "F1.0", "F0.1", "F1.1", "F2.0", "B0.1", "F3.0", "B1.1", "F2.1", "B0.0",
+                           "F3.1", "B1.0", "B2.1", "B3.1", "B2.0", "B3.0"]
+    assert acts(last)[:4] == ["F0.0", "F1.0", "F0.1", "B0.1"]
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(2, 3), (4, 6), (3, 4)])
+def test_interleaved_needs_micro_batches_a_multiple_of_stages(stages: int, micro: int) -> None:
+    with pytest.raises(ValueError, match=f"{micro} micro-batches are not a multiple of {stages} stages"):
+        interleaved(stages, micro, 2)
+
+
+def test_zb1_order_on_two_stages() -> None:
+    """The first stage runs each W right after its B; the last holds back one W and runs it after the exchange
+    that follows its next B (so that exchange stays one, as the first stage posts it)."""
+    first, last = build_plans("zb1", 2, 3)
+    assert [a for a in first if isinstance(a, Action)] == [
+        Action("F", 0), Action("F", 1), Action("B", 0), Action("W", 0), Action("F", 2), Action("B", 1),
+        Action("W", 1), Action("B", 2), Action("W", 2)]
+    assert [a for a in last if isinstance(a, Action)] == [
+        Action("F", 0), Action("B", 0), Action("F", 1), Action("B", 1), Action("W", 0), Action("F", 2),
+        Action("B", 2), Action("W", 1), Action("W", 2)]
 
 
 @pytest.mark.parametrize(("stages", "micro"), [(p, m) for p, m in SHAPES if p > 1 and m > 1])
@@ -102,6 +177,8 @@ def test_activation_memory(stages: int, micro: int) -> None:
         assert peak_in_flight(plan) == micro
     for s, plan in enumerate(one_f_one_b(stages, micro)):
         assert peak_in_flight(plan) == min(stages - s, micro)
+    for s, plan in enumerate(zb1(stages, micro)):  # a held-back W keeps its micro-batch's activations
+        assert peak_in_flight(plan) == min(stages, micro)
 
 
 def test_one_f_one_b_order_on_two_stages() -> None:
@@ -185,3 +262,61 @@ def test_partition_errors_name_the_key(args: tuple, message: str) -> None:
     n, p, *explicit = args
     with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
         partition_layers(n, p, explicit=explicit[0] if explicit else None)
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["parallel.pp=2", "parallel.pp_schedule=zb1", "train.compile=true"],
+     "parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; set train.compile=false "
+     "or use pp_schedule=1f1b"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.dp=1",
+      "train.global_batch_size=6", "train.micro_batch_size=2"],
+     "parallel.pp_schedule: interleaved needs the micro-batches per step (train.global_batch_size / "
+     "(train.micro_batch_size * dp) = 3) to be a multiple of parallel.pp=2"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved"],
+     "parallel.pp_virtual: pp_schedule=interleaved needs 2 or more chunks per stage, got 1"),
+    (["parallel.pp=2", "parallel.pp_virtual=2"],
+     "parallel.pp_virtual: 2 chunks per stage need parallel.pp > 1 and parallel.pp_schedule=interleaved"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=3"],
+     "parallel.pp_virtual: 2 stages x 3 chunks need at least as many blocks, model.n_layer=4"),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.pp_layers=[1, 3]"],
+     "parallel.pp_layers: [1, 3] must be 4 positive counts summing to model.n_layer=4"),
+    (["parallel.pp_virtual=0"], "parallel.pp_virtual: must be positive, got 0"),
+])
+def test_schedule_refusals_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, overrides)
+    assert str(info.value) == message
+
+
+def test_memory_counts_zb1s_held_back_micro_batches() -> None:
+    """`dist-llm memory`'s activations per stage: 1F1B holds p - s micro-batches on stage s, ZB-H1 p on every stage
+    (a W held back keeps its micro-batch's activations), GPipe all m."""
+    from dist_llm.memory import activation_bytes
+
+    held = {}
+    for schedule in ("gpipe", "1f1b", "zb1"):
+        cfg = load_config(None, ["model.n_layer=4", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
+                                 "train.micro_batch_size=2", "train.global_batch_size=16"])
+        held[schedule] = [activation_bytes(cfg, dp=1, tp=1, pp=2, pp_rank=r) for r in (0, 1)]
+    # m = 8 micro-batches: GPipe holds 8 on each stage, 1F1B 2 and 1, ZB-H1 2 and 2 (abs 1: each figure rounded)
+    assert held["zb1"][0] == held["1f1b"][0] == pytest.approx(held["gpipe"][0] / 4, abs=1)
+    assert held["zb1"][1] == pytest.approx(2 * held["1f1b"][1], abs=1) == pytest.approx(held["gpipe"][1] / 4, abs=1)
+
+
+def test_interleaved_chunks_balance_and_keep_whole_model_names() -> None:
+    """pp=2 x 2 chunks of 8 blocks: the FLOP balance runs over the 4 virtual stages (the head's cost on the last
+    pushes blocks forward), rank r holds runs r and r+2, and the cut keeps the whole model's parameter names."""
+    from dist_llm.parallel.pipeline.stage import cut_to_stage, rank_chunks
+
+    cfg = load_config(None, ["model.n_layer=8", "parallel.pp=2", "parallel.pp_schedule=interleaved",
+                             "parallel.pp_virtual=2"])
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    ranges = stage_ranges(cfg.model, 4, shapes)
+    assert rank_chunks(cfg.model, 2, 2, shapes) == [(ranges[0], ranges[2]), (ranges[1], ranges[3])]
+    blocks, first, last = cut_to_stage(model, cfg, 2, 1)
+    assert blocks == (ranges[1], ranges[3]) and (first, last) == (False, True)
+    held = {int(n.split(".")[1]) for n, _ in model.named_parameters() if n.startswith("blocks.")}
+    assert held == {*ranges[1], *ranges[3]}
+    assert any(n.startswith("lm_head.") or n == "wte.weight" for n, _ in model.named_parameters())

@@ -33,7 +33,7 @@ from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
 from dist_llm.parallel.expert import apply_expert_parallel
-from dist_llm.parallel.pipeline.stage import cut_to_stage
+from dist_llm.parallel.pipeline.stage import Blocks, cut_to_stage, describe_blocks
 from dist_llm.parallel.tensor import TensorParallelFactory
 from dist_llm.peft import apply_peft, parameter_counts, peft_parameter_names, qlora, reset_peft_parameters
 
@@ -52,7 +52,7 @@ Reader = Callable[[Config, ParallelContext], AbstractContextManager[Fill]]
 @dataclass
 class Parallelized:
     model: GPT  # this rank's part of the GPT (FSDP2 modules under ZeRO-3)
-    stage: tuple[range, bool, bool] | None  # (blocks, first, last) of this pipeline stage; None without pp
+    stage: tuple[Blocks, bool, bool] | None  # (blocks, first, last) of this pipeline stage; None without pp
     dp: DataParallel | None  # the data-parallel form (None when parallelize was asked not to wrap)
 
 
@@ -150,7 +150,7 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     if cut and ctx.pp > 1:  # keep this pipeline stage's part of the model, while nothing is allocated
         stage = cut_to_stage(model, cfg, ctx.pp, ctx.pp_rank)
         blocks, first, last = stage
-        log.info("pipeline stage %d/%d: blocks %d-%d%s%s", ctx.pp_rank, ctx.pp, blocks.start, blocks.stop - 1,
+        log.info("pipeline stage %d/%d: %s%s%s", ctx.pp_rank, ctx.pp, describe_blocks(blocks),
                  ", embedding" if first else "", ", head and loss" if last else "")
     t = cfg.train
     # FSDP2 shards the meta model and each rank then allocates only its shards (DeepSpeed's ZeRO-3 likewise,

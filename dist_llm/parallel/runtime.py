@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from dist_llm.config import Config
+from dist_llm.config import Config, check_interleaved
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel
@@ -41,9 +41,19 @@ class ParallelRuntime:
         self.module = self.dp.module  # the GPT
         self.stage: StageModel | None = None
         self.p2p: PointToPoint | None = None
+        self.chunks: list[StageModel] = []  # interleaved: one StageModel per model chunk this rank holds
         if built.stage is not None:  # this pipeline stage's part of the model, and its neighbours' addresses
-            self.stage = StageModel(built.model, *built.stage)
-            self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
+            blocks, first, last = built.stage
+            if isinstance(blocks, range):
+                self.stage = StageModel(built.model, blocks, first, last)
+                self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
+            else:  # chunk c is virtual stage c * pp + pp_rank: the embedding in the first, the head in the last
+                check_interleaved(cfg, ctx.dp)
+                self.chunks = [StageModel(built.model, r, first and c == 0, last and c == len(blocks) - 1)
+                               for c, r in enumerate(blocks)]
+                self.stage = self.chunks[0]
+                ranks = torch.distributed.get_process_group_ranks(ctx.pp_group)  # round the ring
+                self.p2p = PointToPoint(ranks[ctx.pp_rank - 1], ranks[(ctx.pp_rank + 1) % ctx.pp], stats=ctx.comm)
         self.stage_clock: StageClock | None = None  # when this stage computed in the last training step
 
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -98,10 +108,10 @@ class ParallelRuntime:
         ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
         assert self.stage is not None and self.p2p is not None
         name = self.cfg.parallel.pp_schedule if train else "forward"
-        plan = build_plans(name, ctx.pp, len(micro_batches))[ctx.pp_rank]
+        plan = build_plans(name, ctx.pp, len(micro_batches), len(self.chunks) or 1)[ctx.pp_rank]
         seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
         loss_sum, clock = run_schedule(
-            plan, self.stage, self.p2p, batches=micro_batches,
+            plan, self.chunks or self.stage, self.p2p, batches=micro_batches,
             act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],
             loss_fn=loss_fn, backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
             autocast=self._autocast, device=self.device, train=train)

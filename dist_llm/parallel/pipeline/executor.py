@@ -25,6 +25,7 @@ from torch import nn
 
 from dist_llm.parallel import comm
 from dist_llm.parallel.pipeline.schedule import Action, Exchange, Step
+from dist_llm.parallel.pipeline.split_backward import WeightWork, backward_input, backward_weights
 from dist_llm.profiling import span
 
 
@@ -103,70 +104,94 @@ def _computing(clock: StageClock):  # type: ignore[no-untyped-def]
     clock.spans.append((start, clock.mark()))
 
 
-def run_schedule(plan: list[Step], stage: StageModel, p2p: PointToPoint, *,
+Key = tuple[int, int]  # (micro-batch, chunk)
+
+
+def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: PointToPoint, *,
                  batches: list[tuple[torch.Tensor, torch.Tensor]], act_shape: tuple[int, ...], act_dtype: torch.dtype,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                 loss_fn: Callable[[torch.Tensor], torch.Tensor],
                  backward: Callable[[torch.Tensor], None],
                  micro_step: Callable[[bool], contextlib.AbstractContextManager],
                  autocast: Callable[[], contextlib.AbstractContextManager],
                  device: torch.device, train: bool = True) -> tuple[torch.Tensor, StageClock]:
     """Perform this stage's actions for one step; return the sum of the micro-batches' token losses on the
-    last stage (zero elsewhere) and when the stage computed. `loss_fn(loss)` makes the tensor to backward from
+    last stage (zero elsewhere) and when the stage computed. `stage` is one StageModel, or one per chunk under
+    the interleaved schedule (an action's `chunk` picks it). `loss_fn(loss)` makes the tensor to backward from
     a micro-batch's token-loss sum (divided by the global count, scaled); `micro_step(last)` is the
-    data-parallel context around each backward."""
-    inputs: dict[int, torch.Tensor] = {}
-    outputs: dict[int, torch.Tensor] = {}
-    out_grads: dict[int, torch.Tensor] = {}
+    data-parallel context around each action that produces weight gradients (B, or W where the plan splits
+    the backward: there B computes the input gradient alone, split_backward.py)."""
+    chunks = stage if isinstance(stage, list) else [stage]
+    inputs: dict[Key, torch.Tensor] = {}
+    outputs: dict[Key, torch.Tensor] = {}
+    out_grads: dict[Key, torch.Tensor] = {}
+    weight_work: dict[Key, WeightWork] = {}
     loss_sum = torch.zeros((), device=device)
-    last_backward = max((a.micro for a in plan if isinstance(a, Action) and a.kind == "B"), default=-1)
+    split = any(isinstance(a, Action) and a.kind == "W" for a in plan)
+    grads_at = "W" if split else "B"
+    last_grads = ([a for a in plan if isinstance(a, Action) and a.kind == grads_at] or [None])[-1]
     clock = StageClock(device)
     for a in plan:
         if isinstance(a, Exchange):
             _exchange(a, p2p, inputs, outputs, out_grads, shape=act_shape, dtype=act_dtype, device=device,
                       train=train)
             continue
-        m = a.micro
-        if a.kind not in ("F", "B"):
+        m, key, st = a.micro, (a.micro, a.chunk), chunks[a.chunk]
+        label = f"{m}/{a.chunk}" if a.chunk else f"{m}"
+        if a.kind not in ("F", "B", "W"):
             raise ValueError(f"{a} outside an Exchange: run the plans of schedule.build_plans")
         elif a.kind == "F":
             x, y = batches[m]
-            with _computing(clock), span(f"forward {m}"), autocast(), \
+            with _computing(clock), span(f"forward {label}"), autocast(), \
                     (contextlib.nullcontext() if train else torch.no_grad()):
-                out = stage.forward(x if stage.first else inputs[m])
-                if stage.last:
-                    loss = stage.model.loss(out, y, reduction="sum")  # the trainer divides (by the global count)
+                out = st.forward(x if st.first else inputs[key])
+                if st.last:
+                    loss = st.model.loss(out, y, reduction="sum")  # the trainer divides (by the global count)
                     loss_sum += loss.detach().float()
                     out = loss_fn(loss)
-            if train or not stage.last:
-                outputs[m] = out
+            if train or not st.last:
+                outputs[key] = out
             if not train:
-                inputs.pop(m, None)
+                inputs.pop(key, None)
+        elif a.kind == "B" and split:  # the input gradient only; W m accumulates the weights' later
+            with _computing(clock), span(f"backward-input {label}"):
+                out = outputs.pop(key)
+                grad = None if st.last else out_grads.pop(key).to(out.dtype)
+                inp = None if st.first else inputs[key]
+                d_inp, weight_work[key] = backward_input(out, grad, inp, list(st.model.parameters()))
+                if inp is not None:
+                    inp.grad = d_inp
         elif a.kind == "B":
-            with _computing(clock), span(f"backward {m}"), micro_step(m == last_backward):
-                if stage.last:
-                    backward(outputs.pop(m))
+            with _computing(clock), span(f"backward {label}"), micro_step(a == last_grads):
+                if st.last:
+                    backward(outputs.pop(key))
                 else:
-                    out = outputs.pop(m)
-                    torch.autograd.backward(out, out_grads.pop(m).to(out.dtype))
+                    out = outputs.pop(key)
+                    torch.autograd.backward(out, out_grads.pop(key).to(out.dtype))
+        else:
+            with _computing(clock), span(f"backward-weights {label}"), micro_step(a == last_grads):
+                backward_weights(weight_work.pop(key))
     clock.end = clock.mark()
-    if inputs or outputs or out_grads:
+    if inputs or outputs or out_grads or weight_work:
         raise RuntimeError(f"pipeline stashes not empty after the step: inputs {sorted(inputs)}, "
-                           f"outputs {sorted(outputs)}, gradients {sorted(out_grads)}")
+                           f"outputs {sorted(outputs)}, gradients {sorted(out_grads)}, "
+                           f"weight gradients {sorted(weight_work)}")
     return loss_sum, clock
 
 
-def _exchange(x: Exchange, p2p: PointToPoint, inputs: dict[int, torch.Tensor], outputs: dict[int, torch.Tensor],
-              out_grads: dict[int, torch.Tensor], *, shape: tuple[int, ...], dtype: torch.dtype,
+def _exchange(x: Exchange, p2p: PointToPoint, inputs: dict[Key, torch.Tensor], outputs: dict[Key, torch.Tensor],
+              out_grads: dict[Key, torch.Tensor], *, shape: tuple[int, ...], dtype: torch.dtype,
               device: torch.device, train: bool) -> None:
-    """One exchange with the neighbours: its sends and receives posted together, all complete on return."""
+    """One exchange with the neighbours: its sends and receives posted together, all complete on return. Under
+    the interleaved schedule the neighbours are those round the ring (the last rank's next is the first)."""
     ops: list[tuple[bool, torch.Tensor, int]] = []
     received: list[tuple[Action, torch.Tensor]] = []
     for op in x.ops:
+        key = (op.micro, op.chunk)
         if op.kind == "SEND_F":
-            out = outputs[op.micro] if train else outputs.pop(op.micro)  # training keeps it for the backward
+            out = outputs[key] if train else outputs.pop(key)  # training keeps it for the backward
             ops.append((True, _outgoing(out.detach(), op, shape, dtype), p2p.next))
         elif op.kind == "SEND_B":
-            ops.append((True, _outgoing(inputs.pop(op.micro).grad, op, shape, dtype), p2p.prev))
+            ops.append((True, _outgoing(inputs.pop(key).grad, op, shape, dtype), p2p.prev))
         else:  # the buffer's shape and dtype are the arguments the sender checks against
             buf = torch.empty(shape, dtype=dtype, device=device)
             ops.append((False, buf, p2p.prev if op.kind == "RECV_F" else p2p.next))
@@ -174,9 +199,9 @@ def _exchange(x: Exchange, p2p: PointToPoint, inputs: dict[int, torch.Tensor], o
     p2p.exchange(ops)
     for op, buf in received:
         if op.kind == "RECV_F":
-            inputs[op.micro] = buf.requires_grad_(train)
+            inputs[op.micro, op.chunk] = buf.requires_grad_(train)
         else:
-            out_grads[op.micro] = buf
+            out_grads[op.micro, op.chunk] = buf
 
 
 def _outgoing(t: torch.Tensor, op: Action, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,8 @@ NCCL's semantics, where a send waits for its receive. One executor runs any plan
   RECV_B m   receive the gradient of micro-batch m's output from the next stage (not on the last stage)
   B m        backward micro-batch m
   SEND_B m   send the gradient of micro-batch m's input to the previous stage (not on the first stage)
+  W m        the weight gradients of micro-batch m (zero-bubble schedules only: there B computes the input
+             gradient alone, which the previous stage waits for, and W the rest, later, where a stage would idle)
 """
 
 from __future__ import annotations
@@ -19,31 +21,35 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Literal
 
-Kind = Literal["RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B"]
+Kind = Literal["RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "W"]
 
 
 @dataclass(frozen=True)
 class Action:
     kind: Kind
     micro: int
+    chunk: int = 0  # which of the rank's model chunks (interleaved schedules; 0 elsewhere)
 
     def __repr__(self) -> str:
-        return f"{self.kind} {self.micro}"
+        return f"{self.kind} {self.micro}" + (f"/{self.chunk}" if self.chunk else "")
 
 
-def _forward(stage: int, stages: int, m: int) -> list[Action]:
-    acts = [] if stage == 0 else [Action("RECV_F", m)]
-    acts.append(Action("F", m))
-    if stage < stages - 1:
-        acts.append(Action("SEND_F", m))
+def _forward(stage: int, stages: int, m: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    """`stage` of `stages` ranks; with chunks > 1, virtual stage chunk * stages + stage of stages * chunks."""
+    v = chunk * stages + stage
+    acts = [] if v == 0 else [Action("RECV_F", m, chunk)]
+    acts.append(Action("F", m, chunk))
+    if v < stages * chunks - 1:
+        acts.append(Action("SEND_F", m, chunk))
     return acts
 
 
-def _backward(stage: int, stages: int, m: int) -> list[Action]:
-    acts = [] if stage == stages - 1 else [Action("RECV_B", m)]
-    acts.append(Action("B", m))
-    if stage > 0:
-        acts.append(Action("SEND_B", m))
+def _backward(stage: int, stages: int, m: int, chunk: int = 0, chunks: int = 1) -> list[Action]:
+    v = chunk * stages + stage
+    acts = [] if v == stages * chunks - 1 else [Action("RECV_B", m, chunk)]
+    acts.append(Action("B", m, chunk))
+    if v > 0:
+        acts.append(Action("SEND_B", m, chunk))
     return acts
 
 
@@ -69,12 +75,116 @@ def one_f_one_b(stages: int, micro_batches: int) -> list[list[Action]]:
     return plans
 
 
-SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b}
+def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
+    """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order of forwards and backwards, each
+    backward split into B (the input gradient, which the previous stage waits for) and W (the weight gradients,
+    which nobody waits for). Stage s holds back the W of its first s micro-batches and runs them late, where
+    1F1B would wait on a neighbour; so it holds at most `stages` micro-batches' activations, 1F1B's peak (its
+    first stage's), and its stages' critical path shrinks to F + B per hop.
+
+    Where a W goes was chosen with `simulate` (rendezvous sends, exchanges posted as one): on the first stage
+    right after its B; on the middle stages between B and the send of its input gradient (a W after that send
+    would split the send-backward-receive-forward exchange the previous stage posts as one); on the last
+    stage after that exchange. Under those semantics it recovers about half of the ideal saving of (p-1)(F+B-W)
+    over 1F1B's (p-1)(F+B+W): test_pipeline_schedule checks the figures."""
+    plans = []
+    for s in range(stages):
+        warmup = min(stages - 1 - s, micro_batches)
+        order = [("F", m) for m in range(warmup)]
+        for i in range(micro_batches - warmup):
+            order += [("F", warmup + i), ("B", i)]
+        order += [("B", m) for m in range(micro_batches - warmup, micro_batches)]
+        acts: list[Action] = []
+        due: list[Action] = []  # W's to place after the coming exchange (last stage)
+        weights = backwards = 0
+        for kind, m in order:
+            if kind == "F":
+                head = _forward(s, stages, m)
+                acts += head[:1] if head[0].kind == "RECV_F" else []
+                acts += due + head[1:] if head[0].kind == "RECV_F" else due + head
+                due = []
+                continue
+            acts += due
+            due = []
+            back = _backward(s, stages, m)
+            backwards += 1
+            ws = []
+            while backwards - weights > s:
+                ws.append(Action("W", weights))
+                weights += 1
+            if s == 0:
+                acts += back + ws
+            elif s < stages - 1:  # before the send of the input gradient
+                acts += back[:-1] + ws + back[-1:]
+            else:  # after the exchange that follows (the send, and the next forward's receive)
+                acts += back
+                due = ws
+        acts += due + [Action("W", m) for m in range(weights, micro_batches)]
+        plans.append(acts)
+    return plans
 
 
-def forward_only(stages: int, micro_batches: int) -> list[list[Action]]:
-    """The forward half of a schedule (evaluation): receive, forward, send each micro-batch in turn."""
-    return [[a for m in range(micro_batches) for a in _forward(s, stages, m)] for s in range(stages)]
+def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Action]]:
+    """Interleaved 1F1B (Narayanan et al. 2021; Megatron's virtual pipeline): rank r holds `chunks` model chunks,
+    virtual stages r, r + p, ..., so a micro-batch passes every rank `chunks` times and the bubble shrinks to
+    (p-1)/(v*m + p-1) of a step. Each rank runs its chunks' forwards in groups of p micro-batches (chunk 0 of
+    micro-batches 0..p-1, then chunk 1 of them, ...), the backwards likewise from the last chunk, warming up
+    with 2(p-1-r) + (v-1)p forwards. It needs m divisible by p (config.py refuses other m).
+
+    Its point-to-point actions come as Megatron posts them, one exchange after each computation (or forward-
+    backward pair in the steady state) with every message of that moment, in both directions round the ring:
+    the send of what was computed and the receive of what is computed next."""
+    p, m, v = stages, micro_batches, chunks
+    if m % p:
+        raise ValueError(f"interleaved schedule: {m} micro-batches are not a multiple of {p} stages")
+    total = m * v
+
+    def fwd(r: int, k: int) -> list[Action]:  # the rank's k-th forward: [RECV_F], F, [SEND_F]
+        return _forward(r, p, (k // (p * v)) * p + k % p, (k // p) % v, v)
+
+    def bwd(r: int, k: int) -> list[Action]:
+        return _backward(r, p, (k // (p * v)) * p + k % p, v - 1 - (k // p) % v, v)
+
+    def sends(acts: list[Action]) -> list[Action]:
+        return [a for a in acts if a.kind.startswith("SEND")]
+
+    def recvs(acts: list[Action]) -> list[Action]:
+        return [a for a in acts if a.kind.startswith("RECV")]
+
+    def computes(acts: list[Action]) -> list[Action]:
+        return [a for a in acts if a.kind not in _COMM]
+
+    plans = []
+    for r in range(p):
+        warmup = total if m == p else min(total, 2 * (p - 1 - r) + (v - 1) * p)
+        acts = recvs(fwd(r, 0))
+        for k in range(warmup):
+            after = sends(fwd(r, k)) + (recvs(fwd(r, k + 1)) if k + 1 < total else [])
+            if k == warmup - 1:  # the first backward's gradient, with the last warm-up forward's messages
+                after += recvs(bwd(r, 0))
+            acts += computes(fwd(r, k)) + after
+        for i in range(total - warmup):
+            k = warmup + i
+            acts += computes(fwd(r, k)) + computes(bwd(r, i))
+            acts += sends(fwd(r, k)) + sends(bwd(r, i))
+            acts += (recvs(fwd(r, k + 1)) if k + 1 < total else []) + recvs(bwd(r, i + 1))
+        for i in range(total - warmup, total):
+            acts += computes(bwd(r, i)) + sends(bwd(r, i)) + (recvs(bwd(r, i + 1)) if i + 1 < total else [])
+        plans.append(acts)
+    return plans
+
+
+SCHEDULES: dict[str, Callable[[int, int], list[list[Action]]]] = {"gpipe": gpipe, "1f1b": one_f_one_b, "zb1": zb1}
+
+
+def forward_only(stages: int, micro_batches: int, chunks: int = 1) -> list[list[Action]]:
+    """The forward half of a schedule (evaluation): receive, forward, send each micro-batch in turn (with
+    chunks > 1, through each chunk in turn: a micro-batch goes round the ring `chunks` times)."""
+    p, m, v = stages, micro_batches, chunks
+    # (interleaved: chunk by chunk in groups of p micro-batches, as its forwards, so the ring stays busy)
+    order = ([((k // (p * v)) * p + k % p, (k // p) % v) for k in range(m * v)] if v > 1 and m % p == 0
+             else [(i, c) for i in range(m) for c in range(v)])
+    return [[a for i, c in order for a in _forward(s, p, i, c, v)] for s in range(p)]
 
 
 @dataclass(frozen=True)
@@ -101,37 +211,52 @@ def peer_offset(kind: Kind) -> int:
     return 1 if kind in ("SEND_F", "RECV_B") else -1
 
 
-def exchanges(plan: list[Action]) -> list[Step]:
+def exchanges(plan: list[Action], *, both_neighbours: bool = False) -> list[Step]:
     """Group a stage's point-to-point actions into exchanges: the actions between two computations that talk
-    to the same neighbour go together (a send and the receive that pairs with it), others apart."""
+    to the same neighbour go together (a send and the receive that pairs with it), others apart; with
+    `both_neighbours` all of them (interleaved schedules, whose ranks talk around a ring, post a chunk's
+    send-forward with another chunk's receive-backward, as Megatron's batched p2p does)."""
     steps: list[Step] = []
     for a in plan:
         last = steps[-1] if steps else None
         if a.kind not in _COMM:
             steps.append(a)
-        elif isinstance(last, Exchange) and peer_offset(last.ops[0].kind) == peer_offset(a.kind):
+        elif isinstance(last, Exchange) and (both_neighbours or peer_offset(last.ops[0].kind) == peer_offset(a.kind)):
             steps[-1] = Exchange((*last.ops, a))
         else:
             steps.append(Exchange((a,)))
     return steps
 
 
-def build_plans(name: str, stages: int, micro_batches: int) -> list[list[Step]]:
-    """Every stage's steps for schedule `name` ("forward" for evaluation), as the executor runs them."""
+def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Step]]:
+    """Every stage's steps for schedule `name` ("forward" for evaluation; "interleaved" with `chunks` model
+    chunks per rank), as the executor runs them."""
+    if name == "interleaved" or (name == "forward" and chunks > 1):
+        plans = (interleaved(stages, micro_batches, chunks) if name == "interleaved"
+                 else forward_only(stages, micro_batches, chunks))
+        return [exchanges(p, both_neighbours=True) for p in plans]
     make = forward_only if name == "forward" else SCHEDULES[name]
     return [exchanges(p) for p in make(stages, micro_batches)]
 
 
-def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0,
-             backward_cost: float = 2.0) -> tuple[float, list[float]]:
+def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cost: float = 2.0,
+             weight_cost: float | None = None,
+             trace: list[tuple[int, Action, float]] | None = None) -> tuple[float, list[float]]:
     """Run the plans on an idealised machine with NCCL's rendezvous semantics and return the makespan and each
     stage's busy time. Raises ValueError if the plans deadlock or a receive would get another message.
+
+    `backward_cost` is a whole backward; where a plan splits it (W actions), W costs `weight_cost` (half of it
+    unless given: the weight-gradient matmuls are as many as the input-gradient ones) and B the rest.
 
     An `Exchange` posts its actions together and the stage waits until all of them complete; a bare
     send or receive action is an exchange of its own (one `batch_isend_irecv` per action). A send completes
     only when the peer has posted the matching receive, and a receive when the send is posted (transfers cost
     nothing). Messages between two stages pair in the order posted (NCCL has no tags)."""
     stages = len(plans)
+    w_cost = backward_cost / 2 if weight_cost is None else weight_cost
+    costs = [{"F": forward_cost, "W": w_cost,
+              "B": backward_cost - w_cost if any(isinstance(x, Action) and x.kind == "W" for x in p) else backward_cost}
+             for p in plans]
     steps = [[x if isinstance(x, Exchange) or x.kind not in _COMM else Exchange((x,)) for x in p] for p in plans]
     clock = [0.0] * stages
     busy = [0.0] * stages
@@ -147,7 +272,9 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0,
             while pos[s] < len(steps[s]):
                 x = steps[s][pos[s]]
                 if isinstance(x, Action):
-                    cost = forward_cost if x.kind == "F" else backward_cost
+                    cost = costs[s][x.kind]
+                    if trace is not None:  # (stage, computation, its start)
+                        trace.append((s, x, clock[s]))
                     clock[s] += cost
                     busy[s] += cost
                     pos[s] += 1
@@ -173,7 +300,11 @@ def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, i
     for a in x.ops:
         peer = s + peer_offset(a.kind)
         if not 0 <= peer < stages:
-            raise ValueError(f"stage {s}: {a} has no neighbour stage {peer}")
+            if a.chunk == 0 and not (a.kind == "SEND_F" or a.kind == "RECV_B"):
+                raise ValueError(f"stage {s}: {a} has no neighbour stage {peer}")
+            peer %= stages  # interleaved: the ring's next chunk (last rank to the first) or previous one
+        if peer == s:
+            raise ValueError(f"stage {s}: {a} has no neighbour stage {s + peer_offset(a.kind)}")
         if a.kind.startswith("SEND"):
             sends.setdefault((s, peer), []).append((s, a, now))
         else:
@@ -183,28 +314,38 @@ def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, i
 def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
           recvs: dict[tuple[int, int], list[tuple[int, Action, float]]], done: list[list[float]]) -> None:
     """Pair the posted sends and receives of each direction in order; both complete when the later is posted."""
+    stages = len(done)
     for key, queue in sends.items():
         waiting = recvs.get(key, [])
         while queue and waiting:
             (src, send, t_send), (dst, recv, t_recv) = queue.pop(0), waiting.pop(0)
-            if (send.kind[-1], send.micro) != (recv.kind[-1], recv.micro):
+            # the receiver's virtual stage (chunk * stages + stage) must be the sender's next (F) or previous (B)
+            step = 1 if send.kind == "SEND_F" else -1
+            if ((send.kind[-1], send.micro, send.chunk * stages + src + step)
+                    != (recv.kind[-1], recv.micro, recv.chunk * stages + dst)):
                 raise ValueError(f"stage {dst}'s {recv} would receive stage {src}'s {send}")
             done[src].append(max(t_send, t_recv))
             done[dst].append(max(t_send, t_recv))
 
 
 def peak_in_flight(plan: list[Action]) -> int:
-    """The most micro-batches whose activations a stage holds at once (forwarded, not yet backwarded)."""
+    """The most micro-batches whose activations a stage holds at once (forwarded, their backward not done)."""
+    frees = "W" if any(a.kind == "W" for a in plan) else "B"  # W still needs the saved activations
     held = peak = 0
     for a in plan:
         if a.kind == "F":
             held += 1
             peak = max(peak, held)
-        elif a.kind == "B":
+        elif a.kind == frees:
             held -= 1
     return peak
 
 
-def bubble_fraction(stages: int, micro_batches: int) -> float:
-    """The idle share of a synchronous pipeline with equal stages: (p - 1) / (m + p - 1)."""
-    return (stages - 1) / (micro_batches + stages - 1)
+def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b", chunks: int = 1) -> float:
+    """The idle share of a step with equal stages, a backward twice a forward, W half of it (as `simulate`):
+    GPipe and 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v*m+p-1); ZB-H1
+    2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W) (at m = p one forward less)."""
+    p, m = stages, micro_batches
+    if schedule == "zb1":
+        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+    return (p - 1) / (chunks * m + p - 1)

@@ -109,21 +109,41 @@ def describe_stages(m: ModelConfig, ranges: list[range], named_shapes: Iterable[
                      for r, load in zip(ranges, loads))
 
 
-def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[range, bool, bool]:
+Blocks = range | tuple[range, ...]  # a stage's blocks: one run, or (interleaved) one per chunk
+
+
+def rank_chunks(m: ModelConfig, pp: int, virtual: int, named_shapes: Iterable[tuple[str, tuple[int, ...]]],
+                explicit: list[int] | None = None) -> list[tuple[range, ...]]:
+    """Each rank's chunks under the interleaved schedule: the blocks cut into pp * virtual runs balanced by
+    training FLOPs (or `explicit`, parallel.pp_layers, one count per chunk in model order); rank r holds runs
+    r, r + pp, ... (virtual stages), the first of them holding the embedding and the last the head."""
+    ranges = stage_ranges(m, pp * virtual, named_shapes, explicit)
+    return [tuple(ranges[c * pp + r] for c in range(virtual)) for r in range(pp)]
+
+
+def describe_blocks(blocks: Blocks) -> str:
+    """'blocks 0-3', or for chunks 'blocks 0-1, 4-5'."""
+    runs = (blocks,) if isinstance(blocks, range) else blocks
+    return "blocks " + ", ".join(f"{r.start}-{r.stop - 1}" for r in runs)
+
+
+def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[Blocks, bool, bool]:
     """Keep this stage's part of a built GPT in place: other stages' blocks become empty modules (so the
     parameter names, and checkpoints, stay those of the whole model), the embedding stays on the first
     stage, the final norm and head on the last. With tied embeddings the last stage keeps the embedding
     weight too (as the head), marked a pipeline duplicate (parallel/marks.py) so the gradient norm counts it once.
-    Returns (block range, first, last)."""
-    m = cfg.model
+    Returns (blocks, first, last): blocks a range, or under the interleaved schedule a range per chunk."""
+    m, virtual = cfg.model, cfg.parallel.pp_virtual
     shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
-    ranges = stage_ranges(m, pp, shapes, cfg.parallel.pp_layers or None)
+    ranges = stage_ranges(m, pp * virtual, shapes, cfg.parallel.pp_layers or None)
     if pp_rank == 0:
-        log.info("pipeline stages by training FLOPs per token: %s", describe_stages(m, ranges, shapes))
-    mine = ranges[pp_rank]
+        log.info("pipeline %s by training FLOPs per token: %s", "chunks" if virtual > 1 else "stages",
+                 describe_stages(m, ranges, shapes))
+    mine: Blocks = ranges[pp_rank] if virtual == 1 else tuple(ranges[c * pp + pp_rank] for c in range(virtual))
+    held = set(mine) if isinstance(mine, range) else {i for r in mine for i in r}
     first, last = pp_rank == 0, pp_rank == pp - 1
     for i in range(m.n_layer):
-        if i not in mine:
+        if i not in held:
             model.blocks[i] = nn.Module()
     if not first:
         model.wpe = None

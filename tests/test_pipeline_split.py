@@ -1,0 +1,118 @@
+"""The backward split of zero-bubble schedules (split_backward.py): B then W equal one backward, process-free."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from dist_llm.config import load_config
+from dist_llm.model import GPT
+from dist_llm.parallel.pipeline.split_backward import backward_input, backward_weights
+
+
+def _blocks(checkpointing: str = "none") -> GPT:
+    torch.manual_seed(0)
+    cfg = load_config(None, ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16"])
+    model = GPT(cfg.model)
+    model.set_activation_checkpointing(checkpointing)  # type: ignore[arg-type]
+    return model
+
+
+def _run(model: GPT, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    inp = x.clone().requires_grad_()
+    h = inp
+    for block in model.blocks:
+        h = block(h)  # (B, T, C)
+    return inp, h
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_b_then_w_equals_one_backward(checkpointing: str) -> None:
+    """A middle stage's two blocks: B's input gradient and W's weight gradients are the one backward's, bit for
+    bit (the same terms; each parameter's gradient is one accumulation here), W's accumulate into .grad through
+    AccumulateGrad (the post-accumulate hooks ZeRO-1/2 count on fire once per parameter), and B leaves no .grad."""
+    model = _blocks(checkpointing)
+    x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    inp, out = _run(model, x)
+    out.backward(g)
+    ref = {n: p.grad.clone() for n, p in model.blocks.named_parameters()}
+    ref_inp = inp.grad
+    model.zero_grad(set_to_none=True)
+    fired: list[int] = []
+    for p in model.blocks.parameters():
+        p.register_post_accumulate_grad_hook(lambda p: fired.append(id(p)))
+    inp, out = _run(model, x)
+    d_inp, work = backward_input(out, g, inp, list(model.blocks.parameters()))
+    del out
+    assert all(p.grad is None for p in model.blocks.parameters()) and fired == []
+    assert work.root is None and len(work.branches) == 12  # per block: 2 norms, 4 linears (qkv, proj, fc, fc2)
+    torch.testing.assert_close(d_inp, ref_inp, rtol=0, atol=0)
+    backward_weights(work)
+    assert sorted(fired) == sorted(id(p) for p in model.blocks.parameters())
+    for n, p in model.blocks.named_parameters():
+        torch.testing.assert_close(p.grad, ref[n], rtol=0, atol=0, msg=n)
+
+
+def test_w_skips_the_input_path() -> None:
+    """W runs only the branches: counting the graph nodes autograd executes, B runs the input path (attention's
+    core among them) and W none of it, only the weight matmuls and norms' weight halves."""
+    model = _blocks()
+    x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    inp, out = _run(model, x)
+    d_inp, work = backward_input(out, g, inp, list(model.blocks.parameters()))
+    sdpa = [n for n, _, _ in work.branches if "Attention" in n.name()]
+    assert sdpa == []  # attention's core has no weights: never a branch point
+    ran: list[str] = []
+    handles = []
+    seen: set = set()
+    stack = [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        handles.append(node.register_prehook(lambda grads, node=node: ran.append(node.name())))
+        stack += [c for c, _ in node.next_functions]
+    backward_weights(work)
+    for h in handles:
+        h.remove()
+    assert not any("Attention" in name or "Gelu" in name for name in ran), ran
+
+
+def test_a_weight_used_twice_falls_back_to_one_backward() -> None:
+    """One norm applied before two layers: its weight is reached from a branch and from further down the input path,
+    so the graph is not split (W runs the whole backward) and the gradients are still the one backward's."""
+    torch.manual_seed(0)
+    norm, a, b = nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        h = x + a(norm(x))
+        return h + b(norm(h))
+
+    x, g = torch.randn(3, 8), torch.randn(3, 8)
+    params = [*norm.parameters(), *a.parameters(), *b.parameters()]
+    inp = x.clone().requires_grad_()
+    f(inp).backward(g)
+    ref = [p.grad.clone() for p in params]
+    ref_inp = inp.grad
+    for p in params:
+        p.grad = None
+    inp = x.clone().requires_grad_()
+    d_inp, work = backward_input(f(inp), g, inp, params)
+    assert work.root is not None and all(p.grad is None for p in params)
+    backward_weights(work)
+    torch.testing.assert_close(d_inp, ref_inp, rtol=0, atol=0)
+    for p, r in zip(params, ref, strict=True):
+        torch.testing.assert_close(p.grad, r, rtol=0, atol=0)
+
+
+def test_first_stage_defers_its_whole_backward() -> None:
+    """The first stage's input is token ids: no input gradient to send, so B does nothing and W the backward."""
+    model = _blocks()
+    ids = torch.randint(0, 64, (2, 16))
+    loss = model(ids, ids)
+    d_inp, work = backward_input(loss, None, None, list(model.parameters()))
+    assert d_inp is None and work.root is loss and all(p.grad is None for p in model.parameters())
+    backward_weights(work)
+    assert all(p.grad is not None for p in model.parameters())
