@@ -389,9 +389,9 @@ class HFCheckpoint:
 
     Only headers are read on opening (every file's, so every rank finds the same errors: a missing, unexpected
     or misshapen tensor, one line naming the file and key). `read_into` then reads just the rows and columns
-    asked for, in blocks of whole rows of at most 16 MiB read with explicit reads (`safetensors_read`: not a
-    memory map, whose touched pages would stay resident until the file is closed), converted from the file's
-    dtype to the destination's block by block; a shard is opened the first time one of its tensors is read.
+    asked for with explicit reads (`safetensors_read`: not a memory map, whose touched pages would stay resident
+    until the file is closed): straight into the destination where it has the file's dtype and whole rows are
+    read, otherwise in blocks of whole rows of at most 16 MiB converted to the destination's dtype block by block; a shard is opened the first time one of its tensors is read.
     `pytorch_model.bin` (a legacy format) cannot be sliced lazily: it is mapped whole with torch.load(mmap=True)
     (read whole where the file predates the zip format), and its slices are copied from there."""
 
@@ -479,15 +479,11 @@ class HFCheckpoint:
                     continue
                 shard = self._shard(entry)
                 try:  # (a file damaged past its header is found here, by the ranks that read that region)
-                    if len(mapping.shape) == 1:
-                        for i, block in shard.blocks(entry.key, (r0, r1)):
-                            dst[i : i + len(block)].copy_(block)
-                    elif p.transposed:  # Conv1D (in, out): our rows are its columns, our columns its rows
+                    if p.transposed and len(mapping.shape) > 1:  # Conv1D (in, out): our rows are its columns
                         for i, block in shard.blocks(entry.key, (c0, c1), (r0, r1)):
                             dst[:, i : i + len(block)].copy_(block.t())
-                    else:
-                        for i, block in shard.blocks(entry.key, (r0, r1), (c0, c1)):
-                            dst[i : i + len(block)].copy_(block)
+                    else:  # (straight into dst where it has the file's dtype and whole rows are read)
+                        shard.read_rows_into(entry.key, (r0, r1), dst, (c0, c1) if len(mapping.shape) > 1 else None)
                 except (OSError, ValueError) as e:
                     raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
             at += b - a
