@@ -379,6 +379,11 @@ def _safetensors_header(file: Path) -> dict[str, Stored]:
         raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
 
 
+def _read_failure(e: OSError, entry: "_Entry") -> OSError:
+    """An I/O error reading `entry`'s tensor, as an OSError of the same errno naming the file and the tensor."""
+    return OSError(e.errno, f"cannot read tensor {entry.key!r}: {e.strerror or _first_line(e)}", str(entry.file))
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -446,9 +451,11 @@ class HFCheckpoint:
         if entry.file not in self._open:
             try:  # (checks that the file holds every byte its header describes: a truncated file fails here)
                 self._open[entry.file] = ShardFile(entry.file, self._headers[entry.file])
-            except (OSError, ValueError) as e:
+            except ValueError as e:  # the file is bad
                 raise ConfigError(f"{entry.file}: cannot read weights for tensor {entry.key!r} "
                                   f"({_first_line(e)})") from None
+            except OSError as e:  # the system failed to read it (stays an OSError: not the input's fault)
+                raise _read_failure(e, entry) from None
         return self._open[entry.file]
 
     def read_into(self, name: str, out: torch.Tensor, rows: Rows | None = None,
@@ -484,8 +491,10 @@ class HFCheckpoint:
                             dst[:, i : i + len(block)].copy_(block.t())
                     else:  # (straight into dst where it has the file's dtype and whole rows are read)
                         shard.read_rows_into(entry.key, (r0, r1), dst, (c0, c1) if len(mapping.shape) > 1 else None)
-                except (OSError, ValueError) as e:
+                except ValueError as e:  # the file is bad (cut short inside the tensor)
                     raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
+                except OSError as e:
+                    raise _read_failure(e, entry) from None
             at += b - a
         return out
 
