@@ -379,6 +379,11 @@ def _safetensors_header(file: Path) -> dict[str, Stored]:
         raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
 
 
+def _read_failure(e: OSError, entry: "_Entry") -> OSError:
+    """An I/O error reading `entry`'s tensor, as an OSError of the same errno naming the file and the tensor."""
+    return OSError(e.errno, f"cannot read tensor {entry.key!r}: {e.strerror or _first_line(e)}", str(entry.file))
+
+
 def _first_line(e: BaseException) -> str:
     text = str(e).strip()
     return text.splitlines()[0] if text else type(e).__name__
@@ -389,9 +394,9 @@ class HFCheckpoint:
 
     Only headers are read on opening (every file's, so every rank finds the same errors: a missing, unexpected
     or misshapen tensor, one line naming the file and key). `read_into` then reads just the rows and columns
-    asked for, in blocks of whole rows of at most 16 MiB read with explicit reads (`safetensors_read`: not a
-    memory map, whose touched pages would stay resident until the file is closed), converted from the file's
-    dtype to the destination's block by block; a shard is opened the first time one of its tensors is read.
+    asked for with explicit reads (`safetensors_read`: not a memory map, whose touched pages would stay resident
+    until the file is closed): straight into the destination where it has the file's dtype and whole rows are
+    read, otherwise in blocks of whole rows of at most 16 MiB converted to the destination's dtype block by block; a shard is opened the first time one of its tensors is read.
     `pytorch_model.bin` (a legacy format) cannot be sliced lazily: it is mapped whole with torch.load(mmap=True)
     (read whole where the file predates the zip format), and its slices are copied from there."""
 
@@ -446,9 +451,11 @@ class HFCheckpoint:
         if entry.file not in self._open:
             try:  # (checks that the file holds every byte its header describes: a truncated file fails here)
                 self._open[entry.file] = ShardFile(entry.file, self._headers[entry.file])
-            except (OSError, ValueError) as e:
+            except ValueError as e:  # the file is bad
                 raise ConfigError(f"{entry.file}: cannot read weights for tensor {entry.key!r} "
                                   f"({_first_line(e)})") from None
+            except OSError as e:  # the system failed to read it (stays an OSError: not the input's fault)
+                raise _read_failure(e, entry) from None
         return self._open[entry.file]
 
     def read_into(self, name: str, out: torch.Tensor, rows: Rows | None = None,
@@ -479,17 +486,15 @@ class HFCheckpoint:
                     continue
                 shard = self._shard(entry)
                 try:  # (a file damaged past its header is found here, by the ranks that read that region)
-                    if len(mapping.shape) == 1:
-                        for i, block in shard.blocks(entry.key, (r0, r1)):
-                            dst[i : i + len(block)].copy_(block)
-                    elif p.transposed:  # Conv1D (in, out): our rows are its columns, our columns its rows
+                    if p.transposed and len(mapping.shape) > 1:  # Conv1D (in, out): our rows are its columns
                         for i, block in shard.blocks(entry.key, (c0, c1), (r0, r1)):
                             dst[:, i : i + len(block)].copy_(block.t())
-                    else:
-                        for i, block in shard.blocks(entry.key, (r0, r1), (c0, c1)):
-                            dst[i : i + len(block)].copy_(block)
-                except (OSError, ValueError) as e:
+                    else:  # (straight into dst where it has the file's dtype and whole rows are read)
+                        shard.read_rows_into(entry.key, (r0, r1), dst, (c0, c1) if len(mapping.shape) > 1 else None)
+                except ValueError as e:  # the file is bad (cut short inside the tensor)
                     raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
+                except OSError as e:
+                    raise _read_failure(e, entry) from None
             at += b - a
         return out
 

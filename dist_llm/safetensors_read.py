@@ -6,7 +6,9 @@ resident in the process (counted in its resident set, VmHWM) until the file is c
 a 1 GiB model held ~250 MiB of mapped shards at its peak beside its own quarter of the model. Read here: the
 bytes of whole rows, in blocks of at most BLOCK_BYTES, into one reused buffer, of which the caller copies the
 columns it keeps (converting to its own dtype); the buffer is the only memory the read takes, whatever the
-tensor's size. The values are those safetensors gives: the same bytes, viewed in the file's dtype.
+tensor's size. Where the destination wants exactly the file's bytes (whole rows, the file's dtype, contiguous
+CPU memory) they are read straight into it instead (`read_rows_into`): no buffer at all. The values are those
+safetensors gives: the same bytes, viewed in the file's dtype.
 
 The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte little-endian header length N,
 N bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then the
@@ -18,6 +20,7 @@ a truncated file is found by the first read of any of its tensors, as safe_open 
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import json
 import math
@@ -107,6 +110,10 @@ class ShardFile:
         """Rows [rows) (of dim 0) of tensor `key`, and of them columns [cols) (of dim 1; all when None), block
         by block: (the block's first row, counted from rows[0]; the block in the file's dtype). Each block is a
         view of one buffer that the next overwrites: copy it out before asking for the next."""
+        yield from self._blocks(key, rows, cols, block_bytes)
+
+    def _blocks(self, key: str, rows: tuple[int, int], cols: tuple[int, int] | None,
+                block_bytes: int) -> Iterator[tuple[int, torch.Tensor]]:
         t = self.tensors[key]
         r0, r1 = rows
         if not 0 <= r0 <= r1 <= (t.shape[0] if t.shape else 1):
@@ -124,6 +131,28 @@ class ShardFile:
             block = block.view(n, *row_shape)
             yield a - r0, block if cols is None else block[:, cols[0]:cols[1]]
 
+    def read_rows_into(self, key: str, rows: tuple[int, int], out: torch.Tensor,
+                       cols: tuple[int, int] | None = None, *, block_bytes: int = BLOCK_BYTES) -> None:
+        """Rows [rows) of tensor `key` (of them columns [cols), all when None) into `out`, of that region's shape,
+        converted to out's dtype. Where the bytes in the file are exactly out's (whole rows, the file's dtype, `out`
+        contiguous in CPU memory) they are read straight into it: no buffer, no copy. Otherwise through `blocks`'
+        buffer of at most `block_bytes`."""
+        t = self.tensors[key]
+        whole_rows = cols is None or (len(t.shape) > 1 and cols == (0, t.shape[1]))
+        if whole_rows and out.dtype == t.dtype and out.device.type == "cpu" and out.is_contiguous():
+            r0, r1 = rows
+            if not 0 <= r0 <= r1 <= (t.shape[0] if t.shape else 1):
+                raise ValueError(f"rows [{r0}, {r1}) out of tensor {key!r} of shape {t.shape}")
+            want = (r1 - r0, *t.shape[1:]) if t.shape else ()
+            if tuple(out.shape) != want:
+                raise ValueError(f"{key}: destination of shape {tuple(out.shape)} for rows of shape {want}")
+            row_bytes = math.prod(t.shape[1:]) * t.dtype.itemsize
+            if out.numel():
+                self._read_into(_bytes_of(out), t.begin + r0 * row_bytes)
+            return
+        for i, block in self._blocks(key, rows, cols, block_bytes):  # (one read, whichever way it goes)
+            out[i : i + len(block)].copy_(block)
+
     def _read_into(self, view: memoryview, offset: int) -> None:
         done = 0
         while done < len(view):  # (a read may return fewer bytes than asked)
@@ -131,6 +160,12 @@ class ShardFile:
             if got == 0:
                 raise ValueError(f"the file ends at byte {offset + done}, inside tensor data: truncated")
             done += got
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU tensor as writable bytes (valid while `t` lives: the caller holds it)."""
+    n = t.numel() * t.element_size()
+    return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
 __all__ = ["BLOCK_BYTES", "DTYPES", "MAX_HEADER", "ShardFile", "Stored", "read_header"]

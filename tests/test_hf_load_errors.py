@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from dist_llm.config import ConfigError, load_config
@@ -82,3 +83,44 @@ def test_an_unexpected_failure_keeps_its_traceback_in_the_rank_log(tmp_path: Pat
     assert line == "model.init_from: KeyError: 'blocks.0.attn.qkv.weight'"
     text = (tmp_path / "logs" / "rank_0.log").read_text()
     assert "Traceback (most recent call last)" in text and "raise KeyError" in text
+
+
+@pytest.mark.parametrize("fault", ["io-error", "truncated"])
+def test_an_io_error_exits_1_a_damaged_file_exits_2(tmp_path: Path, corpus_file: Path, fault: str,
+                                                     monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """The CLI's codes: 2 says the input is bad (a file cut short), 1 that something else failed (here the
+    disk: EIO from the read of a sound file, which before came out as 2, as if the file were at fault).
+    Either way one line naming the file."""
+    import errno
+    import os
+
+    from dist_llm import cli
+    from dist_llm import safetensors_read
+    from tests.test_hf import hf_llama, save
+
+    torch.manual_seed(5)
+    hf = save(hf_llama(), tmp_path / "hf")
+    file = hf / "model.safetensors"
+    if fault == "truncated":
+        with open(file, "r+b") as f:
+            f.truncate(file.stat().st_size - 1000)
+    else:
+        def preadv(fd: int, buffers: Any, offset: int) -> int:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+        monkeypatch.setattr(safetensors_read.os, "preadv", preadv)
+    capsys.readouterr()
+    code = cli.main(["train", f"model.init_from=hf:{hf}", f"data.source={corpus_file}", f"train.out_dir={tmp_path / 'run'}",
+                     "train.max_steps=1", "train.device=cpu", "train.micro_batch_size=2", "train.global_batch_size=2",
+                     "model.block_size=16", "train.eval_interval=0"])
+    err = capsys.readouterr().err
+    errors = [line for line in err.splitlines() if line.startswith("dist-llm: error:")]
+    assert "Traceback" not in err and len(errors) == 1, err[-3000:]
+    if fault == "truncated":
+        assert code == 2, err[-3000:]
+        assert errors[0].startswith(f"dist-llm: error: {file}: cannot read weights for tensor "), errors
+    else:
+        assert code == 1, err[-3000:]
+        assert re.match(rf"^dist-llm: error: model.init_from: {re.escape(str(file))}: cannot read tensor '[^']+': "
+                        rf"{os.strerror(errno.EIO)}$", errors[0]), errors

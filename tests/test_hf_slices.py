@@ -53,16 +53,28 @@ def count_reads() -> ReadLog:
             log.dtypes.add(t.dtype)
             yield at, t
 
+    real_into = getattr(ShardFile.read_rows_into, "real", ShardFile.read_rows_into)
+
+    def read_rows_into(self: ShardFile, key: str, rows: tuple[int, int], out: torch.Tensor, *args: Any,
+                       **kwargs: Any) -> None:  # (straight into `out`, or through the block buffer: counted once)
+        log.files.add(self.file.name)
+        log.elements += out.numel()
+        log.by_key[key] += out.numel()
+        log.dtypes.add(self.tensors[key].dtype)
+        real_into(self, key, rows, out, *args, **kwargs)
+
     blocks.real = real  # type: ignore[attr-defined]
+    read_rows_into.real = real_into  # type: ignore[attr-defined]
     ShardFile.blocks = blocks  # type: ignore[method-assign]
+    ShardFile.read_rows_into = read_rows_into  # type: ignore[method-assign]
     return log
 
 
 @pytest.fixture
 def reads() -> Any:
-    real = ShardFile.blocks
+    real, real_into = ShardFile.blocks, ShardFile.read_rows_into
     yield count_reads()
-    ShardFile.blocks = real  # type: ignore[method-assign]
+    ShardFile.blocks, ShardFile.read_rows_into = real, real_into  # type: ignore[method-assign]
 
 
 # -- each rank's share, from the shapes alone ----------------------------------------------------------------

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import re
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -120,3 +122,67 @@ def test_a_file_cut_short_is_one_line_at_its_first_read(tmp_path: Path) -> None:
     assert len(message.splitlines()) == 1
     assert re.fullmatch(rf"{re.escape(str(file))}: cannot read weights for tensor 'model\.norm\.weight' \(the file "
                         r"has \d+ bytes, its header describes \d+: truncated\)", message), message
+
+
+@pytest.mark.parametrize("out_dtype", [None, torch.float32], ids=["file-dtype", "float32"])
+def test_read_rows_into_is_what_safetensors_slices_give(weights: Path, out_dtype: torch.dtype | None) -> None:
+    """`read_rows_into` (straight into the destination when it has the file's dtype and whole rows are asked for,
+    through the block buffer otherwise) gives safetensors' slice of every region, converted to the destination's
+    dtype, at block sizes down to one row."""
+    shard = ShardFile(weights, read_header(weights))
+    try:
+        with safe_open(str(weights), framework="pt") as ref:
+            for key in ref.keys():  # noqa: SIM118 - safe_open is no dict
+                for (r0, r1), cols in REGIONS if key != "bias" else [((0, 29), None), ((4, 17), None)]:
+                    want = ref.get_slice(key)[r0:r1] if cols is None else ref.get_slice(key)[r0:r1, cols[0]:cols[1]]
+                    for block_bytes in (1, 1 << 20):
+                        got = torch.full_like(want, float("nan"), dtype=out_dtype or want.dtype)
+                        shard.read_rows_into(key, (r0, r1), got, cols, block_bytes=block_bytes)
+                        assert torch.equal(got, want.to(got.dtype)), (key, r0, r1, cols, block_bytes)
+    finally:
+        shard.close()
+
+
+def _traced_peak(read: Callable[[], object]) -> int:
+    """The most bytes Python's allocators held at once beyond what they held before, during `read()` (a read
+    buffer is a bytearray: traced; a torch tensor is not)."""
+    tracemalloc.start()
+    try:
+        tracemalloc.reset_peak()
+        base = tracemalloc.get_traced_memory()[0]
+        read()
+        return tracemalloc.get_traced_memory()[1] - base
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("file_dtype", [torch.float32, torch.bfloat16])
+def test_a_read_in_the_files_dtype_goes_straight_into_the_destination(tmp_path: Path, file_dtype: torch.dtype) -> None:
+    """HFCheckpoint reading a 1 MiB (fp32) weight of a Llama whole, or a tensor-parallel row range of it, into a
+    destination of the file's dtype allocates no read buffer (before: a block of up to 16 MiB, here the whole
+    tensor); into another dtype, or a column slice, it takes the block (so the meter sees one where there is
+    one). The values are safetensors' either way."""
+    from tests.test_hf import hf_llama, save
+
+    torch.manual_seed(4)
+    path = save(hf_llama(intermediate_size=4096).to(file_dtype), tmp_path / "llama")
+    from dist_llm.hf import model_config_from_hf
+
+    cfg: ModelConfig = model_config_from_hf(path)
+    other = torch.bfloat16 if file_dtype == torch.float32 else torch.float32
+    with HFCheckpoint(path, cfg) as src, safe_open(str(path / "model.safetensors"), framework="pt") as ref:
+        whole = ref.get_tensor("model.layers.0.mlp.up_proj.weight")  # (4096, 64)
+        nbytes = whole.numel() * whole.element_size()
+        for rows, cols, dtype, direct in [(None, None, file_dtype, True), ([(1024, 3072)], None, file_dtype, True),
+                                          (None, None, other, False), (None, (0, 32), file_dtype, False)]:
+            r = rows or [(0, 4096)]
+            want = whole[r[0][0] : r[0][1], slice(*cols) if cols else slice(None)]
+            out = torch.empty(want.shape, dtype=dtype)
+            src.read_into("blocks.0.mlp.up.weight", out[:1], [(0, 1)], cols)  # (the shard opened before measuring)
+            peak = _traced_peak(lambda: src.read_into("blocks.0.mlp.up.weight", out, rows, cols))
+            assert torch.equal(out, want.to(dtype)), (rows, cols, dtype)
+            read = want.shape[0] * whole.shape[1] * whole.element_size()  # whole rows read
+            if direct:
+                assert peak < 16 * 1024, (rows, cols, dtype, peak)  # some small Python objects, no buffer
+            else:
+                assert peak >= read, (rows, cols, dtype, peak, nbytes)

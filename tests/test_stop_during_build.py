@@ -36,7 +36,7 @@ if os.environ.get("PAUSE_IN"):
     @functools.wraps(real)
     def paused(*args, **kwargs):
         pathlib.Path(os.environ["PAUSE_MARK"], str(os.getpid())).write_text("")
-        time.sleep(120)  # a slow build or load: the signal comes now
+        time.sleep(float(os.environ.get("PAUSE_S", "120")))  # a slow build or load: the signal comes now
         return real(*args, **kwargs)
 
     setattr(owner, attr, paused)
@@ -46,15 +46,16 @@ RESUME = "dist_llm.train.state:RunState.resume"  # inside Trainer(), the run loc
 NOTHING_SAVED = "nothing saved since the last complete checkpoint"
 
 
-def _signal_when_paused(tmp_path: Path, pause_in: str, sig: int, *args: str,
-                        ranks: int = 1) -> subprocess.CompletedProcess:
-    """Run `dist-llm train *args`, and send `sig` once all its `ranks` have paused in `pause_in`."""
+def _signal_when_paused(tmp_path: Path, pause_in: str, sig: int, *args: str, ranks: int = 1,
+                        pause_s: float = 120) -> subprocess.CompletedProcess:
+    """Run `dist-llm train *args`, and send `sig` once all its `ranks` have paused in `pause_in` (for `pause_s`
+    seconds, unless the signal ends the pause)."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SITECUSTOMIZE)
     mark = tmp_path / "paused"
     mark.mkdir()
     env = {**os.environ, "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "PAUSE_IN": pause_in,
-           "PAUSE_MARK": str(mark)}
+           "PAUSE_MARK": str(mark), "PAUSE_S": str(pause_s)}
     proc = subprocess.Popen([sys.executable, "-m", "dist_llm.cli", "train", *args], cwd=REPO, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
                             preexec_fn=as_in_a_terminal)
@@ -114,3 +115,16 @@ def test_a_sigterm_to_the_launcher_during_the_build_of_two_ranks(tmp_path: Path)
                                ranks=2)
     assert _last_line(proc, 143).startswith(f"terminated (SIGTERM): {NOTHING_SAVED}")
     assert "ChildFailedError" not in proc.stderr and not (out / "run.lock").exists()
+
+
+def test_a_sigterm_after_the_last_save_lets_the_complete_run_exit_0(tmp_path: Path) -> None:
+    """A SIGTERM while the report is written, after the last checkpoint is down: the run is complete, so it is
+    recorded as one during training is and the run exits 0 with its report (before: training's handler was gone
+    by then, and the build's raised a Terminated, exit 143 and "nothing saved", for a run that saved everything)."""
+    out = tmp_path / "run"
+    # (paused 10 s: the signal, recorded, does not end the pause)
+    proc = _signal_when_paused(tmp_path, "dist_llm.train.trainer:write_report", signal.SIGTERM, *tiny(out), pause_s=10)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "dist-llm: error" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert (out / "checkpoints" / "step_000003" / "manifest.json").is_file()
+    assert (out / "report.md").is_file() and not (out / "run.lock").exists()

@@ -32,6 +32,7 @@ from dist_llm.model import GPT, LayerFactory
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
+from dist_llm.parallel.data.deepspeed_shards import Fill
 from dist_llm.parallel.expert import apply_expert_parallel
 from dist_llm.parallel.pipeline.stage import Blocks, cut_to_stage, describe_blocks
 from dist_llm.parallel.tensor import TensorParallelFactory
@@ -43,9 +44,8 @@ PP_SEED_STRIDE = 100  # the RNG seed of pipeline stage k is train.seed + 100 k
 
 #: loads `model.init_from` into a model whose parameters are allocated but not initialised (train/init_from.py)
 Loader = Callable[[GPT, Config, ParallelContext], None]
-#: fills a whole tensor (by its name in the whole model, at its tp=1 shape) in place
-Fill = Callable[[str, torch.Tensor], None]
-#: opens `model.init_from` to be read one whole tensor at a time (train/init_from.open_initial_tensors)
+#: opens `model.init_from` to be read one whole tensor at a time, a `Fill` (by its name in the whole model, at its
+#: tp=1 shape, in place; with source=False only joining the others) (train/init_from.open_initial_tensors)
 Reader = Callable[[Config, ParallelContext], AbstractContextManager[Fill]]
 
 
@@ -127,12 +127,13 @@ def _one_by_one(model: GPT, cfg: Config, ctx: ParallelContext,
             raise ValueError("model.init_from is set but parallelize() was given no reader")
         with read(cfg, ctx) if cfg.model.init_from and read is not None else contextlib.nullcontext() as base:
 
-            def fill(name: str, t: torch.Tensor) -> None:
+            def fill(name: str, t: torch.Tensor, *, source: bool = True) -> None:
                 if name in adapters:
-                    reset_peft_parameters(model, cfg.train.seed, only=name)
+                    if source:
+                        reset_peft_parameters(model, cfg.train.seed, only=name)
                 elif base is not None:
-                    base(name, t)
-                else:
+                    base(name, t, source=source)  # (collective, read or not)
+                elif source:
                     model.reset_parameters(cfg.train.seed, only=[name])
 
             yield fill

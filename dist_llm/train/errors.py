@@ -11,3 +11,8 @@ class CheckpointError(TrainingError):
 
 class CollectiveError(TrainingError):
     """A collective failed: a rank stuck past `parallel.timeout_s`, or a peer gone."""
+
+
+class ReadError(TrainingError):
+    """Reading an input (model.init_from) failed in the operating system (an I/O error) or for a reason that is no
+    fault of the input (a bug): exit 1, not 2, which says the input itself is bad."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +26,10 @@ from dist_llm.model import GPT
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.data.deepspeed_shards import Fill
 from dist_llm.parallel.tensor.checkpoint import row_runs, tp_slice
 from dist_llm.peft import peft_parameter_names, qlora
+from dist_llm.train.errors import ReadError
 
 log = logging.getLogger("dist_llm")
 
@@ -79,7 +81,7 @@ def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None, ct
         reader = ckpt.SafeReader(str(where))
         current = _checked_weights(model, cfg, tp_state, reader)
     except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
-        error = _one_line(e, ctx)
+        error = _failure(e, ctx)
     _raise_shared(error)
     state = {"model": {k: v for k, v in current.items() if not v.is_meta}, "optim": {"state": {}}}
     if tp_state is not None:
@@ -88,7 +90,7 @@ def _load_checkpoint_shards(model: GPT, cfg: Config, tp_state: object | None, ct
     try:  # each rank reads its own block linears alone (no_dist: the stages hold different ones)
         qlora.materialise_quantised(model, ctx.device, lambda name, t: _read_alone(reader, where, name, t))
     except Exception as e:  # noqa: BLE001
-        error = _one_line(e, ctx)
+        error = _failure(e, ctx)
     _raise_shared(error)
 
 
@@ -114,11 +116,17 @@ def _check_saved(index: dict[str, Any], cfg: Config, name: str, want: tuple[int,
                           f"wants {tuple(want)}")
 
 
-def _raise_shared(error: str | None) -> None:
-    """Collective over every rank: raise the first rank's error on all of them, if any rank failed."""
-    error = shared_error(error, None)
-    if error is not None:
-        raise ConfigError(error)
+#: a rank's failure as every rank raises it: (whether the input is at fault, the one line)
+Failure = tuple[bool, str]
+
+
+def _raise_shared(error: Failure | None) -> None:
+    """Collective over every rank: raise the first rank's error on all of them, if any rank failed: a
+    ConfigError where the input is at fault (exit 2), a ReadError otherwise (an I/O error, a bug: exit 1)."""
+    shared: Any = shared_error(error, None)  # type: ignore[arg-type]  # (any picklable object travels)
+    if shared is not None:
+        bad_input, line = shared
+        raise ConfigError(line) if bad_input else ReadError(line)
 
 
 def _read_alone(reader: Any, where: Path, name: str, out: torch.Tensor) -> None:
@@ -135,8 +143,9 @@ def _read_alone(reader: Any, where: Path, name: str, out: torch.Tensor) -> None:
         raise load_failure(where, e) from None
 
 
-#: fills a whole base tensor (given by its name in the whole model, at its tp=1 shape) in place
-TensorFill = Callable[[str, torch.Tensor], None]
+#: fills a whole base tensor (given by its name in the whole model, at its tp=1 shape) in place; with
+#: source=False reads nothing, only joins the others (parallel/data/deepspeed_shards.Fill)
+TensorFill = Fill
 
 
 @contextlib.contextmanager
@@ -144,8 +153,11 @@ def open_initial_tensors(cfg: Config, ctx: ParallelContext) -> Iterator[TensorFi
     """model.init_from one whole tensor at a time: `fill(name, out)` reads base tensor `name` into `out`, in
     the file's dtype, converted into out's. For a build that takes each parameter in full, one after another
     (DeepSpeed's ZeRO-3 partitioner keeps this rank's range of it): the largest temporary is one tensor.
+    `fill(name, out, source=False)` reads nothing (the partitioner broadcasts its source rank's values over out):
+    only the source rank reads each tensor, the others just learn whether that read failed.
     Opening and each `fill` are collective over every rank: a failure on one (a damaged file, a missing or
-    misshapen weight) is raised on all as the same one line, so that none waits in DeepSpeed's broadcast."""
+    misshapen weight) is raised on all as the same one line, before DeepSpeed's broadcast, so that none waits in
+    it for a rank that gave up (under NCCL it would wait forever)."""
     kind, where = _split(cfg.model.init_from)
     src: Any = None
     error = None
@@ -161,13 +173,15 @@ def open_initial_tensors(cfg: Config, ctx: ParallelContext) -> Iterator[TensorFi
             src = SafeReader(str(where))
             index = src.read_metadata().state_dict_metadata  # (read once, for every tensor)
     except Exception as e:  # noqa: BLE001 - the peers must hear of it, not wait
-        error = _one_line(e, ctx)
+        error = _failure(e, ctx)
     _raise_shared(error)
 
-    def fill(name: str, out: torch.Tensor) -> None:
+    def fill(name: str, out: torch.Tensor, *, source: bool = True) -> None:
         error = None
         try:
-            if kind == "hf":
+            if not source:
+                pass  # (the source rank's read, checks included, speaks for all)
+            elif kind == "hf":
                 if name not in src.layout:
                     raise ConfigError(f"model.init_from: {where} has no weight for {name}")
                 src.read_into(name, out)
@@ -175,7 +189,7 @@ def open_initial_tensors(cfg: Config, ctx: ParallelContext) -> Iterator[TensorFi
                 _check_saved(index, cfg, name, out.shape)
                 _read_alone(src, where, name, out)
         except Exception as e:  # noqa: BLE001
-            error = _one_line(e, ctx)
+            error = _failure(e, ctx)
         _raise_shared(error)
 
     try:
@@ -186,12 +200,23 @@ def open_initial_tensors(cfg: Config, ctx: ParallelContext) -> Iterator[TensorFi
     log.info("initialised from %s", cfg.model.init_from)
 
 
+def _failure(e: BaseException, ctx: ParallelContext) -> Failure:
+    """A failure on this rank as every rank raises it (see _raise_shared): the input is at fault when it was named
+    as bad (a ConfigError: a damaged, truncated or misshapen file, a missing weight)."""
+    return isinstance(e, ConfigError), _one_line(e, ctx)
+
+
 def _one_line(e: BaseException, ctx: ParallelContext) -> str:
     """A failure on this rank as the one line every rank raises (naming the rank where there are several)."""
     if not isinstance(e, ConfigError):  # not a damaged input we named: keep the traceback in the rank's log
         log.debug("model.init_from failed on rank %d", ctx.rank, exc_info=e)
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    line = text if isinstance(e, ConfigError) else f"model.init_from: {type(e).__name__}: {text}"
+    if isinstance(e, ConfigError):
+        line = text
+    elif isinstance(e, OSError) and e.strerror:  # the file and what the system said
+        line = f"model.init_from: {e.filename + ': ' if e.filename else ''}{e.strerror}"
+    else:
+        line = f"model.init_from: {type(e).__name__}: {text}"
     return f"rank {ctx.rank}: {line}" if ctx.world_size > 1 else line
 
 
@@ -242,7 +267,7 @@ def _load_hf(model: GPT, cfg: Config, ctx: ParallelContext, where: Path) -> None
     try:
         _read_hf(model, cfg, ctx, where)
     except Exception as e:  # noqa: BLE001 - whatever failed here, the peers must hear of it, not wait
-        error = _one_line(e, ctx)
+        error = _failure(e, ctx)
     _raise_shared(error)
 
 

@@ -488,11 +488,10 @@ class Trainer:
                                         log_dir=str(self.out_dir / "logs")) if self.ctx.world_size > 1 else None
         return None if message is None else CollectiveError(message)
 
-    def _close_run(self, profiler: StepProfiler, preemption: Preemption, bar: tqdm) -> None:
-        """Whatever way the run ends: the profile, the SIGTERM handler, threads, files and the run lock."""
+    def _close_run(self, profiler: StepProfiler, bar: tqdm) -> None:
+        """Whatever way the run ends: the profile, threads, files and the run lock (the signal handlers: `fit`)."""
         if profiler.finish():  # the run ended inside the profiled range
             log.info("profile of steps %s written to %s", self.cfg.train.profile_steps, profiler.path)
-        preemption.restore()
         self.loader.close()
         self.run_state.close()
         bar.close()
@@ -571,18 +570,23 @@ class Trainer:
                     self._say_stopped(preempted)
                     break
             self._end_of_run()
-        except RuntimeError as e:
-            failure = self._collective_error(e)
+        except BaseException as e:
+            preemption.restore()
+            failure = self._collective_error(e) if isinstance(e, RuntimeError) else None
             if failure is None:
                 raise
             raise failure from None
         finally:
-            self._close_run(profiler, preemption, bar)
-        if self.ctx.is_main:
-            plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
-            write_report(self.out_dir)
-            newest = ckpt.latest_checkpoint(self.ckpt_root)
-            for line in summary_lines(self.out_dir, step=self.step, stop=stop, newest=newest,
-                                      command=sample_command(self.out_dir)):
-                log.info(line)
+            self._close_run(profiler, bar)
+        try:  # (the handler stays through the report: a SIGTERM after the last save is recorded as one in training
+            # is, not raised as a Terminated saying nothing was saved; the run is complete and exits 0)
+            if self.ctx.is_main:
+                plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+                write_report(self.out_dir)
+                newest = ckpt.latest_checkpoint(self.ckpt_root)
+                for line in summary_lines(self.out_dir, step=self.step, stop=stop, newest=newest,
+                                          command=sample_command(self.out_dir)):
+                    log.info(line)
+        finally:
+            preemption.restore()
         return last

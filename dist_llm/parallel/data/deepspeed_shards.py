@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -153,8 +153,12 @@ def zero3_from_masters(opt: Any) -> None:
 
 
 # -- the ZeRO-3 build: one parameter at a time ------------------------------------------------------------------
-#: fills parameter `name` (its name in the whole model), allocated whole on the device, in place
-Fill = Callable[[str, torch.Tensor], None]
+class Fill(Protocol):
+    """Fills parameter `name` (its name in the whole model), allocated whole on the device, in place. With
+    `source=False` the values are not wanted on this rank (another's are broadcast over them): a reader reads
+    nothing and only joins what every rank does together (the agreement on whether the source's read failed)."""
+
+    def __call__(self, name: str, t: torch.Tensor, *, source: bool = True) -> None: ...
 
 
 @torch.no_grad()
@@ -165,6 +169,9 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
     the one-process model; or read from model.init_from; a LoRA or adapter tensor drawn as apply_peft draws
     it), cast to the engine's dtype and handed to DeepSpeed's partitioner, which keeps this rank's range and
     frees the rest. A rank holds its partitions plus one parameter at full size, never the whole model.
+    The partitioner first broadcasts the partition group's first rank's values over the others' (DeepSpeed 0.19's
+    `_zero_init_param`), so only that rank fills for real: the others call `fill(..., source=False)`, reading
+    nothing from model.init_from (one read of the checkpoint per group, not one per rank) and drawing nothing.
     Buffers (small, recomputed) are allocated whole."""
     import deepspeed
 
@@ -173,6 +180,7 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
     # (not entered: no module class is patched; only its converter, the one deepspeed.initialize would use on a
     # whole model, is applied to each parameter)
     partitioner = deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=group)
+    source = partitioner.rank == 0  # (its rank in the partition group: the one the broadcast is from)
     for module in model.modules():
         for name, b in module._buffers.items():
             if b is not None and b.is_meta:
@@ -188,9 +196,9 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
             setattr(p, attr, value)
         for module, pname in owners[id(meta)]:
             module._parameters[pname] = p
-        fill(parameter_name(name, ""), p)
+        fill(parameter_name(name, ""), p, source=source)  # (collective: a failed read is raised on every rank here)
         p.data = p.data.to(partitioner.dtype)
-        # (DeepSpeed broadcasts rank 0's values over the group first: every rank filled the same ones anyway)
+        # (broadcasts the source's values over the group, then keeps this rank's range: the others' p held garbage)
         partitioner._convert_to_zero_parameters([p])
     model.reset_buffers()
 
