@@ -140,8 +140,9 @@ def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[
     norm_in = c / seq + (c / seq if rms else 0)
     norm_stats = (1 if rms else 2) / seq
     low = q + 2 * kv  # the fused qkv output (q, k, v are views of it), kept by attention
-    low += c if "qkv" in trained else 0  # the normalised input of qkv (whole: all-gathered under SP)
-    low += c if "mlp_up" in trained else 0  # ... of mlp.up (and gate)
+    # the normalised input of qkv: under SP only the local slice, all-gathered again in backward (Megatron's way)
+    low += c / seq if "qkv" in trained else 0
+    low += c / seq if "mlp_up" in trained else 0  # ... of mlp.up (and gate: one input for both)
     if m.pos_emb == "rope":
         low += q + kv  # rotated q and k, new tensors
     low += q  # attention output: kept by the attention kernel, and the projection's input
@@ -176,7 +177,8 @@ def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
     rms = m.norm == "rmsnorm"
     vocab = m.padded_vocab / tp
     norm = m.n_embd / seq * (2 if rms else 1) + (1 if rms else 2) / seq
-    head_input = m.n_embd if cfg.peft.method == "none" else 0  # a frozen head needs no input for its gradient
+    # a frozen head needs no input for its gradient; under SP the head keeps its input's local slice
+    head_input = m.n_embd / seq if cfg.peft.method == "none" else 0
     return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
 
 
