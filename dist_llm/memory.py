@@ -143,27 +143,29 @@ def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[
     norm_in = c / seq + (c / seq if rms else 0)
     norm_stats = (1 if rms else 2) / seq
     low = q + 2 * kv  # the fused qkv output (q, k, v are views of it), kept by attention
-    low += c if "qkv" in trained else 0  # the normalised input of qkv (whole: all-gathered under SP)
+    # the normalised input of qkv: under SP only the local slice, all-gathered again in backward (Megatron's way)
+    low += c / seq if "qkv" in trained else 0
     if m.pos_emb == "rope":
         low += q + kv  # rotated q and k, new tensors
     low += q  # attention output: kept by the attention kernel, and the projection's input
     low += sum(1 for x in lora if x in ("qkv", "attn_out")) * f.rank  # each LoRA's A x, the input of B
-    low += _mlp_low_values(cfg, tp)
+    low += _mlp_low_values(cfg, tp, seq)
     if f.method == "adapter":  # after attention and MLP: its input, the bottleneck, and its activation
         low += 2 * (c / seq + 2 * f.rank)
     high = 2 * norm_in + 2 * norm_stats + m.n_head / tp  # log-sum-exp per head
     return low, high
 
 
-def _mlp_low_values(cfg: Config, tp: int) -> float:
+def _mlp_low_values(cfg: Config, tp: int, seq: int = 1) -> float:
     """The dense MLP's part of `our_layer_values`' 16-bit values (an MoE block has memory_moe's instead): its
-    normalised input, its hidden values, the down projection's input, its LoRAs' A x."""
+    normalised input (1/seq of it: under SP the local slice), its hidden values, the down projection's input,
+    its LoRAs' A x."""
     m, f = cfg.model, cfg.peft
     hidden = m.ffn_hidden / tp
     lora = set(f.targets) if f.method in ("lora", "qlora") else set()
     trained = {"qkv", "attn_out", "mlp_up", "mlp_down"} if f.method == "none" else lora
     gated = m.mlp == "swiglu"
-    low = m.n_embd if "mlp_up" in trained else 0  # the normalised input of mlp.up (and gate)
+    low = m.n_embd / seq if "mlp_up" in trained else 0  # the normalised input of mlp.up (and gate: one for both)
     low += 3 * hidden if gated else hidden  # gate, silu, up / up: kept by the activation (and the product)
     low += hidden if "mlp_down" in trained else 0  # the down projection's input
     low += sum({"mlp_up": 2 if gated else 1, "mlp_down": 1}.get(x, 0) for x in lora) * f.rank
@@ -205,7 +207,8 @@ def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
     rms = m.norm == "rmsnorm"
     vocab = m.padded_vocab / tp
     norm = m.n_embd / seq * (2 if rms else 1) + (1 if rms else 2) / seq
-    head_input = m.n_embd if cfg.peft.method == "none" else 0  # a frozen head needs no input for its gradient
+    # a frozen head needs no input for its gradient; under SP the head keeps its input's local slice
+    head_input = m.n_embd / seq if cfg.peft.method == "none" else 0
     return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
 
 

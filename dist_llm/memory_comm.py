@@ -163,10 +163,11 @@ def step_comm(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Co
 
 def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bool]], *, tp: int, pp: int,
              pp_rank: int, micro_steps: int, residual: int, compute: int) -> None:
-    """Tensor parallelism's collectives (parallel/tensor/), per micro-batch: each column layer (qkv; up, and gate
-    for SwiGLU) all-reduces its input's gradient in backward and each row layer (proj, down) its output in
-    forward; with sequence parallelism a column layer all-gathers its input in forward and reduce-scatters the
-    gradient in backward, a row layer the reverse. The vocabulary-parallel embedding reduces its output (SP:
+    """Tensor parallelism's collectives (parallel/tensor/), per micro-batch: each column input (qkv's; the MLP's,
+    one for SwiGLU's gate and up together) all-reduces its gradient in backward and each row layer (proj, down)
+    its output in forward; with sequence parallelism a column input is all-gathered in forward (in the compute
+    dtype), all-gathered again in backward (only its local slice is saved; not for a frozen base) and its
+    gradient reduce-scattered, a row layer the reverse. The vocabulary-parallel embedding reduces its output (SP:
     reduce-scatter, and all-gather in backward), the head gathers its input like a column layer, the
     cross-entropy all-reduces three floats a token; under SP the learned positions gather their gradient. Full
     recomputation repeats the forward's collectives. Once a step, SP's replicated parameters (norms, row biases)
@@ -178,7 +179,8 @@ def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
     part = (tp - 1) / tp  # an all-gather or reduce-scatter of a whole tensor; an all-reduce is twice that
     bsh = t.micro_batch_size * m.block_size * m.n_embd
     layers = len(memory._stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
-    cols = 2 if m.mlp == "gelu" else 3
+    lora = cfg.peft.targets if cfg.peft.method in ("lora", "qlora") else ()
+    cols = 3 if m.mlp == "swiglu" and "mlp_up" in lora else 2  # (a LoRA's hook calls gate and up apart)
     rows = 2
     full = t.activation_checkpointing == "full"
     # (bytes, calls) of each collective's kind per micro-batch; column inputs and the residual stream travel in
@@ -188,9 +190,10 @@ def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
     if full:
         col_fwd, row_fwd = col_fwd + cols * layers, row_fwd + rows * layers
     if sp:
-        gather = (col_fwd * residual + row_bwd * compute) * bsh * part
+        regather = col_bwd if cfg.peft.method == "none" else 0
+        gather = ((col_fwd + regather) * compute + row_bwd * compute) * bsh * part
         scatter = (col_bwd * residual + row_fwd * compute) * bsh * part
-        calls_g, calls_s = col_fwd + row_bwd, col_bwd + row_fwd
+        calls_g, calls_s = col_fwd + regather + row_bwd, col_bwd + row_fwd
         if first:  # the embedding: reduce-scatter forward, all-gather backward; learned positions gather (T, C)
             gather, scatter = gather + residual * bsh * part, scatter + residual * bsh * part
             calls_g, calls_s = calls_g + 1, calls_s + 1

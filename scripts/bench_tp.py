@@ -1,6 +1,6 @@
 """Tensor parallelism on CPU: tp=1 against tp=2 and tp=2 with sequence parallelism, through dist_llm's Trainer.
 
-    python scripts/bench_tp.py [--layers 8] [--width 768] [--heads 12] [--seq 256] [--micro-batch 4]
+    python scripts/bench_tp.py [--layers 8] [--width 768] [--heads 12] [--mlp gelu] [--seq 256] [--micro-batch 4]
                                [--steps 5] [--warmup 1] [--rounds 1] [--dropout 0.1] [--json PATH]
 
 What it measures, for one GPT (vocab 256, fp32, dp=1, one micro-batch a step, AdamW, clip 1.0):
@@ -10,8 +10,9 @@ What it measures, for one GPT (vocab 256, fp32, dp=1, one micro-batch a step, Ad
                           processes with 1 thread each. A reference row, tp1-1t, runs tp=1 with ONE thread (on a
                           machine other jobs load, two spinning OpenMP threads can be slower than one).
   tensor-parallel bytes   what ctx.comm counted in a step, by kind, beside Megatron's count for the activations:
-                          (4*n_layer + 2) * b*s*h * 4 bytes, times 2(tp-1)/tp for ring collectives (the same total
-                          with sequence parallelism, where each all-reduce becomes a reduce-scatter + all-gather).
+                          (4*n_layer + 2) * b*s*h * 4 bytes, times 2(tp-1)/tp for ring collectives (with sequence
+                          parallelism each all-reduce becomes a reduce-scatter + all-gather, and the 2*n_layer + 1
+                          column inputs are all-gathered again in backward: only their local slice is kept).
   peak memory             the most any rank's memory (CPU: peak resident set) rose above where it stood before the
                           trainer was built, over building it and all its steps.
   activation memory       for one forward of one micro-batch in training mode (a copy of the model built with
@@ -59,6 +60,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=8, help="model.n_layer")
     p.add_argument("--width", type=int, default=768, help="model.n_embd")
     p.add_argument("--heads", type=int, default=12, help="model.n_head (a multiple of 2)")
+    p.add_argument("--mlp", choices=["gelu", "swiglu"], default="gelu", help="model.mlp")
     p.add_argument("--seq", type=int, default=256, help="tokens per sequence (model.block_size; even)")
     p.add_argument("--micro-batch", type=int, default=4, help="sequences per step (dp=1: the global batch)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per scenario per round")
@@ -223,7 +225,7 @@ def worker(args: argparse.Namespace) -> int:
     # the trainer's out_dir (metrics only: no checkpoint is saved), under the launcher's temporary folder
     out_root = args.part.parent / "runs" if args.part else Path(tempfile.mkdtemp(prefix="bench_tp_run_"))
     base = [f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
-            "model.vocab_size=256", f"model.block_size={args.seq}", "model.dropout=0.0",
+            "model.vocab_size=256", f"model.block_size={args.seq}", "model.dropout=0.0", f"model.mlp={args.mlp}",
             f"train.micro_batch_size={args.micro_batch}", f"train.global_batch_size={args.micro_batch}",
             "train.device=cpu", "train.precision=fp32", "train.resume=never", "train.eval_interval=0",
             "optim.grad_clip=1.0", "parallel.timeout_s=300", "parallel.dp=1"]
@@ -304,13 +306,17 @@ def worker(args: argparse.Namespace) -> int:
 
 
 # -- the report -----------------------------------------------------------------------------------------------
-def theory_bytes(args: argparse.Namespace, tp: int) -> float:
+def theory_bytes(args: argparse.Namespace, tp: int, sp: bool = False) -> float:
     """Megatron's tensor-parallel traffic per step and rank: (4L + 2) all-reduces of b*s*h fp32 activations
     (per layer 2 in forward, 2 in backward; the embedding's in forward, the LM head's input gradient in backward),
-    each 2(tp-1)/tp of the tensor on a ring. Sequence parallelism moves the same bytes as AG + RS pairs."""
+    each 2(tp-1)/tp of the tensor on a ring. Sequence parallelism moves the same bytes as AG + RS pairs, plus
+    the backward's re-gather of each column input (2L + 1: qkv's, the MLP's, the head's), of which only the
+    local slice was kept."""
     if tp == 1:
         return 0.0
-    return (4 * args.layers + 2) * args.micro_batch * args.seq * args.width * 4 * 2 * (tp - 1) / tp
+    bsh = args.micro_batch * args.seq * args.width * 4
+    regather = (2 * args.layers + 1) * bsh * (tp - 1) / tp if sp else 0.0
+    return (4 * args.layers + 2) * bsh * 2 * (tp - 1) / tp + regather
 
 
 def mib(n: float) -> str:
@@ -349,13 +355,13 @@ def report(args: argparse.Namespace, meta: dict[str, Any], results: dict[str, di
     print(header)
     print("-" * len(header))
     rows = {}
-    for k, (tp, _, _) in SCENARIOS.items():
+    for k, (tp, sp, _) in SCENARIOS.items():
         r = results.get(k, {})
         if k not in ok:
             print(f"{k:<8} FAILED: {r.get('error', 'no timed steps')}")
             continue
         comm_total = sum(r["comm"].values())
-        theory = theory_bytes(args, tp)
+        theory = theory_bytes(args, tp, sp)
         ratio = f"{comm_total / theory:.3f}" if theory else ""
         speedup = f"{med['tp1'] / med[k]:.2f}x" if "tp1" in med else ""
         kinds = ", ".join(f"{kind} {mib(v) if v >= 2**20 / 100 else f'{v} B'} ({r['comm_calls'].get(kind, 0)})"
@@ -386,8 +392,8 @@ def report(args: argparse.Namespace, meta: dict[str, Any], results: dict[str, di
               + f"  {m['bsh_tensors']:>4} = {mib(m['bsh_bytes']):>9} {m['bsh_over_tp_tensors']:>4} = "
                 f"{mib(m['bsh_over_tp_bytes']):>12}")
     print(f"(b, s, h) = ({b}, {s}, {h}); shape columns count saved tensors h wide with b*s rows and with b*s/tp rows "
-          "(norm inputs, dropout masks, linear inputs); 'linear/embedding inputs' include the column-parallel layers' "
-          "all-gathered (b, s, h) inputs, which this implementation saves whole under sequence parallelism")
+          "(norm inputs, dropout masks, linear inputs); under sequence parallelism the column-parallel layers keep "
+          "their input's (b, s/tp, h) slice and all-gather it again in backward")
 
     print("\nkey ratios:")
     summary: dict[str, float] = {}

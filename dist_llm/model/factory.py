@@ -35,6 +35,11 @@ class LayerFactory:
     def linear(self, in_features: int, out_features: int, *, bias: bool, role: LinearRole) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
 
+    def linears(self, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
+        """The outputs of several linear layers that read the same input x (SwiGLU's gate and up): each layer
+        called in turn here; a tensor-parallel factory gives them one input collective."""
+        return tuple(layer(x) for layer in layers)
+
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, dim)
 

@@ -94,6 +94,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, layers: LayerFactory, hidden: int = 0) -> None:
         super().__init__()
         hidden = hidden or cfg.ffn_hidden
+        self.layers = layers
         self.swiglu = cfg.mlp == "swiglu"
         self.up = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_up")
         self.gate = layers.linear(cfg.n_embd, hidden, bias=cfg.bias, role="mlp_gate") if self.swiglu else None
@@ -102,7 +103,8 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate is not None:
-            h = F.silu(self.gate(x)) * self.up(x)
+            gate, up = self.layers.linears(x, self.gate, self.up)  # (B, T, hidden) each
+            h = F.silu(gate) * up
         else:
             h = F.gelu(self.up(x), approximate="tanh")  # GPT-2's GELU
         return self.dropout(self.down(h))

@@ -155,12 +155,101 @@ class ColumnParallelLinear(nn.Module):
         return _SumReplicatedRows.apply(p, *self.replicated, self.group, self.stats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.sequence_parallel:
-            x = tpc.gather_from_sequence(x, self.group, self.stats)  # (B, T/tp, C) -> (B, T, C)
-        else:
-            x = tpc.copy_to_tp(x, self.group, self.stats)
-        y = F.linear(x, self._synced(self.weight), self._synced(self.bias))  # (B, T, out/tp)
+        (y,) = column_parallel_linears(x, self)  # (B, T, out/tp)
         return tpc.gather_from_tp(y, self.group, self.stats) if self.gather_output else y
+
+
+def column_parallel_linears(x: torch.Tensor, *layers: ColumnParallelLinear) -> tuple[torch.Tensor, ...]:
+    """The outputs (B, T, out_i/tp) of column-parallel layers that read the same input x, with ONE input
+    collective for all of them (SwiGLU's gate and up: Megatron fuses them into one layer for the same reason):
+    without sequence parallelism x enters the tp region once (the layers' input gradients are summed locally,
+    then all-reduced once); with it, x (B, T/tp, C) is all-gathered once and the summed input gradient
+    reduce-scattered once. Each layer keeps its own parameters (and names); its `gather_output` is not applied."""
+    first = layers[0]
+    if any(m.group is not first.group or m.sequence_parallel != first.sequence_parallel for m in layers):
+        raise ValueError("column_parallel_linears: the layers must share their tp group and sequence parallelism")
+    params = [(m._synced(m.weight), m._synced(m.bias)) for m in layers]
+    if first.sequence_parallel and comm.group_size(first.group) > 1:
+        return _SequenceParallelLinears.apply(x, first.group, first.stats, *(t for wb in params for t in wb))
+    x = tpc.copy_to_tp(x, first.group, first.stats)
+    return tuple(F.linear(x, w, b) for w, b in params)
+
+
+def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None,
+                    stats: comm.CommStats | None) -> tuple[torch.Tensor, dist.Work | None]:
+    """Start the all-gather of x (B, T/tp, C) along the sequence: (T, B, C) buffer, pending work."""
+    n = comm.group_size(group)
+    moved = x.transpose(0, 1).contiguous()  # ranks' chunks are contiguous along dim 0
+    out = torch.empty((n * moved.shape[0], *moved.shape[1:]), dtype=x.dtype, device=x.device)
+    return out, comm.all_gather(out, moved, group, stats, async_op=True)
+
+
+class _SequenceParallelLinears(Function):
+    """fwd: all-gather x along the sequence, y_i = x W_i^T + b_i / bwd: all-gather x again, reduce-scatter the
+    summed input gradient along the sequence.
+
+    Only this rank's slice of x (1/tp of the tokens) is saved for backward, as Megatron-Core does: the gathered
+    input lives only while the matmuls read it. In backward the re-gather runs while the input gradient is
+    computed, and the reduce-scatter of that gradient while the weight gradients are. Under autocast x is cast
+    to the compute dtype before the gather (what the matmuls read; the cast commutes with the gather), so the
+    gather moves and the slice keeps 16-bit values; the input gradient is reduced in x's own dtype, as autograd
+    would. `params` are (weight, bias or None) per layer, flattened."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup | None,  # type: ignore[no-untyped-def]
+                stats: comm.CommStats | None, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        ctx.group, ctx.stats, ctx.x_dtype = group, stats, x.dtype
+        ctx.set_materialize_grads(False)  # an output nobody used contributes nothing
+        device = x.device.type
+        if torch.is_autocast_enabled(device) and x.is_floating_point():
+            x = x.to(torch.get_autocast_dtype(device))
+        out, work = _all_gather_seq(x, group, stats)
+        if work is not None:
+            work.wait()
+        x_full = out.transpose(0, 1)  # (B, T, C), a view
+        weights, biases = params[0::2], params[1::2]
+        ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
+        with torch.autocast(device, enabled=False):  # (cast by hand as autocast would: same values)
+            ys = tuple(F.linear(x_full, w.to(x.dtype), None if b is None else b.to(x.dtype))
+                       for w, b in zip(weights, biases))
+        trains = any(ctx.needs_input_grad[3:])  # a frozen base (PEFT) needs no input for a weight gradient
+        ctx.save_for_backward(x if trains else None, *weights)
+        return ys
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):  # type: ignore[no-untyped-def]
+        x, *weights = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        # one collective in flight at a time, each beside a matmul that does not need its result
+        gathered, work = _all_gather_seq(x, ctx.group, ctx.stats) if x is not None else (None, None)
+        grad_x = None
+        for w, g in zip(weights, grads):
+            if g is not None and needs[0]:
+                part = g.matmul(w.to(g.dtype)).to(ctx.x_dtype)  # (B, T, C)
+                grad_x = part if grad_x is None else grad_x + part
+        if work is not None:
+            work.wait()
+        scattered, handle = None, None
+        if grad_x is not None:
+            moved = grad_x.transpose(0, 1).contiguous()  # (T, B, C)
+            scattered = moved.new_empty((moved.shape[0] // comm.group_size(ctx.group), *moved.shape[1:]))
+            handle = comm.reduce_scatter(scattered, moved, ctx.group, ctx.stats, async_op=True)
+        param_grads: list[torch.Tensor | None] = []
+        for i, (w, g) in enumerate(zip(weights, grads)):
+            gw = gb = None
+            if g is not None and needs[3 + 2 * i]:
+                assert gathered is not None
+                x_full = gathered.transpose(0, 1)  # (B, T, C)
+                gw = torch.tensordot(g, x_full.to(g.dtype), dims=([0, 1], [0, 1])).to(w.dtype)  # (out, C)
+            if g is not None and needs[4 + 2 * i]:
+                gb = g.sum(dim=(0, 1)).to(ctx.bias_dtypes[i])
+            param_grads += [gw, gb]
+        grad_local = None
+        if scattered is not None:
+            if handle is not None:
+                handle.wait()  # type: ignore[attr-defined]
+            grad_local = scattered.transpose(0, 1).contiguous()  # (B, T/tp, C)
+        return (grad_local, None, None, *param_grads)
 
 
 class RowParallelLinear(nn.Module):

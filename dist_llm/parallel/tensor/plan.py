@@ -3,7 +3,7 @@
   qkv             column-parallel, whole heads per rank (and whole KV groups under GQA; with fewer KV heads
                   than ranks, each rank holds the KV head its queries read, its gradient summed over sharers)
   attn_out        row-parallel
-  mlp_up, gate    column-parallel
+  mlp_up, gate    column-parallel, one input collective for both (`linears`)
   mlp_down        row-parallel
   wte, lm_head    vocab-parallel (tied when tie_embeddings), and a vocab-parallel cross-entropy
 
@@ -31,6 +31,7 @@ from dist_llm.parallel.tensor.layers import (
     RankLocalDropout,
     RowParallelLinear,
     VocabParallelEmbedding,
+    column_parallel_linears,
     rank_local_rng,
     vocab_parallel_cross_entropy,
 )
@@ -76,6 +77,14 @@ class TensorParallelFactory(LayerFactory):
         self.applied["vocab" if role == "lm_head" else "column"] += 1
         return ColumnParallelLinear(in_features, out_features, bias=bias, group=self.group, stats=self.stats,
                                     rows=rows, sequence_parallel=sp, replicated=shared)
+
+    def linears(self, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
+        """Column-parallel layers reading one input share its collective (one all-reduce of the summed input
+        gradient; under SP one all-gather and one reduce-scatter). A layer with hooks (a LoRA joins its base
+        layer through a forward hook) is called as a module, so that they run: each then has its own."""
+        plain = all(type(m) is ColumnParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
+                    for m in layers)
+        return column_parallel_linears(x, *layers) if plain else super().linears(x, *layers)  # type: ignore[arg-type]
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         self.applied["vocab"] += 1
