@@ -75,6 +75,10 @@ class ModelConfig:
     """Hidden width of one expert; 0 means the dense MLP's (model.mlp_hidden's rule)."""
     n_shared_experts: int = 0
     """Experts every token goes through besides its routed ones (DeepSeek/Qwen MoE), as one MLP this many wide."""
+    moe_shared_hidden: int = 0
+    """Hidden width of the shared-expert MLP; 0 means n_shared_experts * the expert width (Qwen2-MoE sets its own)."""
+    moe_shared_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x w), w a learned (n_embd,) vector per layer (Qwen2-MoE)."""
     moe_router_order: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"
     """topk_softmax: pick the top-k logits, weights = softmax over them (Mixtral); softmax_topk: softmax over all
     experts, weights = the top-k probabilities as they are (Qwen2-MoE, DeepSeek)."""
@@ -115,6 +119,13 @@ class ModelConfig:
     @property
     def moe_expert_hidden(self) -> int:
         return self.moe_hidden or self.ffn_hidden
+
+    @property
+    def moe_shared_expert_hidden(self) -> int:
+        """Width of a block's shared-expert MLP (0: none)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.moe_shared_hidden or self.n_shared_experts * self.moe_expert_hidden
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block i is an MoE block (every moe_every-th, counting from 1)."""
@@ -288,6 +299,9 @@ class Config:
         shapes = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "init_from"}
         if not self.model.n_experts:  # a dense model's hash stays what it was before the MoE keys existed
             shapes = {k: v for k, v in shapes.items() if k != "n_experts" and not k.startswith(("moe_", "n_shared_"))}
+        for key in ("moe_shared_hidden", "moe_shared_gate"):  # (added later: an MoE model without them keeps its hash)
+            if not shapes.get(key, True):
+                shapes.pop(key)
         return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -662,7 +676,8 @@ def _check_pipeline(cfg: Config) -> None:
 
 def _check_moe(cfg: Config) -> None:
     m, p = cfg.model, cfg.parallel
-    _non_negative(cfg, "model.n_experts", "model.moe_hidden", "model.n_shared_experts", "model.moe_aux_loss_coef",
+    _non_negative(cfg, "model.n_experts", "model.moe_hidden", "model.n_shared_experts", "model.moe_shared_hidden",
+                  "model.moe_aux_loss_coef",
                   "model.moe_z_loss_coef", "model.moe_bias_update_rate", "model.moe_capacity_factor")
     if not m.n_experts:
         return
@@ -670,10 +685,12 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe_top_k: must be in [1, model.n_experts={m.n_experts}], got {m.moe_top_k}")
     if not 1 <= m.moe_every <= m.n_layer:
         raise ConfigError(f"model.moe_every: must be in [1, model.n_layer={m.n_layer}], got {m.moe_every}")
+    for key, on in (("moe_shared_hidden", m.moe_shared_hidden > 0), ("moe_shared_gate", m.moe_shared_gate)):
+        if on and not m.n_shared_experts:
+            raise ConfigError(f"model.{key}: set, but there is no shared expert (model.n_shared_experts=0)")
     # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
     for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
-                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}"),
-                     (m.init_from.startswith("hf:"), "model.init_from=hf:")):
+                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
         if on:
             raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
 

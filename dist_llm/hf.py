@@ -11,6 +11,8 @@ GPT exactly, so logits agree to float rounding:
   llama, mistral, qwen2   RoPE, RMSNorm, SwiGLU, grouped-query attention, head untied unless
                           tie_word_embeddings; biases (qwen2's q/k/v, llama's attention_bias/mlp_bias)
                           become model.bias=true with the biases Hugging Face leaves out set to zero
+  mixtral, qwen2_moe      the Llama attention around Mixture-of-Experts blocks (`dist_llm.hf_moe`: their
+                          keys, the per-expert and the fused expert layouts, what an export writes)
 
 RoPE: Hugging Face Llama rotates the two halves of each head (rotate_half), which is the layout of
 `dist_llm.model.positions.RotaryEmbedding`, so q_proj and k_proj rows are copied as they are (no
@@ -42,10 +44,12 @@ from dist_llm.safetensors_read import ShardFile, Stored, read_header
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
 #: init_from) keep the value of the `base` config handed to `model_config_from_hf`.
 ARCH_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "block_size", "pos_emb", "rope_theta",
-             "norm", "norm_eps", "mlp", "mlp_hidden", "bias", "tie_embeddings")
+             "norm", "norm_eps", "mlp", "mlp_hidden", "bias", "tie_embeddings", "n_experts", "moe_top_k", "moe_every",
+             "moe_hidden", "n_shared_experts", "moe_shared_hidden", "moe_shared_gate", "moe_router_order")
 
 #: model_type -> family
-FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral",
+            "qwen2_moe": "qwen2_moe"}
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -118,10 +122,10 @@ def model_config_from_hf(path: str | Path, base: ModelConfig | None = None) -> M
     config = read_hf_config(path)
     file = path / CONFIG_FILE
     family = _family(config, file)
-    if family == "gpt2":
-        arch = _gpt2_arch(config, file)
-    else:
-        arch = _llama_arch(config, file)
+    from dist_llm import hf_moe
+
+    arch = _gpt2_arch(config, file) if family == "gpt2" else _llama_arch(config, file)
+    arch.update(hf_moe.moe_arch(config, file, family) if family in hf_moe.MOE_FAMILIES else hf_moe.DENSE_ARCH)
     cfg = dataclasses.replace(base or ModelConfig(), **arch)
     _check_shapes(cfg, file)
     return cfg
@@ -185,11 +189,13 @@ def _llama_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
     block_size = int(_get(c, file, "max_position_embeddings"))
     # A sliding window never applies to sequences no longer than it, so capping the context keeps it exact.
     window = c.get("sliding_window")
-    sliding = c.get("use_sliding_window", True) if c.get("model_type") == "qwen2" else True
+    sliding = c.get("use_sliding_window", True) if c.get("model_type") in ("qwen2", "qwen2_moe") else True
     if window and sliding:
         block_size = min(block_size, int(window))
     model_type = c.get("model_type")
-    has_attn_bias = bool(c.get("attention_bias", model_type == "qwen2"))
+    # (qwen2_moe: q/k/v biases, `qkv_bias` in transformers 5, always there in 4.x)
+    has_attn_bias = bool(c.get("qkv_bias", True) if model_type == "qwen2_moe" else
+                         c.get("attention_bias", model_type == "qwen2"))
     has_mlp_bias = bool(c.get("mlp_bias", False))
     return {
         "n_layer": int(_get(c, file, "num_hidden_layers")),
@@ -285,6 +291,8 @@ class Piece:
     hf_shape: tuple[int, ...] = ()
     transposed: bool = False
     optional: bool = False
+    # of a 3-d (experts, x, y) Hugging Face tensor: the range of x that is ours (a fused gate_up_proj's half)
+    part: tuple[int, int] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,13 +324,13 @@ def _vocab(name: str, cfg: ModelConfig) -> Mapping:
     return Mapping((cfg.padded_vocab, C), (Piece(0, V, name, (V, C)), *pad))
 
 
-PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",)}
+PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",), "mixtral": ("model.",), "qwen2_moe": ("model.",)}
 
 
-def hf_layout(cfg: ModelConfig, family: str) -> dict[str, Mapping]:
-    """Our parameter name -> where its rows come from in a Hugging Face checkpoint of `family` ('gpt2' or
-    'llama'), for the model `cfg` describes (as `model_config_from_hf` returns it). A tied head maps as the
-    embedding does."""
+def hf_layout(cfg: ModelConfig, family: str, *, fused: bool = False) -> dict[str, Mapping]:
+    """Our parameter name -> where its rows come from in a Hugging Face checkpoint of `family` ('gpt2', 'llama',
+    'mixtral', 'qwen2_moe'), for the model `cfg` describes (as `model_config_from_hf` returns it). A tied head maps
+    as the embedding does. MoE blocks: `hf_moe.moe_block_layout` (`fused`: transformers 5's gate_up_proj)."""
     C, H = cfg.n_embd, cfg.ffn_hidden
     out: dict[str, Mapping] = {}
     if family == "gpt2":
@@ -340,9 +348,13 @@ def hf_layout(cfg: ModelConfig, family: str) -> dict[str, Mapping]:
     else:
         q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         out["wte.weight"] = _vocab("embed_tokens.weight", cfg)
-        linears = [("self_attn.o_proj", "attn.proj", C, q), ("mlp.gate_proj", "mlp.gate", H, C),
-                   ("mlp.up_proj", "mlp.up", H, C), ("mlp.down_proj", "mlp.down", C, H)]
+        from dist_llm import hf_moe
+
+        mlp = [("mlp.gate_proj", "mlp.gate", H, C), ("mlp.up_proj", "mlp.up", H, C), ("mlp.down_proj", "mlp.down", C, H)]
         for i in range(cfg.n_layer):
+            linears = [("self_attn.o_proj", "attn.proj", C, q)] + ([] if cfg.is_moe_block(i) else mlp)
+            if cfg.is_moe_block(i):
+                out.update(hf_moe.moe_block_layout(cfg, family, i, fused=fused))
             h, o = f"layers.{i}", f"blocks.{i}"
             out[f"{o}.ln_1.weight"] = _whole(f"{h}.input_layernorm.weight", (C,))
             out[f"{o}.ln_2.weight"] = _whole(f"{h}.post_attention_layernorm.weight", (C,))
@@ -399,7 +411,6 @@ class HFCheckpoint:
         self.path = Path(path).expanduser()
         self.family = _family(read_hf_config(self.path), self.path / CONFIG_FILE)
         self.cfg = cfg
-        self.layout = hf_layout(cfg, self.family)
         self.entries: dict[str, _Entry] = {}
         self._headers: dict[Path, dict[str, Stored]] = {}
         self._open: dict[Path, ShardFile] = {}
@@ -414,6 +425,9 @@ class HFCheckpoint:
                 if _IGNORED.search(key):
                     continue
                 self.entries[self._strip(key)] = _Entry(file, key, shape, tensor)
+        # MoE experts on disk: per expert (the Hub's, save_pretrained's) or fused (transformers 5 in memory)
+        fused = any(name.endswith(".experts.gate_up_proj") for name in self.entries)
+        self.layout = hf_layout(cfg, self.family, fused=fused)
         self._check()
 
     def _strip(self, key: str) -> str:
@@ -457,6 +471,8 @@ class HFCheckpoint:
         ranges stacked in order; each region read from the files alone and converted to out's dtype."""
         mapping = self.layout[name]
         rows = [(0, mapping.shape[0])] if rows is None else rows
+        if len(mapping.shape) == 3:
+            return self._read_experts(name, mapping, out, rows, cols)
         c0, c1 = cols if cols is not None else (0, mapping.shape[1] if len(mapping.shape) > 1 else 0)
         want = (sum(b - a for a, b in rows), *((c1 - c0,) if len(mapping.shape) > 1 else ()))
         if tuple(out.shape) != want:
@@ -493,6 +509,41 @@ class HFCheckpoint:
             at += b - a
         return out
 
+    def _read_experts(self, name: str, mapping: Mapping, out: torch.Tensor, rows: Rows,
+                      cols: tuple[int, int] | None) -> torch.Tensor:
+        """`read_into` of a stacked expert tensor (E, in, out): `rows` are experts, each whole. Per-expert files
+        give expert e's (out, in) tensor, read whole; a fused (E, x, in) one the experts' rows, of x the piece's
+        `part`: either way transposed into ours."""
+        want = (sum(b - a for a, b in rows), *mapping.shape[1:])
+        if cols is not None or tuple(out.shape) != want:
+            raise ValueError(f"{name}: destination of shape {tuple(out.shape)} for experts of shape {want}")
+        at = 0
+        for a, b in rows:
+            for p in mapping.pieces:
+                lo, hi = max(a, p.start), min(b, p.start + p.rows)
+                if lo >= hi:
+                    continue
+                dst, entry = out[at + lo - a : at + hi - a], self.entries[p.name] if p.name else None
+                r0, r1 = lo - p.start, hi - p.start
+                part = p.part or (0, p.hf_shape[1])
+                try:
+                    if entry is None:
+                        dst.zero_()
+                    elif entry.tensor is not None:  # pytorch_model.bin, mapped
+                        src = entry.tensor[None] if len(p.hf_shape) == 2 else entry.tensor[r0:r1, part[0]:part[1]]
+                        dst.copy_(src.transpose(1, 2))
+                    elif len(p.hf_shape) == 2:  # one expert's (out, in): its rows are our columns
+                        for i, block in self._shard(entry).blocks(entry.key, (0, p.hf_shape[0])):
+                            dst[0, :, i : i + len(block)].copy_(block.t())
+                    else:
+                        for i, block in self._shard(entry).blocks(entry.key, (r0, r1), part):
+                            dst[i : i + len(block)].copy_(block.transpose(1, 2))
+                except (OSError, ValueError, RuntimeError) as e:
+                    assert entry is not None
+                    raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
+            at += b - a
+        return out
+
     @staticmethod
     def _copy_mapped(entry: _Entry, dst: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], *,
                      vector: bool, transposed: bool) -> None:
@@ -514,6 +565,7 @@ class HFCheckpoint:
         shape = self.layout[name].shape
         n = sum(b - a for a, b in rows) if rows is not None else shape[0]
         width = ((cols[1] - cols[0]) if cols is not None else shape[1],) if len(shape) > 1 else ()
+        width += tuple(shape[2:])  # (stacked experts: each whole)
         return self.read_into(name, torch.empty((n, *width), dtype=dtype), rows, cols)
 
     def close(self) -> None:
@@ -550,8 +602,7 @@ def load_hf(path: str | Path, base: ModelConfig | None = None) -> GPT:
         model.to_empty(device="cpu")
         if cfg.tie_embeddings:  # to_empty makes a new tensor per module, which unties them
             model.lm_head.weight = model.wte.weight
-        if model.rope is not None:
-            model.rope.reset_parameters()  # its tables are buffers, not weights
+        model.reset_buffers()  # RoPE tables, the MoE routing bias (zero): buffers, not weights
         for name, p in model.named_parameters():  # (a tied head is listed once, as wte.weight)
             if tuple(p.shape) != src.layout[name].shape:  # pragma: no cover - a mapping bug
                 raise ConfigError(f"{src.path}: weight for {name} has shape {src.layout[name].shape}, the model "
@@ -583,11 +634,13 @@ def _family_misses(cfg: ModelConfig, family: str) -> list[str]:
 
 
 def export_family(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face family a model of `cfg` is written as. Otherwise a ConfigError that
-    names, in one line, the keys this model has and the settings of the nearer family to train with instead."""
+    """'gpt2' or 'llama' ('mixtral' or 'qwen2_moe' for an MoE model): the Hugging Face family a model of `cfg` is
+    written as. Otherwise a ConfigError that names, in one line, the keys this model has and the settings of the
+    nearer family to train with instead."""
     if cfg.n_experts:
-        raise ConfigError(f"model.n_experts={cfg.n_experts}: exporting MoE models (as Mixtral or Qwen-MoE) is not "
-                          "yet supported (issue 19)")
+        from dist_llm.hf_moe import moe_export_family
+
+        return moe_export_family(cfg)
     options = {family: _family_misses(cfg, family) for family in ("llama", "gpt2")}
     for family, misses in options.items():
         if not misses:
@@ -617,7 +670,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
@@ -625,6 +678,11 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
             "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
             "rope_scaling": None, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
             "attention_dropout": cfg.dropout, "pretraining_tp": 1}
+    if family == "llama":
+        return llama
+    from dist_llm.hf_moe import moe_hf_config
+
+    return moe_hf_config(cfg, family, llama)
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -636,14 +694,16 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
     """One tensor of a Hugging Face export: rows [rows[0], rows[1]) of our tensor `source` (all rows when
-    `rows` is None), transposed when `transpose` (GPT-2's Conv1D stores (in, out)); `source` None: zeros (a
-    bias GPT-2 always has and a bias-free GPT lacks)."""
+    `rows` is None; of its expert `expert` alone, a 2-d slice, when that is set), transposed when `transpose`
+    (GPT-2's Conv1D stores (in, out), our experts (in, out) too); `source` None: zeros (a bias GPT-2 always has
+    and a bias-free GPT lacks)."""
 
     name: str
     shape: tuple[int, ...]
     source: str | None
     rows: tuple[int, int] | None = None
     transpose: bool = False
+    expert: int | None = None
 
 
 def export_plan(cfg: ModelConfig) -> list[HFTensor]:
@@ -677,7 +737,10 @@ def export_plan(cfg: ModelConfig) -> list[HFTensor]:
             rows = ours[f"{mine}.weight"][0]
             add(f"transformer.{theirs}.bias", f"{mine}.bias", zeros=rows)  # GPT-2 always has biases
     else:
+        from dist_llm.hf_moe import moe_block_plan
+
         add("model.embed_tokens.weight", "wte.weight", (0, V))
+        other_bias = cfg.bias and family == "llama"  # (Qwen2-MoE: biases on q, k, v only)
         q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv_rows = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
         for i in range(cfg.n_layer):
@@ -686,11 +749,14 @@ def export_plan(cfg: ModelConfig) -> list[HFTensor]:
             for kind in ("weight", "bias") if cfg.bias else ("weight",):
                 for p in "qkv":  # rotate_half layout on both sides: q and k rows as they are
                     add(f"{h}.self_attn.{p}_proj.{kind}", f"{o}.attn.qkv.{kind}", qkv_rows[p])
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            for kind in ("weight", "bias") if other_bias else ("weight",):
                 add(f"{h}.self_attn.o_proj.{kind}", f"{o}.attn.proj.{kind}")
             add(f"{h}.post_attention_layernorm.weight", f"{o}.ln_2.weight")
+            if cfg.is_moe_block(i):
+                plan += moe_block_plan(cfg, family, i)
+                continue
             for theirs, mine in _LLAMA_LINEARS[1:]:
-                for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                for kind in ("weight", "bias") if other_bias else ("weight",):
                     add(f"{h}.{theirs}.{kind}", f"{o}.{mine}.{kind}")
         add("model.norm.weight", "ln_f.weight")
     if not cfg.tie_embeddings:
@@ -704,7 +770,8 @@ def hf_tensor(entry: HFTensor, source: torch.Tensor | None, dtype: torch.dtype =
     if entry.source is None:
         return torch.zeros(entry.shape, dtype=dtype)
     assert source is not None
-    t = source if entry.rows is None else source[entry.rows[0]:entry.rows[1]]
+    t = source if entry.expert is None else source[entry.expert]
+    t = t if entry.rows is None else t[entry.rows[0]:entry.rows[1]]
     if entry.transpose:
         t = t.t()
     return t.to(dtype).contiguous()

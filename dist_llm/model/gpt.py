@@ -118,8 +118,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layers, rope)
         self.ln_2 = make_norm(cfg, layers)
         if moe:
-            shared = (MLP(cfg, layers, hidden=cfg.n_shared_experts * cfg.moe_expert_hidden)
-                      if cfg.n_shared_experts else None)
+            shared = MLP(cfg, layers, hidden=cfg.moe_shared_expert_hidden) if cfg.n_shared_experts else None
             if shared is not None:
                 shared.dropout = nn.Identity()  # (the MoE's output gets one dropout, as the dense MLP's)
             self.moe = MoE(cfg, shared, layers.dropout(cfg.dropout))
