@@ -93,8 +93,9 @@ class ModelConfig:
     """Each expert takes at most ceil(factor * tokens * top_k / n_experts) assignments, earlier tokens first, the
     rest dropped (they pass through the residual); 0 = dropless."""
     init_from: str = ""
-    """Start from trained weights: 'hf:DIR' (a Hugging Face GPT-2 or Llama directory, whose config.json then
-    sets the architecture keys) or 'ckpt:DIR' (a dist_llm checkpoint of the same model); empty: random init."""
+    """Start from trained weights: 'hf:DIR' (a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE directory, whose
+    config.json then sets the architecture keys) or 'ckpt:DIR' (a dist_llm checkpoint of the same model); empty:
+    random init."""
 
     @property
     def kv_heads(self) -> int:

@@ -322,7 +322,8 @@ def load_full(path: str | Path) -> GPT:
 def save_hf(model: GPT, path: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write `config.json` and the weights (model.safetensors, or shards and their index) that transformers'
     AutoModelForCausalLM loads: GPT-2 for learned positions + layernorm + gelu, Llama for rope + rmsnorm +
-    swiglu (ConfigError otherwise). Each file is whole or absent, the weights before config.json."""
+    swiglu, Mixtral or Qwen2-MoE for such a model with experts (`hf_moe`; ConfigError otherwise). Each file is
+    whole or absent, the weights before config.json."""
     limit = parse_shard_size(max_shard_size)
     plan = export_plan(model.cfg)  # raises before anything is written
     sd = plain_state(model)

@@ -1,6 +1,6 @@
-"""Hugging Face interchange: read GPT-2 and Llama-family directories into a GPT, and the mapping of a GPT's
-names and layouts onto theirs (`export_plan`). A pure mapping: this module imports only dist_llm.config and
-dist_llm.model; the commands that write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
+"""Hugging Face interchange: read GPT-2, Llama-family and MoE (Mixtral, Qwen2-MoE) directories into a GPT, and
+the mapping of a GPT's names and layouts onto theirs (`export_plan`). A pure mapping: this module imports only
+dist_llm.config, dist_llm.model and dist_llm.hf_moe; the commands that write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
 
 A Hugging Face model directory is `config.json` plus the weights (`model.safetensors`, a sharded
 `model.safetensors.index.json`, or the older `pytorch_model.bin` [.index.json]). Two families map onto the
@@ -593,8 +593,8 @@ def load_hf_state_dict(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Te
 
 @torch.no_grad()
 def load_hf(path: str | Path, base: ModelConfig | None = None) -> GPT:
-    """A GPT (fp32, on the CPU, in eval mode) holding the weights of a Hugging Face GPT-2 or Llama-family
-    directory. `base` supplies the keys config.json does not decide (see `model_config_from_hf`)."""
+    """A GPT (fp32, on the CPU, in eval mode) holding the weights of a Hugging Face GPT-2, Llama-family, Mixtral or
+    Qwen2-MoE directory. `base` supplies the keys config.json does not decide (see `model_config_from_hf`)."""
     cfg = model_config_from_hf(path, base)
     with HFCheckpoint(path, cfg) as src:
         with torch.device("meta"):  # no random init of weights that are overwritten next

@@ -46,8 +46,10 @@ def moe_arch(c: dict[str, Any], file: Path, family: str) -> dict[str, Any]:
     """The MoE keys of a Mixtral or Qwen2-MoE config.json."""
     if family == "mixtral":
         experts = int(_get(c, file, "num_local_experts"))
-        arch = {"moe_every": 1, "moe_hidden": int(_get(c, file, "intermediate_size")), "n_shared_experts": 0,
-                "moe_shared_hidden": 0, "moe_shared_gate": False, "moe_router_order": "topk_softmax"}
+        # (every block MoE: intermediate_size is the experts' width, and no dense MLP exists for mlp_hidden)
+        arch = {"mlp_hidden": 0, "moe_every": 1, "moe_hidden": int(_get(c, file, "intermediate_size")),
+                "n_shared_experts": 0, "moe_shared_hidden": 0, "moe_shared_gate": False,
+                "moe_router_order": "topk_softmax"}
     else:
         experts = int(_get(c, file, "num_experts"))
         if c.get("mlp_only_layers"):
@@ -66,9 +68,10 @@ def moe_arch(c: dict[str, Any], file: Path, family: str) -> dict[str, Any]:
     return {"n_experts": experts, "moe_top_k": top_k, **arch}
 
 
-def _experts(name: str, rows: int, shape: tuple[int, int], names: list[str]) -> Mapping:
+def _experts(shape: tuple[int, int], names: list[str]) -> Mapping:
     """Our stacked (E, in, out) tensor from E per-expert (out, in) tensors: expert e is our row e."""
-    return Mapping((rows, shape[1], shape[0]), tuple(Piece(e, 1, n, shape, transposed=True) for e, n in enumerate(names)))
+    pieces = tuple(Piece(e, 1, name, shape, transposed=True) for e, name in enumerate(names))
+    return Mapping((len(names), shape[1], shape[0]), pieces)
 
 
 def _zeros(*shape: int) -> Mapping:
@@ -90,13 +93,14 @@ def moe_block_layout(cfg: ModelConfig, family: str, i: int, *, fused: bool) -> d
         out[f"{o}.experts.w_down"] = Mapping((E, H, C), (Piece(0, E, fused_down, (E, C, H), True),))
     else:
         for ours, theirs, shape in (("w_gate", gate, (H, C)), ("w_up", up, (H, C)), ("w_down", down, (C, H))):
-            out[f"{o}.experts.{ours}"] = _experts(ours, E, shape, [f"{m}.experts.{e}.{theirs}.weight" for e in range(E)])
+            out[f"{o}.experts.{ours}"] = _experts(shape, [f"{m}.experts.{e}.{theirs}.weight" for e in range(E)])
     if cfg.bias:  # neither family has expert biases: zero in a model.bias=true GPT (Qwen2-MoE's q/k/v bias)
         out.update({f"{o}.experts.b_up": _zeros(E, H), f"{o}.experts.b_gate": _zeros(E, H),
                     f"{o}.experts.b_down": _zeros(E, C)})
     if cfg.n_shared_experts:
         S, s = cfg.moe_shared_expert_hidden, f"{m}.shared_expert"
-        for ours, theirs, shape in (("gate", "gate_proj", (S, C)), ("up", "up_proj", (S, C)), ("down", "down_proj", (C, S))):
+        for ours, theirs, shape in (("gate", "gate_proj", (S, C)), ("up", "up_proj", (S, C)),
+                                    ("down", "down_proj", (C, S))):
             out[f"{o}.shared.{ours}.weight"] = _whole(f"{s}.{theirs}.weight", shape)
             if cfg.bias:
                 out[f"{o}.shared.{ours}.bias"] = _whole(f"{s}.{theirs}.bias", shape[:1], optional=True)
@@ -157,7 +161,8 @@ def moe_block_plan(cfg: ModelConfig, family: str, i: int) -> list[HFTensor]:
         plan += [HFTensor(f"{h}.experts.{e}.{theirs}.weight", shape, f"{o}.experts.{ours}", transpose=True, expert=e)
                  for e in range(E)]
     if cfg.n_shared_experts:
-        for ours, theirs, shape in (("up", "up_proj", (S, C)), ("gate", "gate_proj", (S, C)), ("down", "down_proj", (C, S))):
+        for ours, theirs, shape in (("up", "up_proj", (S, C)), ("gate", "gate_proj", (S, C)),
+                                    ("down", "down_proj", (C, S))):
             plan.append(HFTensor(f"{h}.shared_expert.{theirs}.weight", shape, f"{o}.shared.{ours}.weight"))
         plan.append(HFTensor(f"{h}.shared_expert_gate.weight", (1, C), f"{o}.shared_gate.weight"))
     return plan

@@ -13,25 +13,21 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-transformers = pytest.importorskip("transformers")
 from safetensors.torch import save_file
 
 from dist_llm.config import ConfigError, ModelConfig, load_config, validate
 from dist_llm.convert import convert_checkpoint_to_hf, convert_hf_to_checkpoint, save_hf
-from dist_llm.hf import HFCheckpoint, load_hf, model_config_from_hf, read_hf_tensors
+from dist_llm.hf import ARCH_KEYS, HFCheckpoint, load_hf, model_config_from_hf, read_hf_tensors
 from dist_llm.model import GPT
 from dist_llm.safetensors_read import ShardFile
 from tests.conftest import tiny_overrides
-from tests.test_hf import ATOL, VOCAB, hf_logits, max_diff, our_logits
+from tests.test_hf import ATOL, VOCAB, hf_logits, max_diff, our_logits  # (sets transformers offline first)
+
+transformers = pytest.importorskip("transformers")
 
 E, K = 4, 2
 
@@ -145,8 +141,9 @@ def test_init_from_hf_moe(tmp_path: Path, tokens: torch.Tensor) -> None:
     torch.manual_seed(3)
     hf = hf_moe("qwen2_moe")
     hf.save_pretrained(tmp_path / "hf")
-    cfg = resolve_architecture(load_config(None, tiny_overrides(tmp_path / "run", model__init_from=f"hf:{tmp_path / 'hf'}",
-                                                                train__device="cpu", train__compile="false")))
+    overrides = tiny_overrides(tmp_path / "run", model__init_from=f"hf:{tmp_path / 'hf'}", train__device="cpu",
+                               train__compile="false")
+    cfg = resolve_architecture(load_config(None, overrides))
     validate(cfg)
     assert (cfg.model.n_experts, cfg.model.moe_shared_gate, cfg.model.moe_router_order) == (E, True, "softmax_topk")
     model = build_model(cfg, ParallelContext.from_config(cfg))
@@ -154,7 +151,7 @@ def test_init_from_hf_moe(tmp_path: Path, tokens: torch.Tensor) -> None:
 
 
 MOE_MODELS = {
-    "mixtral": {"bias": False, "n_kv_head": 2},
+    "mixtral": {"bias": False, "n_kv_head": 2, "tie_embeddings": True},
     "qwen2_moe": {"bias": True, "n_shared_experts": 1, "moe_shared_hidden": 40, "moe_shared_gate": True,
                   "moe_router_order": "softmax_topk", "moe_every": 2, "n_layer": 3},
 }
@@ -185,7 +182,8 @@ def test_save_hf_moe_loads_in_transformers(name: str, tmp_path: Path, tokens: to
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert type(back).__name__ == {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}[name]
     assert max_diff(hf_logits(back, tokens), our_logits(ours, tokens)) < ATOL
-    again = load_hf(tmp_path / "out")  # and back to ours: the same tensors (of the vocabulary without padding)
+    again = load_hf(tmp_path / "out", ModelConfig(init_std=ours.cfg.init_std))  # and back: the same model
+    assert all(getattr(again.cfg, key) == getattr(ours.cfg, key) for key in ARCH_KEYS), name
     mine = ours.state_dict()
     for k, v in again.state_dict().items():
         assert torch.equal(v[:VOCAB], mine[k][:VOCAB]), k
