@@ -1,6 +1,7 @@
 """Hugging Face interchange: read GPT-2, Llama-family and MoE (Mixtral, Qwen2-MoE) directories into a GPT, and
 the mapping of a GPT's names and layouts onto theirs (`export_plan`). A pure mapping: this module imports only
-dist_llm.config, dist_llm.model and dist_llm.hf_moe; the commands that write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
+dist_llm.config, dist_llm.model and the mapping's leaves (hf_mapping, hf_moe, safetensors_read); the commands that
+write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
 
 A Hugging Face model directory is `config.json` plus the weights (`model.safetensors`, a sharded
 `model.safetensors.index.json`, or the older `pytorch_model.bin` [.index.json]). Two families map onto the
@@ -38,6 +39,16 @@ from typing import Any, Sequence
 import torch
 
 from dist_llm.config import ConfigError, ModelConfig
+from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _get, _whole
+from dist_llm.hf_moe import (
+    DENSE_ARCH,
+    MOE_FAMILIES,
+    moe_arch,
+    moe_block_layout,
+    moe_block_plan,
+    moe_export_family,
+    moe_hf_config,
+)
 from dist_llm.model import GPT
 from dist_llm.safetensors_read import ShardFile, Stored, read_header
 
@@ -88,16 +99,6 @@ def _family(config: dict[str, Any], file: Path) -> str:
     return FAMILIES[model_type]
 
 
-def _get(config: dict[str, Any], file: Path, *keys: str, default: Any = ...) -> Any:
-    """The first of `keys` present in config (aliases), else `default`, else a ConfigError naming the key."""
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    if default is ...:
-        raise ConfigError(f"{file}: missing key {keys[0]!r}")
-    return default
-
-
 def _rope_theta(config: dict[str, Any], file: Path) -> float:
     """rope_theta from transformers 5's `rope_parameters` or 4.x's top-level key; only unscaled RoPE maps."""
     params = config.get("rope_parameters")
@@ -122,10 +123,8 @@ def model_config_from_hf(path: str | Path, base: ModelConfig | None = None) -> M
     config = read_hf_config(path)
     file = path / CONFIG_FILE
     family = _family(config, file)
-    from dist_llm import hf_moe
-
     arch = _gpt2_arch(config, file) if family == "gpt2" else _llama_arch(config, file)
-    arch.update(hf_moe.moe_arch(config, file, family) if family in hf_moe.MOE_FAMILIES else hf_moe.DENSE_ARCH)
+    arch.update(moe_arch(config, file, family) if family in MOE_FAMILIES else DENSE_ARCH)
     cfg = dataclasses.replace(base or ModelConfig(), **arch)
     _check_shapes(cfg, file)
     return cfg
@@ -279,35 +278,6 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 # -- where each of our tensors comes from (pure: names and shapes only) -------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Rows [start, start + rows) of one of our tensors: rows [0, rows) of the Hugging Face tensor `name`
-    (of its columns when `transposed`: GPT-2's Conv1D stores (in, out)), or zeros where `name` is None
-    (vocabulary padding) or where an `optional` tensor is absent (a bias the family leaves out)."""
-
-    start: int
-    rows: int
-    name: str | None = None  # without the family prefix ("transformer." / "model.")
-    hf_shape: tuple[int, ...] = ()
-    transposed: bool = False
-    optional: bool = False
-    # of a 3-d (experts, x, y) Hugging Face tensor: the range of x that is ours (a fused gate_up_proj's half)
-    part: tuple[int, int] | None = None
-
-
-@dataclasses.dataclass(frozen=True)
-class Mapping:
-    """One of our tensors: its full (tp=1) shape and the pieces that fill its rows, in order."""
-
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-
-def _whole(name: str, shape: tuple[int, ...], *, transposed: bool = False, optional: bool = False) -> Mapping:
-    hf_shape = (shape[1], shape[0]) if transposed else shape
-    return Mapping(shape, (Piece(0, shape[0], name, hf_shape, transposed, optional),))
-
-
 def _stacked(parts: list[tuple[str, int]], width: int | None = None, *, optional: bool = False) -> Mapping:
     """Rows of several tensors one after the other (Llama's q, k, v -> our fused qkv)."""
     pieces, start = [], 0
@@ -348,13 +318,11 @@ def hf_layout(cfg: ModelConfig, family: str, *, fused: bool = False) -> dict[str
     else:
         q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         out["wte.weight"] = _vocab("embed_tokens.weight", cfg)
-        from dist_llm import hf_moe
-
         mlp = [("mlp.gate_proj", "mlp.gate", H, C), ("mlp.up_proj", "mlp.up", H, C), ("mlp.down_proj", "mlp.down", C, H)]
         for i in range(cfg.n_layer):
             linears = [("self_attn.o_proj", "attn.proj", C, q)] + ([] if cfg.is_moe_block(i) else mlp)
             if cfg.is_moe_block(i):
-                out.update(hf_moe.moe_block_layout(cfg, family, i, fused=fused))
+                out.update(moe_block_layout(cfg, family, i, fused=fused))
             h, o = f"layers.{i}", f"blocks.{i}"
             out[f"{o}.ln_1.weight"] = _whole(f"{h}.input_layernorm.weight", (C,))
             out[f"{o}.ln_2.weight"] = _whole(f"{h}.post_attention_layernorm.weight", (C,))
@@ -638,8 +606,6 @@ def export_family(cfg: ModelConfig) -> str:
     written as. Otherwise a ConfigError that names, in one line, the keys this model has and the settings of the
     nearer family to train with instead."""
     if cfg.n_experts:
-        from dist_llm.hf_moe import moe_export_family
-
         return moe_export_family(cfg)
     options = {family: _family_misses(cfg, family) for family in ("llama", "gpt2")}
     for family, misses in options.items():
@@ -680,8 +646,6 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
             "attention_dropout": cfg.dropout, "pretraining_tp": 1}
     if family == "llama":
         return llama
-    from dist_llm.hf_moe import moe_hf_config
-
     return moe_hf_config(cfg, family, llama)
 
 
@@ -689,21 +653,6 @@ def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The plain (tp=1) GPT's state dict: name -> full shape, in the module order (built on meta: no memory)."""
     with torch.device("meta"):
         return {name: tuple(t.shape) for name, t in GPT(cfg).state_dict().items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-    """One tensor of a Hugging Face export: rows [rows[0], rows[1]) of our tensor `source` (all rows when
-    `rows` is None; of its expert `expert` alone, a 2-d slice, when that is set), transposed when `transpose`
-    (GPT-2's Conv1D stores (in, out), our experts (in, out) too); `source` None: zeros (a bias GPT-2 always has
-    and a bias-free GPT lacks)."""
-
-    name: str
-    shape: tuple[int, ...]
-    source: str | None
-    rows: tuple[int, int] | None = None
-    transpose: bool = False
-    expert: int | None = None
 
 
 def export_plan(cfg: ModelConfig) -> list[HFTensor]:
@@ -737,8 +686,6 @@ def export_plan(cfg: ModelConfig) -> list[HFTensor]:
             rows = ours[f"{mine}.weight"][0]
             add(f"transformer.{theirs}.bias", f"{mine}.bias", zeros=rows)  # GPT-2 always has biases
     else:
-        from dist_llm.hf_moe import moe_block_plan
-
         add("model.embed_tokens.weight", "wte.weight", (0, V))
         other_bias = cfg.bias and family == "llama"  # (Qwen2-MoE: biases on q, k, v only)
         q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim

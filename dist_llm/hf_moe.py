@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_llm.config import ConfigError, ModelConfig
-from dist_llm.hf import HFTensor, Mapping, Piece, _get, _whole
+from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _get, _whole
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
 LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
