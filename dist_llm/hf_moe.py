@@ -118,8 +118,8 @@ def _misses(cfg: ModelConfig, family: str) -> list[str]:
         needs.update(moe_shared_gate=True)
     misses = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in needs.items()
               if getattr(cfg, k) != v]
-    if family == "qwen2_moe" and cfg.n_shared_experts != 1:
-        misses.insert(0, "model.n_shared_experts=1")
+    if family == "qwen2_moe" and cfg.n_shared_experts < 1:  # (several are one MLP as wide as all of them)
+        misses.insert(0, "model.n_shared_experts>=1")
     return misses
 
 
