@@ -63,6 +63,8 @@ class ModelConfig:
     """Biases in linear layers and LayerNorm."""
     tie_embeddings: bool = True
     """Share the token embedding with the output head."""
+    qkv_bias: bool = False
+    """Biases on the attention's q/k/v projection even where model.bias is false (Qwen2-MoE has these alone)."""
     init_std: float = 0.02
     """Standard deviation of the normal init; residual projections get init_std/sqrt(2*n_layer)."""
     n_experts: int = 0
@@ -300,7 +302,7 @@ class Config:
         shapes = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "init_from"}
         if not self.model.n_experts:  # a dense model's hash stays what it was before the MoE keys existed
             shapes = {k: v for k, v in shapes.items() if k != "n_experts" and not k.startswith(("moe_", "n_shared_"))}
-        for key in ("moe_shared_hidden", "moe_shared_gate"):  # (added later: an MoE model without them keeps its hash)
+        for key in ("qkv_bias", "moe_shared_hidden", "moe_shared_gate"):  # (added later: unset, the hash stays)
             if not shapes.get(key, True):
                 shapes.pop(key)
         return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]

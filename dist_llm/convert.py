@@ -225,7 +225,7 @@ def _check_dropped(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> None
     for name in moe_dropped(cfg, export_family(cfg)):
         if get(name).any():
             why = ("the aux-loss-free routing bias of model.moe_bias_update_rate" if name.endswith("expert_bias")
-                   else "it has biases on q, k and v only")
+                   else "it has biases on q, k and v only: train with model.bias=false model.qkv_bias=true")
             raise ConfigError(f"cannot export as {label}: {name} is not zero and {label} has no place for it ({why})")
 
 

@@ -55,7 +55,7 @@ from dist_llm.safetensors_read import ShardFile, Stored, read_header
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
 #: init_from) keep the value of the `base` config handed to `model_config_from_hf`.
 ARCH_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "block_size", "pos_emb", "rope_theta",
-             "norm", "norm_eps", "mlp", "mlp_hidden", "bias", "tie_embeddings", "n_experts", "moe_top_k", "moe_every",
+             "norm", "norm_eps", "mlp", "mlp_hidden", "bias", "qkv_bias", "tie_embeddings", "n_experts", "moe_top_k", "moe_every",
              "moe_hidden", "n_shared_experts", "moe_shared_hidden", "moe_shared_gate", "moe_router_order")
 
 #: model_type -> family
@@ -169,6 +169,7 @@ def _gpt2_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
         "mlp": "gelu",
         "mlp_hidden": 0 if n_inner in (None, 4 * n_embd) else int(n_inner),
         "bias": True,
+        "qkv_bias": False,
         "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
     }
 
@@ -210,7 +211,9 @@ def _llama_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
         "mlp": "swiglu",
         # 0 where it is what model.mlp_hidden=0 means (the Llama rule), as a config written by hand would say
         "mlp_hidden": 0 if hidden == ModelConfig(n_embd=n_embd, mlp="swiglu").ffn_hidden else hidden,
-        "bias": has_attn_bias or has_mlp_bias,
+        # Qwen2-MoE's q/k/v biases alone: qkv_bias, so that its other linears stay bias-free (and exportable)
+        "bias": (has_attn_bias or has_mlp_bias) and model_type != "qwen2_moe",
+        "qkv_bias": has_attn_bias and model_type == "qwen2_moe",
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
     }
 
@@ -328,7 +331,7 @@ def hf_layout(cfg: ModelConfig, family: str, *, fused: bool = False) -> dict[str
             out[f"{o}.ln_2.weight"] = _whole(f"{h}.post_attention_layernorm.weight", (C,))
             qkv = [(f"{h}.self_attn.{p}_proj.weight", n) for p, n in (("q", q), ("k", kv), ("v", kv))]
             out[f"{o}.attn.qkv.weight"] = _stacked(qkv, C)  # rotate_half layout on both sides: rows as they are
-            if cfg.bias:  # Hugging Face leaves out the biases a family does not have: zero in a model.bias=true GPT
+            if cfg.bias or cfg.qkv_bias:  # Hugging Face leaves out the biases a family lacks: zero in our GPT
                 out[f"{o}.attn.qkv.bias"] = _stacked([(n.replace(".weight", ".bias"), r) for n, r in qkv], optional=True)
             for theirs, ours, rows, cols in linears:
                 out[f"{o}.{ours}.weight"] = _whole(f"{h}.{theirs}.weight", (rows, cols))
@@ -642,7 +645,7 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
             "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
             # transformers 4.x reads rope_theta, 5.x rope_parameters
             "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "rope_scaling": None, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
+            "rope_scaling": None, "attention_bias": cfg.bias or cfg.qkv_bias, "mlp_bias": cfg.bias,
             "attention_dropout": cfg.dropout, "pretraining_tp": 1}
     if family == "llama":
         return llama
@@ -687,23 +690,25 @@ def export_plan(cfg: ModelConfig) -> list[HFTensor]:
             add(f"transformer.{theirs}.bias", f"{mine}.bias", zeros=rows)  # GPT-2 always has biases
     else:
         add("model.embed_tokens.weight", "wte.weight", (0, V))
-        other_bias = cfg.bias and family == "llama"  # (Qwen2-MoE: biases on q, k, v only)
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        # (Llama's attention_bias covers o_proj too: zeros where only q/k/v have them; Qwen2-MoE: q/k/v only)
+        o_bias, mlp_bias = qkv_bias and family == "llama", cfg.bias and family == "llama"
         q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv_rows = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
         for i in range(cfg.n_layer):
             h, o = f"model.layers.{i}", f"blocks.{i}"
             add(f"{h}.input_layernorm.weight", f"{o}.ln_1.weight")
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            for kind in ("weight", "bias") if qkv_bias else ("weight",):
                 for p in "qkv":  # rotate_half layout on both sides: q and k rows as they are
                     add(f"{h}.self_attn.{p}_proj.{kind}", f"{o}.attn.qkv.{kind}", qkv_rows[p])
-            for kind in ("weight", "bias") if other_bias else ("weight",):
-                add(f"{h}.self_attn.o_proj.{kind}", f"{o}.attn.proj.{kind}")
+            for kind in ("weight", "bias") if o_bias else ("weight",):
+                add(f"{h}.self_attn.o_proj.{kind}", f"{o}.attn.proj.{kind}", zeros=cfg.n_embd)
             add(f"{h}.post_attention_layernorm.weight", f"{o}.ln_2.weight")
             if cfg.is_moe_block(i):
                 plan += moe_block_plan(cfg, family, i)
                 continue
             for theirs, mine in _LLAMA_LINEARS[1:]:
-                for kind in ("weight", "bias") if other_bias else ("weight",):
+                for kind in ("weight", "bias") if mlp_bias else ("weight",):
                     add(f"{h}.{theirs}.{kind}", f"{o}.{mine}.{kind}")
         add("model.norm.weight", "ln_f.weight")
     if not cfg.tie_embeddings:

@@ -113,7 +113,7 @@ def moe_block_layout(cfg: ModelConfig, family: str, i: int, *, fused: bool) -> d
 def _misses(cfg: ModelConfig, family: str) -> list[str]:
     needs: dict[str, Any] = {"pos_emb": "rope", "norm": "rmsnorm", "mlp": "swiglu"}
     if family == "mixtral":
-        needs.update(bias=False, n_shared_experts=0, moe_every=1, moe_router_order="topk_softmax")
+        needs.update(bias=False, qkv_bias=False, n_shared_experts=0, moe_every=1, moe_router_order="topk_softmax")
     else:
         needs.update(moe_shared_gate=True)
     misses = [f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in needs.items()
@@ -147,7 +147,7 @@ def moe_hf_config(cfg: ModelConfig, family: str, llama: dict[str, Any]) -> dict[
             "intermediate_size": cfg.ffn_hidden, "moe_intermediate_size": cfg.moe_expert_hidden,
             "shared_expert_intermediate_size": cfg.moe_shared_expert_hidden, "num_experts": cfg.n_experts,
             "decoder_sparse_step": cfg.moe_every, "norm_topk_prob": cfg.moe_router_order == "topk_softmax",
-            "mlp_only_layers": [], "qkv_bias": cfg.bias, "use_sliding_window": False,
+            "mlp_only_layers": [], "qkv_bias": cfg.bias or cfg.qkv_bias, "use_sliding_window": False,
             "max_window_layers": cfg.n_layer}
 
 

@@ -92,6 +92,7 @@ def test_load_hf_moe_logits_match(case: str, layout: str, tmp_path: Path, tokens
     assert (c.n_experts, c.moe_top_k) == (E, K)
     if kind == "qwen2_moe":
         assert (c.n_shared_experts, c.moe_shared_hidden, c.moe_shared_gate) == (1, 40, True)
+        assert (c.bias, c.qkv_bias) == (False, kw.get("qkv_bias", True))  # q/k/v biases alone
         assert c.moe_router_order == ("topk_softmax" if kw.get("norm_topk_prob") else "softmax_topk")
         assert [c.is_moe_block(i) for i in range(c.n_layer)] == [hf.model.layers[i].mlp.__class__.__name__ ==
                                                                  "Qwen2MoeSparseMoeBlock" for i in range(c.n_layer)]
@@ -155,7 +156,7 @@ MOE_MODELS = {
     "qwen2_moe": {"bias": True, "n_shared_experts": 1, "moe_shared_hidden": 40, "moe_shared_gate": True,
                   "moe_router_order": "softmax_topk", "moe_every": 2, "n_layer": 3},
     # two shared experts are one MLP twice as wide: Qwen2-MoE's one shared expert of that width
-    "qwen2_moe-2shared": {"bias": False, "n_shared_experts": 2, "moe_shared_gate": True},
+    "qwen2_moe-2shared": {"bias": False, "qkv_bias": True, "n_shared_experts": 2, "moe_shared_gate": True},
 }
 
 
@@ -186,10 +187,10 @@ def test_save_hf_moe_loads_in_transformers(name: str, tmp_path: Path, tokens: to
     assert type(back).__name__ == classes[config["model_type"]]
     assert max_diff(hf_logits(back, tokens), our_logits(ours, tokens)) < ATOL
     again = load_hf(tmp_path / "out", ModelConfig(init_std=ours.cfg.init_std))  # and back: the same model
-    if name == "qwen2_moe-2shared":
-        assert (again.cfg.n_shared_experts, again.cfg.moe_shared_hidden) == (1, 2 * 24)
-    else:
-        assert all(getattr(again.cfg, key) == getattr(ours.cfg, key) for key in ARCH_KEYS), name
+    changed = {"qwen2_moe-2shared": {"n_shared_experts": 1, "moe_shared_hidden": 2 * 24},
+               "qwen2_moe": {"bias": False, "qkv_bias": True}}.get(name, {})  # (zero biases come back as none)
+    assert {key: getattr(again.cfg, key) for key in ARCH_KEYS} == {**{key: getattr(ours.cfg, key) for key in ARCH_KEYS},
+                                                                  **changed}
     mine = ours.state_dict()
     for k, v in again.state_dict().items():
         assert torch.equal(v[:VOCAB], mine[k][:VOCAB]), k
@@ -217,6 +218,20 @@ def test_save_hf_moe_refuses_weights_the_format_drops(tensor: str, tmp_path: Pat
     with pytest.raises(ConfigError, match=f"cannot export as Qwen2-MoE: {tensor.replace('.', '[.]')} is not zero"):
         save_hf(ours, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_qkv_bias_alone_exports_as_llama(tmp_path: Path, tokens: torch.Tensor) -> None:
+    """A dense model with model.qkv_bias alone: Llama's attention_bias, o_proj's bias written as zeros."""
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=32, vocab_size=VOCAB, block_size=32, pos_emb="rope", norm="rmsnorm",
+                      mlp="swiglu", bias=False, qkv_bias=True)
+    ours = GPT(cfg).eval()
+    with torch.no_grad():
+        for block in ours.blocks:
+            block.attn.qkv.bias.normal_(0, 0.1)
+    save_hf(ours, tmp_path / "out")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    assert back.config.attention_bias and not back.config.mlp_bias
+    assert max_diff(hf_logits(back, tokens), our_logits(ours, tokens)) < ATOL
 
 
 def test_convert_moe_round_trip(tmp_path: Path, tokens: torch.Tensor) -> None:
@@ -275,9 +290,14 @@ def test_shared_keys_checked_and_fingerprint_kept(tmp_path: Path) -> None:
     for key, value in (("moe_shared_gate", "true"), ("moe_shared_hidden", 16)):
         with pytest.raises(ConfigError, match=f"model.{key}: set, but there is no shared expert"):
             validate(config(n_experts=4, **{key: value}))
-    # an MoE model without the new keys keeps the fingerprint it had before they existed
+    # a model without the new keys (MoE or dense) keeps the fingerprint it had before they existed
     cfg = config(n_experts=4, n_shared_experts=1)
     old = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-           if k not in ("init_from", "moe_shared_hidden", "moe_shared_gate")}
+           if k not in ("init_from", "qkv_bias", "moe_shared_hidden", "moe_shared_gate")}
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
     assert config(n_experts=4, n_shared_experts=1, moe_shared_gate="true").fingerprint() != cfg.fingerprint()
+    dense = config()
+    old = {k: v for k, v in dataclasses.asdict(dense.model).items()
+           if k not in ("init_from", "qkv_bias") and k != "n_experts" and not k.startswith(("moe_", "n_shared_"))}
+    assert dense.fingerprint() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
+    assert config(qkv_bias="true").fingerprint() != dense.fingerprint()
