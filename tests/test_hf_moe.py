@@ -134,7 +134,8 @@ def test_reads_only_the_experts_asked_for(layout: str, tmp_path: Path) -> None:
 
 def test_init_from_hf_moe(tmp_path: Path, tokens: torch.Tensor) -> None:
     """`model.init_from=hf:` of a Qwen2-MoE: the architecture from config.json (validated: MoE with hf: is no
-    longer refused), the weights read into the model the trainer builds."""
+    longer refused), the weights read into the model the trainer builds; after a training step (every weight
+    moved, q/k/v biases too) it exports to a Qwen2-MoE with its logits."""
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.init_from import resolve_architecture
     from dist_llm.train.trainer import build_model
@@ -149,6 +150,14 @@ def test_init_from_hf_moe(tmp_path: Path, tokens: torch.Tensor) -> None:
     assert (cfg.model.n_experts, cfg.model.moe_shared_gate, cfg.model.moe_router_order) == (E, True, "softmax_topk")
     model = build_model(cfg, ParallelContext.from_config(cfg))
     assert max_diff(our_logits(model, tokens), hf_logits(hf, tokens)) < ATOL
+    model.train()
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p -= 0.1 * p.grad.sign()
+    save_hf(model, tmp_path / "tuned")
+    tuned = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "tuned").eval()
+    assert max_diff(hf_logits(tuned, tokens), our_logits(model, tokens)) < ATOL
 
 
 MOE_MODELS = {
