@@ -288,7 +288,7 @@ def cmd_sample(args: argparse.Namespace) -> int:
 # -- convert ----------------------------------------------------------------------------------------------
 def add_convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from-hf", type=Path, default=None, metavar="DIR",
-                   help="a Hugging Face GPT-2 or Llama-family directory, written as a dist_llm checkpoint")
+                   help="a Hugging Face GPT-2, Llama-family, Mixtral or Qwen2-MoE directory, written as a dist_llm checkpoint")
     p.add_argument("--to-hf", type=Path, default=None, metavar="CKPT",
                    help="a dist_llm checkpoint (or run directory), written as a Hugging Face directory")
     p.add_argument("--to-full", type=Path, default=None, metavar="CKPT",

@@ -63,6 +63,8 @@ class ModelConfig:
     """Biases in linear layers and LayerNorm."""
     tie_embeddings: bool = True
     """Share the token embedding with the output head."""
+    qkv_bias: bool = False
+    """Biases on the attention's q/k/v projection even where model.bias is false (Qwen2-MoE has these alone)."""
     init_std: float = 0.02
     """Standard deviation of the normal init; residual projections get init_std/sqrt(2*n_layer)."""
     n_experts: int = 0
@@ -75,6 +77,10 @@ class ModelConfig:
     """Hidden width of one expert; 0 means the dense MLP's (model.mlp_hidden's rule)."""
     n_shared_experts: int = 0
     """Experts every token goes through besides its routed ones (DeepSeek/Qwen MoE), as one MLP this many wide."""
+    moe_shared_hidden: int = 0
+    """Hidden width of the shared-expert MLP; 0 means n_shared_experts * the expert width (Qwen2-MoE sets its own)."""
+    moe_shared_gate: bool = False
+    """Scale the shared experts' output by sigmoid(x w), w a learned (n_embd,) vector per layer (Qwen2-MoE)."""
     moe_router_order: Literal["topk_softmax", "softmax_topk"] = "topk_softmax"
     """topk_softmax: pick the top-k logits, weights = softmax over them (Mixtral); softmax_topk: softmax over all
     experts, weights = the top-k probabilities as they are (Qwen2-MoE, DeepSeek)."""
@@ -89,8 +95,9 @@ class ModelConfig:
     """Each expert takes at most ceil(factor * tokens * top_k / n_experts) assignments, earlier tokens first, the
     rest dropped (they pass through the residual); 0 = dropless."""
     init_from: str = ""
-    """Start from trained weights: 'hf:DIR' (a Hugging Face GPT-2 or Llama directory, whose config.json then
-    sets the architecture keys) or 'ckpt:DIR' (a dist_llm checkpoint of the same model); empty: random init."""
+    """Start from trained weights: 'hf:DIR' (a Hugging Face GPT-2, Llama, Mixtral or Qwen2-MoE directory, whose
+    config.json then sets the architecture keys) or 'ckpt:DIR' (a dist_llm checkpoint of the same model); empty:
+    random init."""
 
     @property
     def kv_heads(self) -> int:
@@ -115,6 +122,13 @@ class ModelConfig:
     @property
     def moe_expert_hidden(self) -> int:
         return self.moe_hidden or self.ffn_hidden
+
+    @property
+    def moe_shared_expert_hidden(self) -> int:
+        """Width of a block's shared-expert MLP (0: none)."""
+        if not self.n_shared_experts:
+            return 0
+        return self.moe_shared_hidden or self.n_shared_experts * self.moe_expert_hidden
 
     def is_moe_block(self, i: int) -> bool:
         """Whether block i is an MoE block (every moe_every-th, counting from 1)."""
@@ -293,6 +307,9 @@ class Config:
         shapes = {k: v for k, v in dataclasses.asdict(self.model).items() if k != "init_from"}
         if not self.model.n_experts:  # a dense model's hash stays what it was before the MoE keys existed
             shapes = {k: v for k, v in shapes.items() if k != "n_experts" and not k.startswith(("moe_", "n_shared_"))}
+        for key in ("qkv_bias", "moe_shared_hidden", "moe_shared_gate"):  # (added later: unset, the hash stays)
+            if not shapes.get(key, True):
+                shapes.pop(key)
         return hashlib.sha256(json.dumps(shapes, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -700,7 +717,8 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep: must be >= 1, got {p.ep}")
     if p.ep > 1 and not m.n_experts:
         raise ConfigError(f"parallel.ep={p.ep} needs an MoE model (model.n_experts > 0); a dense model has no experts")
-    _non_negative(cfg, "model.n_experts", "model.moe_hidden", "model.n_shared_experts", "model.moe_aux_loss_coef",
+    _non_negative(cfg, "model.n_experts", "model.moe_hidden", "model.n_shared_experts", "model.moe_shared_hidden",
+                  "model.moe_aux_loss_coef",
                   "model.moe_z_loss_coef", "model.moe_bias_update_rate", "model.moe_capacity_factor")
     if not m.n_experts:
         return
@@ -708,11 +726,13 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.moe_top_k: must be in [1, model.n_experts={m.n_experts}], got {m.moe_top_k}")
     if not 1 <= m.moe_every <= m.n_layer:
         raise ConfigError(f"model.moe_every: must be in [1, model.n_layer={m.n_layer}], got {m.moe_every}")
+    for key, on in (("moe_shared_hidden", m.moe_shared_hidden > 0), ("moe_shared_gate", m.moe_shared_gate)):
+        if on and not m.n_shared_experts:
+            raise ConfigError(f"model.{key}: set, but there is no shared expert (model.n_shared_experts=0)")
     _check_expert_parallel(cfg)
     # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
     for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
-                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}"),
-                     (m.init_from.startswith("hf:"), "model.init_from=hf:")):
+                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
         if on:
             raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
 

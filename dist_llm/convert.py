@@ -28,7 +28,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Protocol
 
@@ -42,6 +42,7 @@ from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.hf import (
     HFCheckpoint,
     HFTensor,
+    export_family,
     export_plan,
     hf_config,
     hf_tensor,
@@ -198,7 +199,8 @@ def _hf_view(entry: HFTensor, source: torch.Tensor | None) -> torch.Tensor:
     if entry.source is None:
         return hf_tensor(entry, None, EXPORT_DTYPE)
     assert source is not None
-    t = source if entry.rows is None else source[entry.rows[0]:entry.rows[1]]
+    t = source if entry.expert is None else source[entry.expert]
+    t = t if entry.rows is None else t[entry.rows[0]:entry.rows[1]]
     return t.t() if entry.transpose else t
 
 
@@ -210,6 +212,21 @@ def _hf_stream(plan: list[HFTensor], weights: Weights) -> Iterator[tuple[str, to
             loaded = None  # dropped before the next is loaded
             name, loaded = entry.source, weights.get(entry.source)
         yield entry.name, _hf_view(entry, loaded)
+
+
+def _check_dropped(cfg: ModelConfig, get: Callable[[str], torch.Tensor]) -> None:
+    """An MoE export leaves out the tensors its family has no place for (`hf_moe.moe_dropped`): exact only while
+    they are zero, so a non-zero one stops the export, named, before anything is written."""
+    if not cfg.n_experts:
+        return
+    from dist_llm.hf_moe import LABEL, moe_dropped
+
+    label = LABEL[export_family(cfg)]
+    for name in moe_dropped(cfg, export_family(cfg)):
+        if get(name).any():
+            why = ("the aux-loss-free routing bias of model.moe_bias_update_rate" if name.endswith("expert_bias")
+                   else "it has biases on q, k and v only: train with model.bias=false model.qkv_bias=true")
+            raise ConfigError(f"cannot export as {label}: {name} is not zero and {label} has no place for it ({why})")
 
 
 def _empty_out(out: Path) -> Path:
@@ -230,6 +247,7 @@ def convert_checkpoint_to_hf(checkpoint: str | Path, out: str | Path, *,
     path, cfg = _checkpoint(checkpoint, "--to-hf")
     plan = export_plan(cfg.model)  # fails (unexportable architecture) before anything is read or created
     weights = checkpoint_weights(path, cfg)
+    _check_dropped(cfg.model, weights.get)
     entries = [Entry(e.name, e.shape, EXPORT_DTYPE) for e in plan]
     tok = path / "tokenizer.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -304,10 +322,12 @@ def load_full(path: str | Path) -> GPT:
 def save_hf(model: GPT, path: str | Path, *, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
     """Write `config.json` and the weights (model.safetensors, or shards and their index) that transformers'
     AutoModelForCausalLM loads: GPT-2 for learned positions + layernorm + gelu, Llama for rope + rmsnorm +
-    swiglu (ConfigError otherwise). Each file is whole or absent, the weights before config.json."""
+    swiglu, Mixtral or Qwen2-MoE for such a model with experts (`hf_moe`; ConfigError otherwise). Each file is
+    whole or absent, the weights before config.json."""
     limit = parse_shard_size(max_shard_size)
     plan = export_plan(model.cfg)  # raises before anything is written
     sd = plain_state(model)
+    _check_dropped(model.cfg, sd.__getitem__)
     dtype = sd["wte.weight"].dtype
     path = Path(path).expanduser()
     path.mkdir(parents=True, exist_ok=True)

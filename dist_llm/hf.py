@@ -1,6 +1,7 @@
-"""Hugging Face interchange: read GPT-2 and Llama-family directories into a GPT, and the mapping of a GPT's
-names and layouts onto theirs (`export_plan`). A pure mapping: this module imports only dist_llm.config and
-dist_llm.model; the commands that write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
+"""Hugging Face interchange: read GPT-2, Llama-family and MoE (Mixtral, Qwen2-MoE) directories into a GPT, and
+the mapping of a GPT's names and layouts onto theirs (`export_plan`). A pure mapping: this module imports only
+dist_llm.config, dist_llm.model and the mapping's leaves (hf_mapping, hf_moe, safetensors_read); the commands that
+write directories (`dist-llm convert`, `save_hf`) are in dist_llm.convert.
 
 A Hugging Face model directory is `config.json` plus the weights (`model.safetensors`, a sharded
 `model.safetensors.index.json`, or the older `pytorch_model.bin` [.index.json]). Two families map onto the
@@ -11,6 +12,8 @@ GPT exactly, so logits agree to float rounding:
   llama, mistral, qwen2   RoPE, RMSNorm, SwiGLU, grouped-query attention, head untied unless
                           tie_word_embeddings; biases (qwen2's q/k/v, llama's attention_bias/mlp_bias)
                           become model.bias=true with the biases Hugging Face leaves out set to zero
+  mixtral, qwen2_moe      the Llama attention around Mixture-of-Experts blocks (`dist_llm.hf_moe`: their
+                          keys, the per-expert and the fused expert layouts, what an export writes)
 
 RoPE: Hugging Face Llama rotates the two halves of each head (rotate_half), which is the layout of
 `dist_llm.model.positions.RotaryEmbedding`, so q_proj and k_proj rows are copied as they are (no
@@ -36,16 +39,28 @@ from typing import Any, Sequence
 import torch
 
 from dist_llm.config import ConfigError, ModelConfig
+from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _get, _whole
+from dist_llm.hf_moe import (
+    DENSE_ARCH,
+    MOE_FAMILIES,
+    moe_arch,
+    moe_block_layout,
+    moe_block_plan,
+    moe_export_family,
+    moe_hf_config,
+)
 from dist_llm.model import GPT
 from dist_llm.safetensors_read import ShardFile, Stored, read_header
 
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
 #: init_from) keep the value of the `base` config handed to `model_config_from_hf`.
 ARCH_KEYS = ("n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "block_size", "pos_emb", "rope_theta",
-             "norm", "norm_eps", "mlp", "mlp_hidden", "bias", "tie_embeddings")
+             "norm", "norm_eps", "mlp", "mlp_hidden", "bias", "qkv_bias", "tie_embeddings", "n_experts", "moe_top_k", "moe_every",
+             "moe_hidden", "n_shared_experts", "moe_shared_hidden", "moe_shared_gate", "moe_router_order")
 
 #: model_type -> family
-FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama"}
+FAMILIES = {"gpt2": "gpt2", "llama": "llama", "mistral": "llama", "qwen2": "llama", "mixtral": "mixtral",
+            "qwen2_moe": "qwen2_moe"}
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -84,16 +99,6 @@ def _family(config: dict[str, Any], file: Path) -> str:
     return FAMILIES[model_type]
 
 
-def _get(config: dict[str, Any], file: Path, *keys: str, default: Any = ...) -> Any:
-    """The first of `keys` present in config (aliases), else `default`, else a ConfigError naming the key."""
-    for key in keys:
-        if config.get(key) is not None:
-            return config[key]
-    if default is ...:
-        raise ConfigError(f"{file}: missing key {keys[0]!r}")
-    return default
-
-
 def _rope_theta(config: dict[str, Any], file: Path) -> float:
     """rope_theta from transformers 5's `rope_parameters` or 4.x's top-level key; only unscaled RoPE maps."""
     params = config.get("rope_parameters")
@@ -118,10 +123,8 @@ def model_config_from_hf(path: str | Path, base: ModelConfig | None = None) -> M
     config = read_hf_config(path)
     file = path / CONFIG_FILE
     family = _family(config, file)
-    if family == "gpt2":
-        arch = _gpt2_arch(config, file)
-    else:
-        arch = _llama_arch(config, file)
+    arch = _gpt2_arch(config, file) if family == "gpt2" else _llama_arch(config, file)
+    arch.update(moe_arch(config, file, family) if family in MOE_FAMILIES else DENSE_ARCH)
     cfg = dataclasses.replace(base or ModelConfig(), **arch)
     _check_shapes(cfg, file)
     return cfg
@@ -166,6 +169,7 @@ def _gpt2_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
         "mlp": "gelu",
         "mlp_hidden": 0 if n_inner in (None, 4 * n_embd) else int(n_inner),
         "bias": True,
+        "qkv_bias": False,
         "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
     }
 
@@ -185,11 +189,13 @@ def _llama_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
     block_size = int(_get(c, file, "max_position_embeddings"))
     # A sliding window never applies to sequences no longer than it, so capping the context keeps it exact.
     window = c.get("sliding_window")
-    sliding = c.get("use_sliding_window", True) if c.get("model_type") == "qwen2" else True
+    sliding = c.get("use_sliding_window", True) if c.get("model_type") in ("qwen2", "qwen2_moe") else True
     if window and sliding:
         block_size = min(block_size, int(window))
     model_type = c.get("model_type")
-    has_attn_bias = bool(c.get("attention_bias", model_type == "qwen2"))
+    # (qwen2_moe: q/k/v biases, `qkv_bias` in transformers 5, always there in 4.x)
+    has_attn_bias = bool(c.get("qkv_bias", True) if model_type == "qwen2_moe" else
+                         c.get("attention_bias", model_type == "qwen2"))
     has_mlp_bias = bool(c.get("mlp_bias", False))
     return {
         "n_layer": int(_get(c, file, "num_hidden_layers")),
@@ -205,7 +211,9 @@ def _llama_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
         "mlp": "swiglu",
         # 0 where it is what model.mlp_hidden=0 means (the Llama rule), as a config written by hand would say
         "mlp_hidden": 0 if hidden == ModelConfig(n_embd=n_embd, mlp="swiglu").ffn_hidden else hidden,
-        "bias": has_attn_bias or has_mlp_bias,
+        # Qwen2-MoE's q/k/v biases alone: qkv_bias, so that its other linears stay bias-free (and exportable)
+        "bias": (has_attn_bias or has_mlp_bias) and model_type != "qwen2_moe",
+        "qkv_bias": has_attn_bias and model_type == "qwen2_moe",
         "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
     }
 
@@ -273,33 +281,6 @@ def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 # -- where each of our tensors comes from (pure: names and shapes only) -------------------------------------
-@dataclasses.dataclass(frozen=True)
-class Piece:
-    """Rows [start, start + rows) of one of our tensors: rows [0, rows) of the Hugging Face tensor `name`
-    (of its columns when `transposed`: GPT-2's Conv1D stores (in, out)), or zeros where `name` is None
-    (vocabulary padding) or where an `optional` tensor is absent (a bias the family leaves out)."""
-
-    start: int
-    rows: int
-    name: str | None = None  # without the family prefix ("transformer." / "model.")
-    hf_shape: tuple[int, ...] = ()
-    transposed: bool = False
-    optional: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class Mapping:
-    """One of our tensors: its full (tp=1) shape and the pieces that fill its rows, in order."""
-
-    shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-
-
-def _whole(name: str, shape: tuple[int, ...], *, transposed: bool = False, optional: bool = False) -> Mapping:
-    hf_shape = (shape[1], shape[0]) if transposed else shape
-    return Mapping(shape, (Piece(0, shape[0], name, hf_shape, transposed, optional),))
-
-
 def _stacked(parts: list[tuple[str, int]], width: int | None = None, *, optional: bool = False) -> Mapping:
     """Rows of several tensors one after the other (Llama's q, k, v -> our fused qkv)."""
     pieces, start = [], 0
@@ -316,13 +297,13 @@ def _vocab(name: str, cfg: ModelConfig) -> Mapping:
     return Mapping((cfg.padded_vocab, C), (Piece(0, V, name, (V, C)), *pad))
 
 
-PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",)}
+PREFIXES = {"gpt2": ("transformer.",), "llama": ("model.",), "mixtral": ("model.",), "qwen2_moe": ("model.",)}
 
 
-def hf_layout(cfg: ModelConfig, family: str) -> dict[str, Mapping]:
-    """Our parameter name -> where its rows come from in a Hugging Face checkpoint of `family` ('gpt2' or
-    'llama'), for the model `cfg` describes (as `model_config_from_hf` returns it). A tied head maps as the
-    embedding does."""
+def hf_layout(cfg: ModelConfig, family: str, *, fused: bool = False) -> dict[str, Mapping]:
+    """Our parameter name -> where its rows come from in a Hugging Face checkpoint of `family` ('gpt2', 'llama',
+    'mixtral', 'qwen2_moe'), for the model `cfg` describes (as `model_config_from_hf` returns it). A tied head maps
+    as the embedding does. MoE blocks: `hf_moe.moe_block_layout` (`fused`: transformers 5's gate_up_proj)."""
     C, H = cfg.n_embd, cfg.ffn_hidden
     out: dict[str, Mapping] = {}
     if family == "gpt2":
@@ -340,15 +321,17 @@ def hf_layout(cfg: ModelConfig, family: str) -> dict[str, Mapping]:
     else:
         q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         out["wte.weight"] = _vocab("embed_tokens.weight", cfg)
-        linears = [("self_attn.o_proj", "attn.proj", C, q), ("mlp.gate_proj", "mlp.gate", H, C),
-                   ("mlp.up_proj", "mlp.up", H, C), ("mlp.down_proj", "mlp.down", C, H)]
+        mlp = [("mlp.gate_proj", "mlp.gate", H, C), ("mlp.up_proj", "mlp.up", H, C), ("mlp.down_proj", "mlp.down", C, H)]
         for i in range(cfg.n_layer):
+            linears = [("self_attn.o_proj", "attn.proj", C, q)] + ([] if cfg.is_moe_block(i) else mlp)
+            if cfg.is_moe_block(i):
+                out.update(moe_block_layout(cfg, family, i, fused=fused))
             h, o = f"layers.{i}", f"blocks.{i}"
             out[f"{o}.ln_1.weight"] = _whole(f"{h}.input_layernorm.weight", (C,))
             out[f"{o}.ln_2.weight"] = _whole(f"{h}.post_attention_layernorm.weight", (C,))
             qkv = [(f"{h}.self_attn.{p}_proj.weight", n) for p, n in (("q", q), ("k", kv), ("v", kv))]
             out[f"{o}.attn.qkv.weight"] = _stacked(qkv, C)  # rotate_half layout on both sides: rows as they are
-            if cfg.bias:  # Hugging Face leaves out the biases a family does not have: zero in a model.bias=true GPT
+            if cfg.bias or cfg.qkv_bias:  # Hugging Face leaves out the biases a family lacks: zero in our GPT
                 out[f"{o}.attn.qkv.bias"] = _stacked([(n.replace(".weight", ".bias"), r) for n, r in qkv], optional=True)
             for theirs, ours, rows, cols in linears:
                 out[f"{o}.{ours}.weight"] = _whole(f"{h}.{theirs}.weight", (rows, cols))
@@ -404,7 +387,6 @@ class HFCheckpoint:
         self.path = Path(path).expanduser()
         self.family = _family(read_hf_config(self.path), self.path / CONFIG_FILE)
         self.cfg = cfg
-        self.layout = hf_layout(cfg, self.family)
         self.entries: dict[str, _Entry] = {}
         self._headers: dict[Path, dict[str, Stored]] = {}
         self._open: dict[Path, ShardFile] = {}
@@ -419,6 +401,9 @@ class HFCheckpoint:
                 if _IGNORED.search(key):
                     continue
                 self.entries[self._strip(key)] = _Entry(file, key, shape, tensor)
+        # MoE experts on disk: per expert (the Hub's, save_pretrained's) or fused (transformers 5 in memory)
+        fused = any(name.endswith(".experts.gate_up_proj") for name in self.entries)
+        self.layout = hf_layout(cfg, self.family, fused=fused)
         self._check()
 
     def _strip(self, key: str) -> str:
@@ -464,6 +449,8 @@ class HFCheckpoint:
         ranges stacked in order; each region read from the files alone and converted to out's dtype."""
         mapping = self.layout[name]
         rows = [(0, mapping.shape[0])] if rows is None else rows
+        if len(mapping.shape) == 3:
+            return self._read_experts(name, mapping, out, rows, cols)
         c0, c1 = cols if cols is not None else (0, mapping.shape[1] if len(mapping.shape) > 1 else 0)
         want = (sum(b - a for a, b in rows), *((c1 - c0,) if len(mapping.shape) > 1 else ()))
         if tuple(out.shape) != want:
@@ -498,6 +485,41 @@ class HFCheckpoint:
             at += b - a
         return out
 
+    def _read_experts(self, name: str, mapping: Mapping, out: torch.Tensor, rows: Rows,
+                      cols: tuple[int, int] | None) -> torch.Tensor:
+        """`read_into` of a stacked expert tensor (E, in, out): `rows` are experts, each whole. Per-expert files
+        give expert e's (out, in) tensor, read whole; a fused (E, x, in) one the experts' rows, of x the piece's
+        `part`: either way transposed into ours."""
+        want = (sum(b - a for a, b in rows), *mapping.shape[1:])
+        if cols is not None or tuple(out.shape) != want:
+            raise ValueError(f"{name}: destination of shape {tuple(out.shape)} for experts of shape {want}")
+        at = 0
+        for a, b in rows:
+            for p in mapping.pieces:
+                lo, hi = max(a, p.start), min(b, p.start + p.rows)
+                if lo >= hi:
+                    continue
+                dst, entry = out[at + lo - a : at + hi - a], self.entries[p.name] if p.name else None
+                r0, r1 = lo - p.start, hi - p.start
+                part = p.part or (0, p.hf_shape[1])
+                try:
+                    if entry is None:
+                        dst.zero_()
+                    elif entry.tensor is not None:  # pytorch_model.bin, mapped
+                        src = entry.tensor[None] if len(p.hf_shape) == 2 else entry.tensor[r0:r1, part[0]:part[1]]
+                        dst.copy_(src.transpose(1, 2))
+                    elif len(p.hf_shape) == 2:  # one expert's (out, in): its rows are our columns
+                        for i, block in self._shard(entry).blocks(entry.key, (0, p.hf_shape[0])):
+                            dst[0, :, i : i + len(block)].copy_(block.t())
+                    else:
+                        for i, block in self._shard(entry).blocks(entry.key, (r0, r1), part):
+                            dst[i : i + len(block)].copy_(block.transpose(1, 2))
+                except (OSError, ValueError, RuntimeError) as e:
+                    assert entry is not None
+                    raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
+            at += b - a
+        return out
+
     @staticmethod
     def _copy_mapped(entry: _Entry, dst: torch.Tensor, rows: tuple[int, int], cols: tuple[int, int], *,
                      vector: bool, transposed: bool) -> None:
@@ -519,6 +541,7 @@ class HFCheckpoint:
         shape = self.layout[name].shape
         n = sum(b - a for a, b in rows) if rows is not None else shape[0]
         width = ((cols[1] - cols[0]) if cols is not None else shape[1],) if len(shape) > 1 else ()
+        width += tuple(shape[2:])  # (stacked experts: each whole)
         return self.read_into(name, torch.empty((n, *width), dtype=dtype), rows, cols)
 
     def close(self) -> None:
@@ -546,8 +569,8 @@ def load_hf_state_dict(path: str | Path, cfg: ModelConfig) -> dict[str, torch.Te
 
 @torch.no_grad()
 def load_hf(path: str | Path, base: ModelConfig | None = None) -> GPT:
-    """A GPT (fp32, on the CPU, in eval mode) holding the weights of a Hugging Face GPT-2 or Llama-family
-    directory. `base` supplies the keys config.json does not decide (see `model_config_from_hf`)."""
+    """A GPT (fp32, on the CPU, in eval mode) holding the weights of a Hugging Face GPT-2, Llama-family, Mixtral or
+    Qwen2-MoE directory. `base` supplies the keys config.json does not decide (see `model_config_from_hf`)."""
     cfg = model_config_from_hf(path, base)
     with HFCheckpoint(path, cfg) as src:
         with torch.device("meta"):  # no random init of weights that are overwritten next
@@ -555,8 +578,7 @@ def load_hf(path: str | Path, base: ModelConfig | None = None) -> GPT:
         model.to_empty(device="cpu")
         if cfg.tie_embeddings:  # to_empty makes a new tensor per module, which unties them
             model.lm_head.weight = model.wte.weight
-        if model.rope is not None:
-            model.rope.reset_parameters()  # its tables are buffers, not weights
+        model.reset_buffers()  # RoPE tables, the MoE routing bias (zero): buffers, not weights
         for name, p in model.named_parameters():  # (a tied head is listed once, as wte.weight)
             if tuple(p.shape) != src.layout[name].shape:  # pragma: no cover - a mapping bug
                 raise ConfigError(f"{src.path}: weight for {name} has shape {src.layout[name].shape}, the model "
@@ -588,11 +610,11 @@ def _family_misses(cfg: ModelConfig, family: str) -> list[str]:
 
 
 def export_family(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama': the Hugging Face family a model of `cfg` is written as. Otherwise a ConfigError that
-    names, in one line, the keys this model has and the settings of the nearer family to train with instead."""
+    """'gpt2' or 'llama' ('mixtral' or 'qwen2_moe' for an MoE model): the Hugging Face family a model of `cfg` is
+    written as. Otherwise a ConfigError that names, in one line, the keys this model has and the settings of the
+    nearer family to train with instead."""
     if cfg.n_experts:
-        raise ConfigError(f"model.n_experts={cfg.n_experts}: exporting MoE models (as Mixtral or Qwen-MoE) is not "
-                          "yet supported (issue 19)")
+        return moe_export_family(cfg)
     options = {family: _family_misses(cfg, family) for family in ("llama", "gpt2")}
     for family, misses in options.items():
         if not misses:
@@ -622,33 +644,23 @@ def hf_config(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> dict[str,
                 "resid_pdrop": cfg.dropout, "embd_pdrop": cfg.dropout, "attn_pdrop": cfg.dropout,
                 "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
                 "reorder_and_upcast_attn": False}
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **common,
             "hidden_size": cfg.n_embd, "intermediate_size": cfg.ffn_hidden, "num_hidden_layers": cfg.n_layer,
             "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
             "hidden_act": "silu", "max_position_embeddings": cfg.block_size, "rms_norm_eps": cfg.norm_eps,
             # transformers 4.x reads rope_theta, 5.x rope_parameters
             "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-            "rope_scaling": None, "attention_bias": cfg.bias, "mlp_bias": cfg.bias,
+            "rope_scaling": None, "attention_bias": cfg.bias or cfg.qkv_bias, "mlp_bias": cfg.bias,
             "attention_dropout": cfg.dropout, "pretraining_tp": 1}
+    if family == "llama":
+        return llama
+    return moe_hf_config(cfg, family, llama)
 
 
 def weight_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """The plain (tp=1) GPT's state dict: name -> full shape, in the module order (built on meta: no memory)."""
     with torch.device("meta"):
         return {name: tuple(t.shape) for name, t in GPT(cfg).state_dict().items()}
-
-
-@dataclasses.dataclass(frozen=True)
-class HFTensor:
-    """One tensor of a Hugging Face export: rows [rows[0], rows[1]) of our tensor `source` (all rows when
-    `rows` is None), transposed when `transpose` (GPT-2's Conv1D stores (in, out)); `source` None: zeros (a
-    bias GPT-2 always has and a bias-free GPT lacks)."""
-
-    name: str
-    shape: tuple[int, ...]
-    source: str | None
-    rows: tuple[int, int] | None = None
-    transpose: bool = False
 
 
 def export_plan(cfg: ModelConfig) -> list[HFTensor]:
@@ -683,19 +695,25 @@ def export_plan(cfg: ModelConfig) -> list[HFTensor]:
             add(f"transformer.{theirs}.bias", f"{mine}.bias", zeros=rows)  # GPT-2 always has biases
     else:
         add("model.embed_tokens.weight", "wte.weight", (0, V))
+        qkv_bias = cfg.bias or cfg.qkv_bias
+        # (Llama's attention_bias covers o_proj too: zeros where only q/k/v have them; Qwen2-MoE: q/k/v only)
+        o_bias, mlp_bias = qkv_bias and family == "llama", cfg.bias and family == "llama"
         q_rows, kv_rows = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         qkv_rows = {"q": (0, q_rows), "k": (q_rows, q_rows + kv_rows), "v": (q_rows + kv_rows, q_rows + 2 * kv_rows)}
         for i in range(cfg.n_layer):
             h, o = f"model.layers.{i}", f"blocks.{i}"
             add(f"{h}.input_layernorm.weight", f"{o}.ln_1.weight")
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
+            for kind in ("weight", "bias") if qkv_bias else ("weight",):
                 for p in "qkv":  # rotate_half layout on both sides: q and k rows as they are
                     add(f"{h}.self_attn.{p}_proj.{kind}", f"{o}.attn.qkv.{kind}", qkv_rows[p])
-            for kind in ("weight", "bias") if cfg.bias else ("weight",):
-                add(f"{h}.self_attn.o_proj.{kind}", f"{o}.attn.proj.{kind}")
+            for kind in ("weight", "bias") if o_bias else ("weight",):
+                add(f"{h}.self_attn.o_proj.{kind}", f"{o}.attn.proj.{kind}", zeros=cfg.n_embd)
             add(f"{h}.post_attention_layernorm.weight", f"{o}.ln_2.weight")
+            if cfg.is_moe_block(i):
+                plan += moe_block_plan(cfg, family, i)
+                continue
             for theirs, mine in _LLAMA_LINEARS[1:]:
-                for kind in ("weight", "bias") if cfg.bias else ("weight",):
+                for kind in ("weight", "bias") if mlp_bias else ("weight",):
                     add(f"{h}.{theirs}.{kind}", f"{o}.{mine}.{kind}")
         add("model.norm.weight", "ln_f.weight")
     if not cfg.tie_embeddings:
@@ -709,7 +727,8 @@ def hf_tensor(entry: HFTensor, source: torch.Tensor | None, dtype: torch.dtype =
     if entry.source is None:
         return torch.zeros(entry.shape, dtype=dtype)
     assert source is not None
-    t = source if entry.rows is None else source[entry.rows[0]:entry.rows[1]]
+    t = source if entry.expert is None else source[entry.expert]
+    t = t if entry.rows is None else t[entry.rows[0]:entry.rows[1]]
     if entry.transpose:
         t = t.t()
     return t.to(dtype).contiguous()

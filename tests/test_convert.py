@@ -251,10 +251,13 @@ def test_hf_and_parallel_import_no_training_sampling_or_cli() -> None:
     for file in files:
         bad = sorted(m for m in dist_llm_imports(file) if m.startswith(forbidden))
         assert not bad, f"{file.relative_to(REPO)} imports {bad}"
-    # hf.py is the pure mapping: config and model only, and the safetensors reader, a leaf that imports nothing of ours
-    assert {m for m in dist_llm_imports(PACKAGE / "hf.py")} <= {"dist_llm.config", "dist_llm.model",
-                                                                "dist_llm.safetensors_read"}
+    # hf.py is the pure mapping: config and model only, and leaves: the safetensors reader (imports nothing of
+    # ours), the mapping's vocabulary and its MoE part (config and each other only)
+    assert {m for m in dist_llm_imports(PACKAGE / "hf.py")} <= {"dist_llm.config", "dist_llm.model", "dist_llm.hf_moe",
+                                                                "dist_llm.hf_mapping", "dist_llm.safetensors_read"}
     assert not dist_llm_imports(PACKAGE / "safetensors_read.py")
+    assert dist_llm_imports(PACKAGE / "hf_mapping.py") <= {"dist_llm.config"}
+    assert dist_llm_imports(PACKAGE / "hf_moe.py") <= {"dist_llm.config", "dist_llm.hf_mapping"}
 
 
 def test_no_import_circles() -> None:

@@ -227,7 +227,7 @@ def test_dense_fingerprint_unchanged() -> None:
     import hashlib
     cfg = Config()
     old = {k: v for k, v in dataclasses.asdict(cfg.model).items()
-           if k != "init_from" and k != "n_experts" and not k.startswith(("moe_", "n_shared_"))}
+           if k not in ("init_from", "n_experts", "qkv_bias") and not k.startswith(("moe_", "n_shared_"))}
     assert cfg.fingerprint() == hashlib.sha256(json.dumps(old, sort_keys=True).encode()).hexdigest()[:16]
     assert load_config(None, ["model.n_experts=4"]).fingerprint() != cfg.fingerprint()
 
@@ -283,8 +283,15 @@ def test_resume_restores_the_expert_bias(tmp_path: Path, corpus_file: Path) -> N
         assert torch.equal(la.expert_bias, lb.expert_bias)
 
 
-def test_hf_export_refuses_moe_in_one_line() -> None:
+def test_hf_export_family_of_moe() -> None:
+    """configs/moe.yaml exports as Mixtral (tests/test_hf_moe.py checks the logits); what neither Mixtral nor
+    Qwen2-MoE can hold is refused in one line."""
+    import dataclasses
+
     from dist_llm.hf import export_family
-    cfg = load_config(Path(__file__).parents[1] / "configs" / "moe.yaml").model  # (Llama-shaped otherwise)
-    with pytest.raises(ConfigError, match=r"^model.n_experts=8: exporting MoE models .* \(issue 19\)$"):
-        export_family(cfg)
+    cfg = load_config(Path(__file__).parents[1] / "configs" / "moe.yaml").model
+    assert export_family(cfg) == "mixtral"
+    with pytest.raises(ConfigError, match=r"^model.n_experts=8: this MoE model exports as neither Mixtral nor "
+                                          r"Qwen2-MoE \(Mixtral needs model.n_shared_experts=0; Qwen2-MoE needs "
+                                          r"model.moe_shared_gate=true\)$"):
+        export_family(dataclasses.replace(cfg, n_shared_experts=1))

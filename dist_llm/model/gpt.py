@@ -40,7 +40,7 @@ class Attention(nn.Module):
         self.layers = layers
         self.n_head, self.n_kv_head = layers.local_heads(cfg.n_head, cfg.kv_heads)
         qkv_out = (cfg.n_head + 2 * cfg.kv_heads) * cfg.head_dim
-        self.qkv = layers.linear(cfg.n_embd, qkv_out, bias=cfg.bias, role="qkv")
+        self.qkv = layers.linear(cfg.n_embd, qkv_out, bias=cfg.bias or cfg.qkv_bias, role="qkv")
         self.proj = layers.linear(cfg.n_head * cfg.head_dim, cfg.n_embd, bias=cfg.bias, role="attn_out")
         self.dropout = cfg.dropout
         self.resid_dropout = layers.dropout(cfg.dropout)
@@ -120,8 +120,7 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layers, rope)
         self.ln_2 = make_norm(cfg, layers)
         if moe:
-            shared = (MLP(cfg, layers, hidden=cfg.n_shared_experts * cfg.moe_expert_hidden)
-                      if cfg.n_shared_experts else None)
+            shared = MLP(cfg, layers, hidden=cfg.moe_shared_expert_hidden) if cfg.n_shared_experts else None
             if shared is not None:
                 shared.dropout = nn.Identity()  # (the MoE's output gets one dropout, as the dense MLP's)
             self.moe = MoE(cfg, shared, layers.dropout(cfg.dropout))

@@ -5,7 +5,8 @@
     dispatch           sort the (token, slot) pairs by expert, so each expert's tokens are one contiguous slice
     experts            one grouped matmul per projection over the slices (weights stacked (E, in, out))
     combine            out[token] += weight * expert_out       (index_add over the sorted rows)
-    shared experts     a dense MLP every token goes through (DeepSeek / Qwen MoE), added to the routed output
+    shared experts     a dense MLP every token goes through (DeepSeek / Qwen MoE), added to the routed output;
+                       with model.moe_shared_gate scaled per token by sigmoid(x w_g) first (Qwen2-MoE)
 
 Router order (`model.moe_router_order`):
   "softmax_topk": probs = softmax(logits); select on probs + bias; weights = the selected probs (Qwen2-MoE,
@@ -155,6 +156,8 @@ class MoE(nn.Module):
         self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.moe_expert_hidden, swiglu=cfg.mlp == "swiglu",
                                bias=cfg.bias)
         self.shared = shared
+        # Qwen2-MoE's `shared_expert_gate`: one logit per token, in the model's precision as the shared MLP
+        self.shared_gate = nn.Linear(cfg.n_embd, 1, bias=False) if shared is not None and cfg.moe_shared_gate else None
         self.dropout = dropout
         #: None: this layer's own experts run the rows; else (experts, rows, counts, expert_of_row) -> outputs
         #: (expert parallelism's all-to-all, set from outside)
@@ -217,7 +220,8 @@ class MoE(nn.Module):
             self.step_load = load.detach().float() if self.step_load is None else self.step_load + load
         out = out.view(B, T, C)
         if self.shared is not None:
-            out = out + self.shared(x)
+            shared = self.shared(x)
+            out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
         return self.dropout(out)
 
 
