@@ -214,7 +214,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         try:
             resolve_degrees(args.nproc_per_node, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
-                            global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size)
+                            global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+                            cp=cfg.parallel.cp)
         except ConfigError as e:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {e}") from None
         return relaunch_under_torchrun(args)

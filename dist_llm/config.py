@@ -165,6 +165,8 @@ class ParallelConfig:
     """Tensor-parallel degree."""
     pp: int = 1
     """Pipeline-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: each of cp ranks holds a zigzag part of every sequence, attention by ring."""
     zero_stage: int = 0
     """0 = DDP, 1/2 = optimizer (+gradient) sharding, 3 = FSDP2."""
     pp_schedule: Literal["gpipe", "1f1b"] = "1f1b"
@@ -551,7 +553,7 @@ def validate(cfg: Config) -> None:
     _positive(cfg, "model.n_layer", "model.n_head", "model.pad_vocab_to", "model.n_embd", "model.vocab_size", "model.block_size",
               "model.rope_theta", "model.norm_eps", "model.init_std",
               "train.micro_batch_size", "train.global_batch_size", "train.max_steps", "train.log_interval",
-              "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp",
+              "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp", "parallel.cp",
               "parallel.timeout_s", "optim.lr")
     _non_negative(cfg, "model.n_kv_head", "model.mlp_hidden", "optim.min_lr", "optim.warmup_steps",
                   "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval", "train.peak_tflops",
@@ -604,6 +606,7 @@ def validate(cfg: Config) -> None:
     _check_pipeline(cfg)
     _check_finetuning(cfg)
     _check_moe(cfg)
+    _check_context_parallel(cfg)
     if p.deepspeed_config and (p.backend != "deepspeed" or not Path(p.deepspeed_config).expanduser().is_file()):
         raise ConfigError(f"parallel.deepspeed_config: needs parallel.backend=deepspeed and an existing JSON file, "
                           f"got backend={p.backend}, {p.deepspeed_config}")
@@ -658,6 +661,24 @@ def _check_pipeline(cfg: Config) -> None:
     # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards
     if p.tp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.tp>1; use backend=native")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """What context parallelism composes with so far (parallel/context_parallel/): dp with DDP or ZeRO-1/2."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if m.block_size % (2 * p.cp):
+        raise ConfigError(f"parallel.cp: model.block_size={m.block_size} is not divisible by 2*cp = {2 * p.cp} "
+                          f"(the zigzag layout gives each rank two chunks of every sequence)")
+    if m.dropout > 0:
+        raise ConfigError(f"parallel.cp: model.dropout={m.dropout} (attention dropout) is not supported with cp>1; "
+                          f"use model.dropout=0")
+    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.tp > 1, "parallel.tp>1"),
+                     (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+                     (p.backend != "native", f"parallel.backend={p.backend}")):
+        if on:
+            raise ConfigError(f"parallel.cp: context parallelism with {what} is not yet supported; use parallel.cp=1")
 
 
 def _check_moe(cfg: Config) -> None:

@@ -502,9 +502,9 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     from dist_llm.parallel.context import resolve_degrees
 
     p = cfg.parallel
-    world = world_size or max(1, p.dp) * p.tp * p.pp
+    world = world_size or max(1, p.dp) * p.cp * p.tp * p.pp
     dp, tp, pp = resolve_degrees(world, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
-                                 micro_batch_size=cfg.train.micro_batch_size)
+                                 micro_batch_size=cfg.train.micro_batch_size, cp=p.cp)
     stages = [pp_rank] if pp_rank is not None else range(pp)
     best: Estimate | None = None
     for s in stages:

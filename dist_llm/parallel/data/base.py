@@ -129,7 +129,7 @@ class DataParallel:
             sums = torch.stack([torch.where(sharded, squares, 0.0).sum(), torch.where(sharded, 0.0, squares).sum()])
             sums = sums.to(device)  # two floats to the collectives' device (NCCL reduces device tensors only)
         if self.dp_sharded_grads:
-            comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
+            comm.all_reduce(sums, self.ctx.dp_cp_group, self.ctx.comm)
         comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
         tp_part = sums[:1].clone()
         comm.all_reduce(tp_part, self.ctx.tp_group, self.ctx.comm)

@@ -16,11 +16,11 @@ from dist_llm.parallel.data.base import DataParallel
 # No annotations on `bucket` and the return: DDP compares them with the real classes, and this module's
 # postponed annotations are strings.
 def _allreduce_mean_hook(ctx: ParallelContext, bucket):  # type: ignore[no-untyped-def]
-    """DDP comm hook: average a gradient bucket (a dist.GradBucket) over the dp group, as DDP's default does,
-    with the bytes counted. Returns a Future of the averaged buffer."""
+    """DDP comm hook: average a gradient bucket (a dist.GradBucket) over the dp (x cp) group, as DDP's default
+    does, with the bytes counted. Returns a Future of the averaged buffer."""
     buffer = bucket.buffer()
-    buffer.div_(ctx.dp)
-    work = comm.all_reduce(buffer, ctx.dp_group, ctx.comm, async_op=True)
+    buffer.div_(ctx.dp_cp)
+    work = comm.all_reduce(buffer, ctx.dp_cp_group, ctx.comm, async_op=True)
     if work is None:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
@@ -34,7 +34,8 @@ class DDPDataParallel(DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # gradient_as_bucket_view: grads live in DDP's buckets, not in a second copy
-        wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_group, gradient_as_bucket_view=True,
+        # (the parameters are replicated over dp x cp: context-parallel ranks reduce their gradients too)
+        wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_cp_group, gradient_as_bucket_view=True,
                       bucket_cap_mb=cfg.parallel.bucket_mb)
         wrapped.register_comm_hook(ctx, _allreduce_mean_hook)
         self.ddp = wrapped

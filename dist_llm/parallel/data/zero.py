@@ -151,7 +151,8 @@ class ZeroDataParallel(DataParallel):
         self.name = f"zero{stage}"
         self.cfg, self.ctx = cfg, ctx
         self.module = self.model = model
-        self.dp, self.rank, self.group = ctx.dp, ctx.dp_rank, ctx.dp_group
+        # sharded over dp x cp: the parameters are replicated over both (ctx.dp_cp_group is the dp group at cp=1)
+        self.dp, self.rank, self.group = ctx.dp_cp, ctx.dp_cp_rank, ctx.dp_cp_group
         device = ctx.device
         self.mixed = cfg.train.precision != "fp32"
         self.param_dtype = DTYPES[cfg.train.precision]

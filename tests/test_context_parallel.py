@@ -1,0 +1,109 @@
+"""Context parallelism in the model: training at cp > 1 against one process, on gloo ranks.
+
+Each cp rank holds the zigzag part (layout.py) of every sequence; attention is the ring (tests/test_ring_attention.py
+checks it alone). The whole run must equal one process: losses to 1e-5 relative (fp32; the ring merges blocks by
+log-sum-exp in another summation order than SDPA, and gradients are summed over dp x cp ranks instead of over one
+batch, so results agree to rounding, not bit for bit), parameters to PARAM_ATOL (see test_data_parallel.py).
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.data.sampler import host_batch
+from dist_llm.parallel.context_parallel import merge_sequence
+from dist_llm.parallel.context_parallel.apply import sequence_positions
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401
+
+BLOCK = 64  # 2 x cp = 8 chunks of 8 tokens at cp=4
+
+
+def _ring_bytes(*, cp: int, dp: int = 1, n_kv_head: int = 4) -> int:
+    """A training step's ring bytes on one rank (tiny_overrides: 2 layers, micro-batches of 4, global batch 8, head
+    size 8, fp32): per layer and micro-batch, forward sends k and v (cp - 1) times, backward twice that."""
+    block = 2 * 4 * n_kv_head * (BLOCK // cp) * 8 * 4  # (k, v) x (B, nkv, T/cp, hs) x fp32 bytes
+    micro_batches = 8 // (4 * dp)
+    return 3 * (cp - 1) * block * 2 * micro_batches
+
+
+def _run(tmp_path: Path, corpus: Path, world: int, **extra: Any) -> dict[str, Any]:  # noqa: F811
+    return run_distributed(train, world, tmp_path, corpus, {"model__block_size": BLOCK, **extra}, init_group=False)[0]
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "learned", "alibi"])
+def test_cp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                 pos_emb: str) -> None:
+    model = {"model__block_size": BLOCK, "model__pos_emb": pos_emb}
+    got = _run(tmp_path, corpus, 2, parallel__cp=2, **model)
+    assert got["comm"]["ring"] == _ring_bytes(cp=2)  # (the ring ran: the run is not a cp=1 run in disguise)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+def test_cp4_gqa_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                     corpus: Path) -> None:  # noqa: F811
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope", "model__n_kv_head": 2}
+    got = _run(tmp_path, corpus, 4, parallel__cp=4, **model)
+    assert got["comm"]["ring"] == _ring_bytes(cp=4, n_kv_head=2)  # (only the kv heads travel)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_dp2_cp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                     zero_stage: int) -> None:
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+    got = _run(tmp_path, corpus, 4, parallel__cp=2, parallel__zero_stage=zero_stage, **model)
+    assert got["dp"] == ("ddp" if zero_stage == 0 else "zero2")
+    assert got["comm"]["ring"] == _ring_bytes(cp=2, dp=2)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+def test_checkpoint_from_cp2_resumes_at_cp1(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                            corpus: Path) -> None:  # noqa: F811
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+    first = tmp_path / "cp2"
+    _run(first, corpus, 2, parallel__cp=2, train__stop_after_step=4, train__ckpt_interval=4, **model)
+    out = tmp_path / "cp1"
+    shutil.copytree(first, out)
+    got = _run(out, corpus, 1, **model)
+    ref = reference(tmp_path_factory, corpus, **model)
+    assert len(got["losses"]) == STEPS  # the cp=2 run's 4 steps, then 4 resumed at cp=1
+    for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_sampler_slices_are_the_zigzag_parts() -> None:
+    """Every cp rank reads the same windows; merged back in rank order they are the whole window, targets too."""
+    import numpy as np
+
+    tokens = np.arange(1000, dtype=np.uint16) % 251
+    mask = (np.arange(1000) % 7 != 0).astype(np.uint8)
+    starts = np.array([3, 400, 17])
+    x, y = host_batch(tokens, starts, BLOCK, mask)
+    for cp in (2, 4):
+        parts = [host_batch(tokens, starts, BLOCK, mask, positions=sequence_positions(r, cp, BLOCK)) for r in range(cp)]
+        assert all(p[0].shape == (3, BLOCK // cp) for p in parts)
+        assert merge_sequence([p[0] for p in parts], "zigzag").equal(x)
+        assert merge_sequence([p[1] for p in parts], "zigzag").equal(y)
+
+
+@pytest.mark.parametrize(("keys", "culprit"), [
+    ({"model.block_size": 36}, "parallel.cp: model.block_size=36 is not divisible by 2*cp = 8"),
+    ({"model.dropout": 0.1}, "parallel.cp: model.dropout=0.1 (attention dropout) is not supported with cp>1"),
+    ({"model.n_experts": 4}, "parallel.cp: context parallelism with MoE (model.n_experts>0) is not yet supported"),
+    ({"parallel.zero_stage": 3}, "parallel.cp: context parallelism with parallel.zero_stage=3 is not yet supported"),
+    ({"parallel.pp": 2}, "parallel.cp: context parallelism with parallel.pp>1 is not yet supported"),
+    ({"parallel.tp": 2}, "parallel.cp: context parallelism with parallel.tp>1 is not yet supported"),
+    ({"parallel.backend": "deepspeed"}, "parallel.cp: context parallelism with parallel.backend=deepspeed"),
+])
+def test_refusals_name_the_key(tmp_path: Path, keys: dict[str, Any], culprit: str) -> None:
+    overrides = tiny_overrides(tmp_path, parallel__cp=4, model__block_size=BLOCK) + [f"{k}={v}" for k, v in keys.items()]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(culprit) and "\n" not in str(e.value)
