@@ -664,7 +664,8 @@ def _check_pipeline(cfg: Config) -> None:
 
 
 def _check_context_parallel(cfg: Config) -> None:
-    """What context parallelism composes with so far (parallel/context_parallel/): dp with DDP or ZeRO-1/2."""
+    """What context parallelism composes with so far (parallel/context_parallel/): dp with DDP or ZeRO-1/2, tp
+    (with or without sequence parallelism) and pp."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -674,8 +675,10 @@ def _check_context_parallel(cfg: Config) -> None:
     if m.dropout > 0:
         raise ConfigError(f"parallel.cp: model.dropout={m.dropout} (attention dropout) is not supported with cp>1; "
                           f"use model.dropout=0")
-    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.tp > 1, "parallel.tp>1"),
-                     (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+    if p.sequence_parallel and m.block_size % (2 * p.cp * p.tp):
+        raise ConfigError(f"parallel.sequence_parallel: model.block_size={m.block_size} is not divisible by "
+                          f"2*cp*tp = {2 * p.cp * p.tp} (each cp rank's part of a sequence splits over tp)")
+    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.zero_stage == 3, "parallel.zero_stage=3"),
                      (p.backend != "native", f"parallel.backend={p.backend}")):
         if on:
             raise ConfigError(f"parallel.cp: context parallelism with {what} is not yet supported; use parallel.cp=1")

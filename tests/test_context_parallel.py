@@ -8,6 +8,7 @@ batch, so results agree to rounding, not bit for bit), parameters to PARAM_ATOL 
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -34,16 +35,30 @@ def _ring_bytes(*, cp: int, dp: int = 1, n_kv_head: int = 4) -> int:
 
 
 def _run(tmp_path: Path, corpus: Path, world: int, **extra: Any) -> dict[str, Any]:  # noqa: F811
-    return run_distributed(train, world, tmp_path, corpus, {"model__block_size": BLOCK, **extra}, init_group=False)[0]
+    """Rank 0's report, with the parameters of every rank (pipeline stages hold different blocks)."""
+    ranks = run_distributed(train, world, tmp_path, corpus, {"model__block_size": BLOCK, **extra}, init_group=False)
+    for other in ranks[1:]:
+        ranks[0]["params"] = {**other["params"], **ranks[0]["params"]}
+    return ranks[0]
 
 
 @pytest.mark.parametrize("pos_emb", ["rope", "learned", "alibi"])
 def test_cp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
                                  pos_emb: str) -> None:
+    """Also: evaluation runs under cp as training does (its loss equal too); under ALiBi, selective activation
+    checkpointing recomputes the ring attention core in backward (ring bytes: a third forward pass)."""
     model = {"model__block_size": BLOCK, "model__pos_emb": pos_emb}
-    got = _run(tmp_path, corpus, 2, parallel__cp=2, **model)
-    assert got["comm"]["ring"] == _ring_bytes(cp=2)  # (the ring ran: the run is not a cp=1 run in disguise)
-    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+    selective = pos_emb == "alibi"
+    run_keys = {"train__activation_checkpointing": "selective"} if selective else {}
+    got = _run(tmp_path / "cp2", corpus, 2, parallel__cp=2, train__eval_interval=4, **run_keys, **model)
+    # (the ring ran: the run is not a cp=1 run in disguise)
+    assert got["comm"]["ring"] == _ring_bytes(cp=2) * (4 if selective else 3) // 3
+    ref = train(0, 1, tmp_path / "one", corpus, {"train__eval_interval": 4, **model})
+    assert_same_run(got, ref, rtol=1e-5)
+    val = {run: {r["step"]: r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
+                 if "val_loss" in r} for run in ("cp2", "one")}
+    assert list(val["cp2"]) == list(val["one"]) == [4, 8]
+    assert list(val["cp2"].values()) == pytest.approx(list(val["one"].values()), rel=1e-5)
 
 
 def test_cp4_gqa_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
@@ -61,6 +76,23 @@ def test_dp2_cp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.Te
     got = _run(tmp_path, corpus, 4, parallel__cp=2, parallel__zero_stage=zero_stage, **model)
     assert got["dp"] == ("ddp" if zero_stage == 0 else "zero2")
     assert got["comm"]["ring"] == _ring_bytes(cp=2, dp=2)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["tp2-sp", "pp2"])
+def test_cp2_with_model_parallel_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                     corpus: Path, variant: str) -> None:  # noqa: F811
+    """cp2 x tp2 with sequence parallelism (ALiBi: each tp rank's heads keep their own slopes), cp2 x pp2 (1F1B
+    over activations of T/cp tokens)."""
+    if variant == "tp2-sp":
+        model = {"model__block_size": BLOCK, "model__pos_emb": "alibi", "model__n_kv_head": 2}
+        layout = {"parallel__tp": 2, "parallel__sequence_parallel": True}
+    else:
+        model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+        layout = {"parallel__pp": 2}
+    got = _run(tmp_path, corpus, 4, parallel__cp=2, **layout, **model)
+    if variant == "tp2-sp":  # each tp rank passes its own kv head round its cp ring
+        assert got["comm"]["ring"] == _ring_bytes(cp=2, n_kv_head=1)
     assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
 
 
@@ -98,8 +130,8 @@ def test_sampler_slices_are_the_zigzag_parts() -> None:
     ({"model.dropout": 0.1}, "parallel.cp: model.dropout=0.1 (attention dropout) is not supported with cp>1"),
     ({"model.n_experts": 4}, "parallel.cp: context parallelism with MoE (model.n_experts>0) is not yet supported"),
     ({"parallel.zero_stage": 3}, "parallel.cp: context parallelism with parallel.zero_stage=3 is not yet supported"),
-    ({"parallel.pp": 2}, "parallel.cp: context parallelism with parallel.pp>1 is not yet supported"),
-    ({"parallel.tp": 2}, "parallel.cp: context parallelism with parallel.tp>1 is not yet supported"),
+    ({"parallel.tp": 2, "parallel.sequence_parallel": True, "model.block_size": 72},
+     "parallel.sequence_parallel: model.block_size=72 is not divisible by 2*cp*tp = 16"),
     ({"parallel.backend": "deepspeed"}, "parallel.cp: context parallelism with parallel.backend=deepspeed"),
 ])
 def test_refusals_name_the_key(tmp_path: Path, keys: dict[str, Any], culprit: str) -> None:

@@ -67,9 +67,9 @@ class FlatAllReduceDataParallel(DataParallel):
         super().__init__(model, cfg, ctx)
 
     def finish_grads(self) -> None:
-        self.flat_grads.div_(self.ctx.dp)  # divide before summing, as DDP does: an fp16 sum could overflow
+        self.flat_grads.div_(self.ctx.dp_cp)  # divide before summing, as DDP does: an fp16 sum could overflow
         for lo in range(0, self.flat_grads.numel(), self.bucket_numel):
-            comm.all_reduce(self.flat_grads[lo : lo + self.bucket_numel], self.ctx.dp_group, self.ctx.comm)
+            comm.all_reduce(self.flat_grads[lo : lo + self.bucket_numel], self.ctx.dp_cp_group, self.ctx.comm)
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()  # keep the views: set_to_none would detach .grad from the buffer
