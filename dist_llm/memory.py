@@ -180,11 +180,13 @@ def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
     return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
 
 
-def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) -> int:
-    """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight."""
+def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, cp: int = 1) -> int:
+    """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight. A
+    context-parallel rank holds block_size/cp tokens of each sequence, and saves only those (ring attention keeps
+    its own q, k, v, output and log-sum-exp, no other rank's blocks)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     sp = p.sequence_parallel and tp > 1
-    tokens = t.micro_batch_size * m.block_size
+    tokens = t.micro_batch_size * m.block_size // cp
     layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
     layers = len(_stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
     mode = t.activation_checkpointing
@@ -442,14 +444,30 @@ def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int
     return largest * (size if accum != size else 0) + (largest * accum if gloo else 0)
 
 
-def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
+def ring_buffer_bytes(cfg: Config, *, tp: int, cp: int) -> int:
+    """Ring attention's transient buffers at cp > 1, in one layer's backward (the larger pass): the key/value block
+    held and the one arriving (compute dtype), their fp32 gradient accumulators in flight both ways and this rank's
+    own, fp32 dq and dO, and one block's fp32 scores, probabilities and their gradient, (B, nh, T/cp, T/cp) each."""
+    if cp == 1:
+        return 0
+    m, t = cfg.model, cfg.train
+    size = 4 if t.precision == "fp32" else 2
+    t_local = m.block_size // cp
+    heads, kv_heads = m.n_head // tp, max(1, m.kv_heads // tp)
+    kv_block = 2 * t.micro_batch_size * kv_heads * t_local * m.head_dim  # k and v
+    q_block = t.micro_batch_size * heads * t_local * m.head_dim
+    scores = t.micro_batch_size * heads * t_local * t_local
+    return 2 * kv_block * size + 3 * kv_block * 4 + 2 * q_block * 4 + 3 * scores * 4
+
+
+def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
     """The largest transient buffer: the fp32 logits and their softmax for the loss, or an FSDP2 unit gathered
     (a block's parameters, twice with prefetch; the embedding or the head, twice on a GPU: the all-gather's buffer
     and FSDP2's copy of it into the parameter live together for a moment; once on the CPU, gathered in place). (ZeRO-1/2's in-flight gradients come
     with the model states' plan of buckets: `_zero_in_flight_bytes`.)"""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    logits = 2 * t.micro_batch_size * m.block_size * m.padded_vocab // tp * 4
-    candidates = [logits]
+    logits = 2 * t.micro_batch_size * m.block_size // cp * m.padded_vocab // tp * 4
+    candidates = [logits, ring_buffer_bytes(cfg, tp=tp, cp=cp)]
     if dp > 1 and p.zero_stage == 3:  # a unit gathered: its all-gather buffer and the copy FSDP2 makes of it
         size = 4 if t.precision == "fp32" else 2
         candidates.append(2 * _block_params(cfg) // tp * size)
@@ -459,7 +477,7 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
         candidates.append(copies * m.padded_vocab * m.n_embd // tp * size)
     if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
         layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=p.sequence_parallel and tp > 1)
-        candidates.append(round(layer * t.micro_batch_size * m.block_size))
+        candidates.append(round(layer * t.micro_batch_size * m.block_size // cp))
     return max(candidates)
 
 
@@ -508,9 +526,10 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     stages = [pp_rank] if pp_rank is not None else range(pp)
     best: Estimate | None = None
     for s in stages:
-        est = model_state_bytes(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
-        est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
-        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp))
+        # (ZeRO shards over dp x cp: context-parallel ranks hold the same parameters, parallel/context.py)
+        est = model_state_bytes(cfg, dp=dp * p.cp, tp=tp, pp=pp, pp_rank=s)
+        est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp, cp=p.cp)
+        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp, cp=p.cp))
         if p.offload == "cpu":
             est.offloaded = True
             est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "

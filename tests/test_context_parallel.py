@@ -139,3 +139,22 @@ def test_refusals_name_the_key(tmp_path: Path, keys: dict[str, Any], culprit: st
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert str(e.value).startswith(culprit) and "\n" not in str(e.value)
+
+
+def test_memory_prediction_knows_cp(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """`dist-llm memory` at cp=2: the states ZeRO-1 shards over dp x cp, activations of block_size/cp tokens; both
+    equal what rank 0 measures (activations within 10%, as test_memory.py), and the measured activations fall to
+    about half of one process's."""
+    from dist_llm import memory
+    from tests.test_memory import _config
+
+    extra = {"train__max_steps": 1, "model__block_size": 128, "model__pos_emb": "rope", "parallel__zero_stage": 1}
+    one = train(0, 1, tmp_path / "one", corpus, extra)
+    got = _run(tmp_path / "cp2", corpus, 2, parallel__cp=2, **extra)
+    est = memory.predict(_config(tmp_path, corpus, {**extra, "parallel__cp": 2}), 2, pp_rank=0)
+    held = got["state_bytes"]
+    assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
+        est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
+    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=0.10)
+    assert got["activation_bytes"] / one["activation_bytes"] == pytest.approx(0.5, rel=0.10)
+    assert est.temporary_bytes >= memory.ring_buffer_bytes(_config(tmp_path, corpus, extra), tp=1, cp=2) > 0
