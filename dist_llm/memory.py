@@ -447,7 +447,10 @@ def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int
 def ring_buffer_bytes(cfg: Config, *, tp: int, cp: int) -> int:
     """Ring attention's transient buffers at cp > 1, in one layer's backward (the larger pass): the key/value block
     held and the one arriving (compute dtype), their fp32 gradient accumulators in flight both ways and this rank's
-    own, fp32 dq and dO, and one block's fp32 scores, probabilities and their gradient, (B, nh, T/cp, T/cp) each."""
+    own, fp32 dq and dO, and one tile's fp32 scores, probabilities and their gradient, (B, nh, rows, T/cp) each (a
+    block is computed ring.QUERY_ROWS queries at a time)."""
+    from dist_llm.parallel.context_parallel.ring import QUERY_ROWS
+
     if cp == 1:
         return 0
     m, t = cfg.model, cfg.train
@@ -456,7 +459,7 @@ def ring_buffer_bytes(cfg: Config, *, tp: int, cp: int) -> int:
     heads, kv_heads = m.n_head // tp, max(1, m.kv_heads // tp)
     kv_block = 2 * t.micro_batch_size * kv_heads * t_local * m.head_dim  # k and v
     q_block = t.micro_batch_size * heads * t_local * m.head_dim
-    scores = t.micro_batch_size * heads * t_local * t_local
+    scores = t.micro_batch_size * heads * min(QUERY_ROWS, t_local) * t_local
     return 2 * kv_block * size + 3 * kv_block * 4 + 2 * q_block * 4 + 3 * scores * 4
 
 
