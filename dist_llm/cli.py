@@ -214,7 +214,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
         try:
             resolve_degrees(args.nproc_per_node, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
-                            global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size)
+                            global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
+                            cp=cfg.parallel.cp)
         except ConfigError as e:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {e}") from None
         return relaunch_under_torchrun(args)
@@ -367,7 +368,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
             return _suggest(args, cfg, world)
         est = memory.predict(cfg, world)
         p = cfg.parallel
-        title = (f"{cfg.name}: world {world} (dp={world // (p.tp * p.pp)}, tp={p.tp}, pp={p.pp}), zero_stage "
+        cp = f", cp={p.cp}" if p.cp > 1 else ""
+        title = (f"{cfg.name}: world {world} (dp={world // (p.cp * p.tp * p.pp)}{cp}, tp={p.tp}, pp={p.pp}), zero_stage "
                  f"{p.zero_stage}, {cfg.train.precision}, checkpointing {cfg.train.activation_checkpointing}, "
                  f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}")
     print(json.dumps(est.to_json()) if args.json else memory.table(est, title))

@@ -182,6 +182,8 @@ class ParallelConfig:
     ep: int = 1
     """Expert-parallel degree: each MoE layer's experts split over ep data-parallel ranks (ep divides dp;
     consecutive dp ranks form an ep group), tokens sent to their experts by all-to-all."""
+    cp: int = 1
+    """Context-parallel degree: each of cp ranks holds a zigzag part of every sequence, attention by ring."""
     zero_stage: int = 0
     """0 = DDP, 1/2 = optimizer (+gradient) sharding, 3 = FSDP2."""
     pp_schedule: Literal["gpipe", "1f1b", "zb1", "interleaved"] = "1f1b"
@@ -573,7 +575,7 @@ def validate(cfg: Config) -> None:
     _positive(cfg, "model.n_layer", "model.n_head", "model.pad_vocab_to", "model.n_embd", "model.vocab_size", "model.block_size",
               "model.rope_theta", "model.norm_eps", "model.init_std",
               "train.micro_batch_size", "train.global_batch_size", "train.max_steps", "train.log_interval",
-              "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp",
+              "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp", "parallel.cp",
               "parallel.timeout_s", "optim.lr")
     _non_negative(cfg, "model.n_kv_head", "model.mlp_hidden", "optim.min_lr", "optim.warmup_steps",
                   "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval", "train.peak_tflops",
@@ -626,6 +628,7 @@ def validate(cfg: Config) -> None:
     _check_pipeline(cfg)
     _check_finetuning(cfg)
     _check_moe(cfg)
+    _check_context_parallel(cfg)
     if p.deepspeed_config and (p.backend != "deepspeed" or not Path(p.deepspeed_config).expanduser().is_file()):
         raise ConfigError(f"parallel.deepspeed_config: needs parallel.backend=deepspeed and an existing JSON file, "
                           f"got backend={p.backend}, {p.deepspeed_config}")
@@ -709,6 +712,27 @@ def check_interleaved(cfg: Config, dp: int | None = None) -> None:
         m = t.global_batch_size // (t.micro_batch_size * dp)
         raise ConfigError(f"parallel.pp_schedule: interleaved needs the micro-batches per step (train.global_batch_size"
                           f" / (train.micro_batch_size * dp) = {m}) to be a multiple of parallel.pp={p.pp}")
+
+
+def _check_context_parallel(cfg: Config) -> None:
+    """What context parallelism composes with so far (parallel/context_parallel/): dp with DDP or ZeRO-1/2, tp
+    (with or without sequence parallelism) and pp."""
+    m, p = cfg.model, cfg.parallel
+    if p.cp == 1:
+        return
+    if m.block_size % (2 * p.cp):
+        raise ConfigError(f"parallel.cp: model.block_size={m.block_size} is not divisible by 2*cp = {2 * p.cp} "
+                          f"(the zigzag layout gives each rank two chunks of every sequence)")
+    if m.dropout > 0:
+        raise ConfigError(f"parallel.cp: model.dropout={m.dropout} (attention dropout) is not supported with cp>1; "
+                          f"use model.dropout=0")
+    if p.sequence_parallel and m.block_size % (2 * p.cp * p.tp):
+        raise ConfigError(f"parallel.sequence_parallel: model.block_size={m.block_size} is not divisible by "
+                          f"2*cp*tp = {2 * p.cp * p.tp} (each cp rank's part of a sequence splits over tp)")
+    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+                     (p.backend != "native", f"parallel.backend={p.backend}")):
+        if on:
+            raise ConfigError(f"parallel.cp: context parallelism with {what} is not yet supported; use parallel.cp=1")
 
 
 def _check_moe(cfg: Config) -> None:

@@ -236,12 +236,15 @@ def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> float:
     return min(micro, pp - pp_rank)
 
 
-def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False) -> int:
+def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
+                     cp: int = 1) -> int:
     """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight (MoE
-    blocks at the balanced routed load, or with `worst` every ep rank's routed tokens on this one)."""
+    blocks at the balanced routed load, or with `worst` every ep rank's routed tokens on this one). A
+    context-parallel rank holds block_size/cp tokens of each sequence, and saves only those (ring attention keeps
+    its own q, k, v, output and log-sum-exp, no other rank's blocks)."""
     m, t, p = cfg.model, cfg.train, cfg.parallel
     sp = p.sequence_parallel and tp > 1
-    tokens = t.micro_batch_size * m.block_size
+    tokens = t.micro_batch_size * m.block_size // cp
     layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
     blocks = _blocks(cfg, pp, pp_rank)
     layers = len(blocks)
@@ -519,14 +522,33 @@ def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int
     return largest * (size if accum != size else 0) + (largest * accum if gloo else 0)
 
 
-def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
+def ring_buffer_bytes(cfg: Config, *, tp: int, cp: int) -> int:
+    """Ring attention's transient buffers at cp > 1, in one layer's backward (the larger pass): the key/value block
+    held and the one arriving (compute dtype), their fp32 gradient accumulators in flight both ways and this rank's
+    own, fp32 dq and dO, and one tile's fp32 scores, probabilities and their gradient, (B, nh, rows, T/cp) each (a
+    block is computed ring.QUERY_ROWS queries at a time)."""
+    from dist_llm.parallel.context_parallel.ring import QUERY_ROWS
+
+    if cp == 1:
+        return 0
+    m, t = cfg.model, cfg.train
+    size = 4 if t.precision == "fp32" else 2
+    t_local = m.block_size // cp
+    heads, kv_heads = m.n_head // tp, max(1, m.kv_heads // tp)
+    kv_block = 2 * t.micro_batch_size * kv_heads * t_local * m.head_dim  # k and v
+    q_block = t.micro_batch_size * heads * t_local * m.head_dim
+    scores = t.micro_batch_size * heads * min(QUERY_ROWS, t_local) * t_local
+    return 2 * kv_block * size + 3 * kv_block * 4 + 2 * q_block * 4 + 3 * scores * 4
+
+
+def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
     """The largest transient buffer: the fp32 logits and their softmax for the loss, or an FSDP2 unit gathered
     (a block's parameters, twice with prefetch; the embedding or the head, twice on a GPU: the all-gather's buffer
     and FSDP2's copy of it into the parameter live together for a moment; once on the CPU, gathered in place). (ZeRO-1/2's in-flight gradients come
     with the model states' plan of buckets: `_zero_in_flight_bytes`.)"""
     m, t, p = cfg.model, cfg.train, cfg.parallel
-    logits = 2 * t.micro_batch_size * m.block_size * m.padded_vocab // tp * 4
-    candidates = [logits]
+    logits = 2 * t.micro_batch_size * m.block_size // cp * m.padded_vocab // tp * 4
+    candidates = [logits, ring_buffer_bytes(cfg, tp=tp, cp=cp)]
     if dp > 1 and p.zero_stage == 3:  # a unit gathered: its all-gather buffer and the copy FSDP2 makes of it
         size = 4 if t.precision == "fp32" else 2
         candidates.append(2 * _block_params(cfg) // tp * size)
@@ -539,7 +561,7 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int) -> int:
         layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
         if m.n_experts:
             layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp))
-        candidates.append(round(layer * t.micro_batch_size * m.block_size))
+        candidates.append(round(layer * t.micro_batch_size * m.block_size // cp))
     if m.n_experts:  # expert parallelism's dispatch all-to-all: send and receive buffers (balanced load)
         tokens = t.micro_batch_size * m.block_size
         candidates.append(memory_moe.a2a_buffer_bytes(cfg, tokens, memory_moe.ep_degree(cfg)))
@@ -585,16 +607,17 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     from dist_llm.parallel.context import resolve_degrees
 
     p = cfg.parallel
-    world = world_size or max(1, p.dp) * p.tp * p.pp
+    world = world_size or max(1, p.dp) * p.cp * p.tp * p.pp
     dp, tp, pp = resolve_degrees(world, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
-                                 micro_batch_size=cfg.train.micro_batch_size)
+                                 micro_batch_size=cfg.train.micro_batch_size, cp=p.cp)
     ep = memory_moe.check_ep(cfg, dp)
     stages = [pp_rank] if pp_rank is not None else range(pp)
     best: Estimate | None = None
     for s in stages:
-        est = model_state_bytes(cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
-        est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
-        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp))
+        # (ZeRO shards over dp x cp: context-parallel ranks hold the same parameters, parallel/context.py)
+        est = model_state_bytes(cfg, dp=dp * p.cp, tp=tp, pp=pp, pp_rank=s)
+        est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp, cp=p.cp)
+        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp, cp=p.cp))
         if cfg.model.n_experts:
             _moe_figures(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s, ep=ep)
         if p.offload == "cpu":

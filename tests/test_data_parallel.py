@@ -337,7 +337,8 @@ def test_offload_device_logic_with_a_stand_in_accelerator() -> None:
     ref = torch.optim.AdamW([ref_w, ref_v], lr=0.1, fused=True)
     ref.step()
 
-    ctx = SimpleNamespace(device=STANDIN, dp_group=None, pp_group=None, tp_group=None, comm=None, ep=1, ep_group=None)
+    ctx = SimpleNamespace(device=STANDIN, dp_group=None, dp_cp_group=None, pp_group=None, tp_group=None, comm=None,
+                          ep=1, ep_group=None)
     with standin():
         scaler = LossScaler(enabled=True, scale=1024.0, device=STANDIN)
         w.grad, v.grad = gw * 1024, gv * 1024  # scaled gradients, offloaded

@@ -115,6 +115,9 @@ LAYOUTS = {
     "dp2-zero2": (2, {"train__micro_batch_size": 1, "parallel__zero_stage": 2}),
     "tp2-micro2": (2, {"train__micro_batch_size": 2, "parallel__tp": 2}),
     "pp2-micro1": (2, {"train__micro_batch_size": 1, "parallel__pp": 2}),
+    # context parallelism: each cp rank holds half of every window's targets, unevenly masked between the halves
+    "cp2-micro2": (2, {"train__micro_batch_size": 2, "parallel__cp": 2}),
+    "dp2-cp2-zero2": (4, {"train__micro_batch_size": 1, "parallel__cp": 2, "parallel__zero_stage": 2}),
 }
 
 

@@ -1,12 +1,15 @@
 """Which token windows each step trains on, independent of how the batch is spread over ranks.
 
 A step's global batch is drawn from a generator seeded by (seed, stream, step) alone, then each
-data-parallel rank takes a contiguous slice of it. So changing dp or micro_batch_size changes who
+data-parallel rank takes a contiguous slice of it (and under context parallelism each cp rank of a dp
+group its part of every window: `host_batch(positions=...)`). So changing dp or micro_batch_size changes who
 computes what, never what is computed: runs with different layouts see the same data, and resuming
 only needs the step number.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -76,10 +79,13 @@ IGNORE_INDEX = -100  # a target the loss skips
 
 
 def host_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, mask: np.ndarray | None = None, *,
-               pin: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+               pin: bool = False, positions: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs and next-token targets on the host, int64 tensors of shape (B, T); y[:, i] == x[:, i + 1], or -100
     where `mask` (fine-tuning records) is 0 at that target: a prompt token, not to be learned. `pin` puts them
-    in page-locked memory, from which a copy to the GPU runs asynchronously."""
+    in page-locked memory, from which a copy to the GPU runs asynchronously. `positions` takes only those
+    positions of each window (a context-parallel rank's part of the sequence): (B, len(positions)) then."""
+    if positions is not None:
+        return _positions_batch(tokens, starts, mask, pin=pin, positions=positions)
     # One gather of T+1 tokens per window, (B, T+1); reading only these pages keeps memmaps cheap.
     index = np.asarray(starts, dtype=np.int64)[:, None] + np.arange(block_size + 1)
     windows = tokens[index].astype(np.int64)
@@ -88,6 +94,18 @@ def host_batch(tokens: np.ndarray, starts: np.ndarray, block_size: int, mask: np
     targets = windows[:, 1:].copy()  # a copy even when the slice is contiguous: x shares `windows`
     if mask is not None:
         targets[mask[index][:, 1:] == 0] = IGNORE_INDEX
+    y = torch.from_numpy(targets)
+    return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
+
+
+def _positions_batch(tokens: np.ndarray, starts: np.ndarray, mask: np.ndarray | None, *, pin: bool,
+                     positions: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`host_batch` at the given positions of each window only: inputs at p, targets at p + 1."""
+    index = np.asarray(starts, dtype=np.int64)[:, None] + np.asarray(positions, dtype=np.int64)  # (B, T_local)
+    x = torch.from_numpy(tokens[index].astype(np.int64))
+    targets = tokens[index + 1].astype(np.int64)
+    if mask is not None:
+        targets[mask[index + 1] == 0] = IGNORE_INDEX
     y = torch.from_numpy(targets)
     return (x.pin_memory(), y.pin_memory()) if pin else (x, y)
 

@@ -9,7 +9,7 @@ each rank holds.
 from __future__ import annotations
 
 import contextlib
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,11 +20,27 @@ Reduction = Literal["mean", "sum"]
 LinearRole = Literal["qkv", "attn_out", "mlp_up", "mlp_gate", "mlp_down", "lm_head"]
 
 
+class SequenceSplit(Protocol):
+    """The sequence split over ranks (context parallelism, parallel/context_parallel/): each rank holds some
+    tokens of every sequence, at global positions of its own, and attention must see the whole sequence."""
+
+    def positions(self, t_local: int, device: torch.device) -> torch.Tensor:
+        """Global positions (t_local,) of the tokens this rank holds, in the order it holds them."""
+        ...
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+                  alibi_slopes: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention of this rank's queries (B, nh, T, hs) to every rank's keys/values (B, nkv, T, hs)."""
+        ...
+
+
 class LayerFactory:
     """Builds the model's swappable layers. This one builds plain, unsharded PyTorch layers."""
 
     #: how many ranks share one attention layer's heads (tensor-parallel degree)
     shards: int = 1
+    #: installed by context parallelism (parallel/context_parallel/apply.py); None: each rank holds whole sequences
+    sequence: SequenceSplit | None = None
     def __init__(self, vocab_size: int = 0) -> None:
         #: the real vocabulary (the model's embedding may be padded beyond it); 0 = no padding to mask
         self.vocab_size = vocab_size
@@ -46,6 +62,10 @@ class LayerFactory:
     def replicated(self, module: nn.Module) -> nn.Module:
         """A layer that every rank of a parallel group holds whole and that works on activations (the norms)."""
         return module
+
+    def positions(self, t: int, device: torch.device) -> torch.Tensor | None:
+        """Global positions of the t tokens a forward holds; None when they are 0..t-1 (whole sequences)."""
+        return None if self.sequence is None else self.sequence.positions(t, device)
 
     def sequence_slice(self, x: torch.Tensor) -> torch.Tensor:
         """The part of a (B, T, C) activation this rank works on between parallel layers (all of it here)."""

@@ -63,6 +63,8 @@ class Attention(nn.Module):
 
     def core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Scaled dot-product attention over (B, nh, T, hs) queries and (B, nkv, T, hs) keys/values."""
+        if self.layers.sequence is not None:  # the sequence split over ranks: attention over all of it
+            return self.layers.sequence.attention(q, k, v, alibi_slopes=self.alibi_slopes)
         dropout = self.dropout if self.training else 0.0
         gqa = self.n_kv_head != self.n_head
         bias = alibi_bias(self.alibi_slopes, q.shape[-2], q.dtype) if self.alibi_slopes is not None else None
@@ -79,7 +81,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         v = v.view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, nkv, T, hs)
         if self.rope is not None:
-            q, k = self.rope(q, k)
+            q, k = self.rope(q, k, self.layers.positions(T, q.device))
         if self.checkpoint_core and self.training:
             y = checkpoint(self.core, q, k, v, use_reentrant=False)
         else:
@@ -206,7 +208,9 @@ class GPT(nn.Module):
         """Token ids (B, T) -> residual stream (B, T, C)."""
         x = self.wte(idx)  # (B, T, C), or (B, T/tp, C) under sequence parallelism
         if self.wpe is not None:
-            x = x + self.layers.sequence_slice(self.wpe(torch.arange(idx.shape[1], device=idx.device))[None])
+            pos = self.layers.positions(idx.shape[1], idx.device)
+            pos = torch.arange(idx.shape[1], device=idx.device) if pos is None else pos
+            x = x + self.layers.sequence_slice(self.wpe(pos)[None])
         return self.drop(x)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
@@ -274,6 +278,9 @@ class GPT(nn.Module):
     def generate(self, idx: torch.Tensor, max_new_tokens: int, *, temperature: float = 1.0,
                  top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
         """Append `max_new_tokens` sampled tokens to idx (B, T), cropping the context to block_size."""
+        if self.layers.sequence is not None:
+            raise ValueError("generate: the model's sequence is split over context-parallel ranks (parallel.cp>1); "
+                             "sample from a model built without it (dist-llm sample does)")
         for _ in range(max_new_tokens):
             context = idx[:, -self.cfg.block_size :]
             logits = self(context)[:, -1, :].float()

@@ -35,10 +35,15 @@ class RotaryEmbedding(nn.Module):
 
     reset_buffers = reset_parameters  # (the name model/init.py looks for)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs); computed in fp32, returned in the input dtype."""
-        T = q.shape[-2]
-        cos, sin = self.cos[:T], self.sin[:T]
+    def forward(self, q: torch.Tensor, k: torch.Tensor,
+                positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs) at `positions` (T,) (default 0..T-1); computed in fp32,
+        returned in the input dtype."""
+        if positions is None:
+            T = q.shape[-2]
+            cos, sin = self.cos[:T], self.sin[:T]
+        else:
+            cos, sin = self.cos[positions], self.sin[positions]
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 

@@ -4,7 +4,7 @@ It is passed explicitly to everything that needs a rank, a group or the device; 
 process group. A single process started without torchrun is a valid context of size 1 (no process group,
 every group None, every collective a no-op).
 
-Ranks are laid out on a DeviceMesh with dims ("dp", "pp", "tp"), tp innermost: consecutive ranks (one node's
+Ranks are laid out on a DeviceMesh with dims ("dp", "cp", "pp", "tp"), tp innermost: consecutive ranks (one node's
 GPUs under torchrun) share a tensor-parallel group, whose all-reduces on every layer need the fastest links;
 pipeline stages come next (their point-to-point activations cross nodes), and data-parallel replicas are
 the outermost split (their gradient reductions overlap with backward and tolerate the slower network).
@@ -13,10 +13,15 @@ Expert parallelism (`parallel.ep`) is carved out of dp: dp rank d is expert-para
 of dp ranks [d - d % ep, d - d % ep + ep), so an ep group's ranks are adjacent in dp (on one node when tp = pp = 1)
 for its all-to-alls on every MoE layer; the expert-data-parallel group joins the dp ranks d' with d' % ep == d % ep,
 which hold the same experts and reduce their gradients.
+
+Context-parallel ranks (each holding a part of every sequence, parallel/context_parallel/) sit between dp and pp:
+their ring of key/value blocks runs every layer, so they come closer than the replicas; parameters are
+replicated over cp as over dp, and gradients are reduced over the two together (`dp_cp_group`).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import socket
@@ -46,15 +51,17 @@ def pick_device(kind: str, local_rank: int) -> torch.device:
 
 
 def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_size: int = 0,
-                    micro_batch_size: int = 1) -> tuple[int, int, int]:
-    """(dp, tp, pp) with dp filled in when 0; raises ConfigError when they do not multiply to the world size
-    or the global batch does not split over the dp ranks."""
+                    micro_batch_size: int = 1, cp: int = 1) -> tuple[int, int, int]:
+    """(dp, tp, pp) with dp filled in when 0; raises ConfigError when they (with cp) do not multiply to the world
+    size or the global batch does not split over the dp ranks."""
     if dp == 0:
-        if world_size % (tp * pp):
-            raise ConfigError(f"parallel: WORLD_SIZE={world_size} is not divisible by tp*pp = {tp}*{pp}")
-        dp = world_size // (tp * pp)
-    if dp * tp * pp != world_size:
-        raise ConfigError(f"parallel: dp*tp*pp = {dp}*{tp}*{pp} = {dp * tp * pp} does not match WORLD_SIZE={world_size}")
+        if world_size % (tp * pp * cp):
+            named = f"cp*tp*pp = {cp}*{tp}*{pp}" if cp > 1 else f"tp*pp = {tp}*{pp}"
+            raise ConfigError(f"parallel: WORLD_SIZE={world_size} is not divisible by {named}")
+        dp = world_size // (tp * pp * cp)
+    if dp * cp * tp * pp != world_size:
+        named = f"dp*cp*tp*pp = {dp}*{cp}*{tp}*{pp}" if cp > 1 else f"dp*tp*pp = {dp}*{tp}*{pp}"
+        raise ConfigError(f"parallel: {named} = {dp * cp * tp * pp} does not match WORLD_SIZE={world_size}")
     if global_batch_size % (micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {global_batch_size} is not divisible by "
                           f"train.micro_batch_size * dp = {micro_batch_size} * {dp}")
@@ -110,6 +117,11 @@ class ParallelContext:
     ep_group: dist.ProcessGroup | None = None
     #: the dp ranks that hold this rank's experts (their gradient reduction); the dp group when ep = 1
     expert_dp_group: dist.ProcessGroup | None = None
+    #: context-parallel degree: ranks that each hold a part of every sequence (parallel/context_parallel/)
+    cp: int = 1
+    #: the dp x cp ranks of this rank's (pp, tp) position: where replicated gradients are reduced (None at cp=1:
+    #: the dp group)
+    dp_cp_process_group: dist.ProcessGroup | None = None
 
     # -- coordinates ------------------------------------------------------------------------------------------
     @property
@@ -141,6 +153,19 @@ class ParallelContext:
     def pp_rank(self) -> int:
         return self._coord("pp")
 
+    @property
+    def cp_rank(self) -> int:
+        return self._coord("cp") if self.cp > 1 else 0
+
+    @property
+    def dp_cp(self) -> int:
+        """Ranks that hold the same parameters and reduce their gradients together: dp x cp."""
+        return self.dp * self.cp
+
+    @property
+    def dp_cp_rank(self) -> int:
+        return self.dp_rank * self.cp + self.cp_rank
+
     def _group(self, dim: str) -> dist.ProcessGroup | None:
         return None if self.mesh is None else self.mesh.get_group(dim)
 
@@ -155,6 +180,15 @@ class ParallelContext:
     @property
     def pp_group(self) -> dist.ProcessGroup | None:
         return self._group("pp")
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        return self._group("cp") if self.cp > 1 else None
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """The group gradients of replicated parameters are reduced over (the dp group at cp=1)."""
+        return self.dp_cp_process_group if self.cp > 1 else self.dp_group
 
     @property
     def dp_mesh(self) -> DeviceMesh | None:
@@ -182,22 +216,28 @@ class ParallelContext:
         ranks (one node's processes under torchrun) share a tp group; dp is the outermost split."""
         if self.world_size == 1:
             return []
-        grid = torch.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
-        coords = {int(grid[d, p, t]): (d, p, t) for d in range(self.dp) for p in range(self.pp) for t in range(self.tp)}
+        grid = torch.arange(self.world_size).reshape(self.dp, self.cp, self.pp, self.tp)
+        coords: dict[int, tuple[int, ...]] = {
+            int(grid[d, c, p, t]): ((d, c, p, t) if self.cp > 1 else (d, p, t))
+            for d in range(self.dp) for c in range(self.cp) for p in range(self.pp) for t in range(self.tp)}
         by_host: dict[str, list[int]] = {}
         for rank, host in enumerate(self.hosts):
             by_host.setdefault(host, []).append(rank)
         ep = (f"; ep={self.ep} inside dp: expert groups (dp ranks) "
               + ", ".join(str(list(range(d, d + self.ep))) for d in range(0, self.dp, self.ep))) if self.ep > 1 else ""
-        lines = [f"mesh (dp={self.dp}, pp={self.pp}, tp={self.tp}{ep}) over {len(by_host)} host(s), ranks as (dp, pp, tp):"]
+        if self.cp > 1:
+            lines = [f"mesh (dp={self.dp}, cp={self.cp}, pp={self.pp}, tp={self.tp}{ep}) over {len(by_host)} host(s), "
+                     "ranks as (dp, cp, pp, tp):"]
+        else:
+            lines = [f"mesh (dp={self.dp}, pp={self.pp}, tp={self.tp}{ep}) over {len(by_host)} host(s), ranks as (dp, pp, tp):"]
         for host, ranks in by_host.items():
             shown = ", ".join(f"{r}{coords[r]}" for r in ranks[:16]) + (" ..." if len(ranks) > 16 else "")
             lines.append(f"  {host}: {shown}")
         return lines
 
     def layout(self) -> dict[str, int]:
-        out = {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp}
-        return {**out, "ep": self.ep} if self.ep > 1 else out
+        return {"world_size": self.world_size, "dp": self.dp, "tp": self.tp, "pp": self.pp,
+                **({"cp": self.cp} if self.cp > 1 else {}), **({"ep": self.ep} if self.ep > 1 else {})}
 
     # -- construction -----------------------------------------------------------------------------------------
     @classmethod
@@ -209,30 +249,40 @@ class ParallelContext:
         rank = int(env.get("RANK", "0"))
         local_rank = int(env.get("LOCAL_RANK", "0"))
         p = cfg.parallel
+        cp = p.cp
         dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
-                                     micro_batch_size=cfg.train.micro_batch_size)
+                                     micro_batch_size=cfg.train.micro_batch_size, cp=cp)
         if dp % p.ep:
-            raise ConfigError(f"parallel.ep: {p.ep} does not divide dp={dp} (WORLD_SIZE={world_size} / (tp*pp))")
+            raise ConfigError(f"parallel.ep: {p.ep} does not divide dp={dp} (WORLD_SIZE={world_size} / (cp*tp*pp))")
         device = pick_device(cfg.train.device, local_rank)
-        ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device, ep=p.ep)
+        ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device,
+                  ep=p.ep, cp=cp)
         if world_size > 1:
             if not dist.is_initialized():
                 backend = "nccl" if device.type == "cuda" else "gloo"
                 init_process_group(backend, timedelta(seconds=p.timeout_s), device)
                 ctx.owns_group = True
             ctx.cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
-            ctx.mesh = init_device_mesh(device.type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+            ctx.mesh = init_device_mesh(device.type, (dp, cp, pp, tp), mesh_dim_names=("dp", "cp", "pp", "tp"))
             ctx.hosts = [""] * world_size
             dist.all_gather_object(ctx.hosts, socket.gethostname())
+            # every rank creates every group, in the same order, and keeps its own
+            grid = torch.arange(world_size).reshape(dp, cp, pp, tp)
             if pp > 1:
-                # every rank creates every group, in the same order, and keeps its own
-                grid = torch.arange(world_size).reshape(dp, pp, tp)
                 for d in range(dp):
+                    for c in range(cp):
+                        for t in range(tp):
+                            pair = [int(grid[d, c, 0, t]), int(grid[d, c, -1, t])]
+                            group = dist.new_group(pair)
+                            if rank in pair:
+                                ctx.embedding_group = group
+            if cp > 1:  # dp x cp flattened, per (pp, tp) position (ranks in (dp, cp) order)
+                for s in range(pp):
                     for t in range(tp):
-                        pair = [int(grid[d, 0, t]), int(grid[d, -1, t])]
-                        group = dist.new_group(pair)
-                        if rank in pair:
-                            ctx.embedding_group = group
+                        ranks = [int(r) for r in grid[:, :, s, t].flatten()]
+                        group = dist.new_group(ranks)
+                        if rank in ranks:
+                            ctx.dp_cp_process_group = group
             ctx.expert_dp_group = ctx.dp_group
             if ctx.ep > 1:
                 ctx._expert_groups()
@@ -240,21 +290,20 @@ class ParallelContext:
 
     def _expert_groups(self) -> None:
         """The ep groups (runs of ep adjacent dp ranks) and the expert-dp groups (dp ranks equal modulo ep), at
-        every (pp, tp) position; every rank creates every group, in the same order, and keeps its own."""
-        grid = torch.arange(self.world_size).reshape(self.dp, self.pp, self.tp)
-        for p in range(self.pp):
-            for t in range(self.tp):
-                column = [int(r) for r in grid[:, p, t]]  # the dp group at (p, t)
-                for start in range(0, self.dp, self.ep):
-                    ranks = column[start : start + self.ep]
-                    group = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        self.ep_group = group
-                for first in range(self.ep):
-                    ranks = column[first :: self.ep]
-                    group = dist.new_group(ranks)
-                    if self.rank in ranks:
-                        self.expert_dp_group = group
+        every (cp, pp, tp) position; every rank creates every group, in the same order, and keeps its own."""
+        grid = torch.arange(self.world_size).reshape(self.dp, self.cp, self.pp, self.tp)
+        for c, p, t in itertools.product(range(self.cp), range(self.pp), range(self.tp)):
+            column = [int(r) for r in grid[:, c, p, t]]  # the dp group at (c, p, t)
+            for start in range(0, self.dp, self.ep):
+                ranks = column[start : start + self.ep]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.ep_group = group
+            for first in range(self.ep):
+                ranks = column[first :: self.ep]
+                group = dist.new_group(ranks)
+                if self.rank in ranks:
+                    self.expert_dp_group = group
 
     # -- whole-job operations ------------------------------------------------------------------------------------
     def barrier(self) -> None:

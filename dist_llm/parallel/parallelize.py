@@ -31,6 +31,7 @@ from dist_llm.config import Config
 from dist_llm.model import GPT, LayerFactory
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.context_parallel.apply import apply_context_parallel
 from dist_llm.parallel.data import DataParallel, build_data_parallel, builds_on_meta
 from dist_llm.parallel.data.deepspeed_shards import Fill
 from dist_llm.parallel.expert import apply_expert_parallel
@@ -58,13 +59,16 @@ class Parallelized:
 
 def meta_model(cfg: Config, ctx: ParallelContext) -> GPT:
     """The GPT for `cfg` on the meta device: every shape, no storage, nothing drawn. Its layers are this
-    rank's tensor-parallel ones when parallel.tp > 1, its MoE layers' experts this rank's when parallel.ep > 1."""
+    rank's tensor-parallel ones when parallel.tp > 1, its MoE layers' experts this rank's when parallel.ep > 1, its
+    attention a ring over the cp group when parallel.cp > 1."""
     with torch.device("meta"):
         layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
         model = GPT(cfg.model, layers)
         apply_expert_parallel(model, ctx)
     if layers.summary():
         log.info(layers.summary())
+    if ctx.cp > 1:  # each rank holds a part of every sequence: global positions, attention by ring
+        apply_context_parallel(layers, group=ctx.cp_group, rank=ctx.cp_rank, cp=ctx.cp, stats=ctx.comm)
     return model
 
 

@@ -109,7 +109,8 @@ class ParallelRuntime:
         assert self.stage is not None and self.p2p is not None
         name = self.cfg.parallel.pp_schedule if train else "forward"
         plan = build_plans(name, ctx.pp, len(micro_batches), len(self.chunks) or 1)[ctx.pp_rank]
-        seq = m.block_size // ctx.tp if self.cfg.parallel.sequence_parallel else m.block_size
+        seq = m.block_size // ctx.cp  # (this rank's part of each sequence under context parallelism)
+        seq = seq // ctx.tp if self.cfg.parallel.sequence_parallel else seq
         loss_sum, clock = run_schedule(
             plan, self.chunks or self.stage, self.p2p, batches=micro_batches,
             act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],

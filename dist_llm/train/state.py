@@ -114,7 +114,7 @@ class RunState:
         model_parallel = self.ctx.tp * self.ctx.pp
         zero = self.cfg.parallel.zero_stage
         return {"weight_shards": model_parallel * (self.ctx.dp if zero >= 3 else 1),
-                "state_shards": model_parallel * (self.ctx.dp if zero >= 1 else 1)}
+                "state_shards": model_parallel * (self.ctx.dp_cp if zero >= 1 else 1)}  # (ZeRO shards over dp x cp)
 
     # -- the run's folder -----------------------------------------------------------------------------------
     def take_run_lock(self) -> None:

@@ -27,6 +27,7 @@ from dist_llm.model.gpt import Attention
 from dist_llm.model import moe
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
+from dist_llm.parallel.context_parallel.apply import sequence_positions
 from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
 from dist_llm.parallel.runtime import ParallelRuntime
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
@@ -117,6 +118,8 @@ class Trainer:
         self.masks = {id(self.train_tokens): self.data.train_mask(), id(self.val_tokens): self.data.val_mask()}
         self.sampler = GlobalBatchSampler(len(self.train_tokens), m.block_size, t.global_batch_size, t.seed)
         self.val_sampler = val_sampler(len(self.val_tokens), m.block_size, t.global_batch_size)
+        # under context parallelism every cp rank of a dp group reads the same windows and keeps its part of each
+        self.cp_positions = sequence_positions(ctx.cp_rank, ctx.cp, m.block_size)
 
         # this rank's part of the model only: built on the meta device, cut, sharded, then materialised
         built = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights, read=open_initial_tensors)
@@ -209,21 +212,23 @@ class Trainer:
         starts = sampler.micro_batch_starts(step, dp_rank=self.ctx.dp_rank, dp_size=self.ctx.dp,
                                             micro_batch_size=self.cfg.train.micro_batch_size)
         mask, pin = self.masks[id(tokens)], self.device.type == "cuda"
-        return [host_batch(tokens, s, self.cfg.model.block_size, mask, pin=pin) for s in starts]
+        return [host_batch(tokens, s, self.cfg.model.block_size, mask, pin=pin, positions=self.cp_positions)
+                for s in starts]
 
     def _rank_share_of_targets(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]],
                                mask: Any) -> torch.Tensor | float:
-        """The global batch's unmasked targets over dp: what each micro-batch's token-loss sum is divided by.
+        """The global batch's unmasked targets over dp x cp: what each micro-batch's token-loss sum is divided by.
 
         The loss is the mean over the global batch's unmasked targets, whatever the layout. Each rank's
-        gradients are averaged over dp, so a rank divides its token sums by 1/dp of the global count. Without
-        a loss mask every target counts and the count is known; with one, this rank's micro-batches are
-        counted and one all-reduce over dp sums the counts (tp ranks and pp stages hold the same targets)."""
+        gradients are averaged over dp x cp (context-parallel ranks hold disjoint tokens of the same sequences,
+        the same number each), so a rank divides its token sums by 1/(dp cp) of the global count. Without a loss
+        mask every target counts and the count is known; with one, this rank's micro-batches are counted and one
+        all-reduce over dp x cp sums the counts (tp ranks and pp stages hold the same targets)."""
         if mask is None:
-            return float(self.cfg.train.global_batch_size * self.cfg.model.block_size // self.ctx.dp)
+            return float(self.cfg.train.global_batch_size * self.cfg.model.block_size // self.ctx.dp_cp)
         count = torch.stack([(y != IGNORE_INDEX).sum() for _, y in micro_batches]).sum()
-        comm.all_reduce(count, self.ctx.dp_group, self.ctx.comm)
-        return count.clamp(min=1) / self.ctx.dp  # (no target at all: zero loss and gradients, not nan)
+        comm.all_reduce(count, self.ctx.dp_cp_group, self.ctx.comm)
+        return count.clamp(min=1) / self.ctx.dp_cp  # (no target at all: zero loss and gradients, not nan)
 
     def train_step(self) -> StepOutput:
         t = self.cfg.train
@@ -293,7 +298,7 @@ class Trainer:
             self.runtime.add_eval_losses(batches, total)
         self.model.train()
         sums = torch.stack([total, count])
-        comm.all_reduce(sums, self.ctx.dp_group, None)  # (metrics, not training traffic)
+        comm.all_reduce(sums, self.ctx.dp_cp_group, None)  # (metrics, not training traffic; cp ranks' tokens differ)
         return self._from_last_stage(sums[0] / sums[1].clamp(min=1)).item()
 
     def _dp_sum(self, t: torch.Tensor) -> None:
@@ -301,10 +306,10 @@ class Trainer:
         comm.all_reduce(t, self.ctx.dp_group, None)
 
     def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
-        """The mean of a per-rank scalar over the dp group (for metrics: not counted as training traffic)."""
+        """The mean of a per-rank scalar over the dp x cp group (for metrics: not counted as training traffic)."""
         t = t.detach().clone()
-        comm.all_reduce(t, self.ctx.dp_group, None)
-        return t / self.ctx.dp
+        comm.all_reduce(t, self.ctx.dp_cp_group, None)
+        return t / self.ctx.dp_cp
 
     def _agree_to_stop(self, requested: int, flag: torch.Tensor) -> int:
         """Every rank must stop at the same step: a SIGTERM (1) or Ctrl-C (2, Preemption.code) seen by any rank
@@ -414,9 +419,9 @@ class Trainer:
         active = f" ({self.n_active_params / 1e6:.2f}M active)" if self.n_active_params != self.n_params else ""
         log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d%s) | data-parallel form %s | backend "
                  "%s | %s | %s | global batch %d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, active,
-                 self.ctx.world_size,
-                 self.ctx.dp, self.ctx.tp, self.ctx.pp, f", ep {self.ctx.ep}" if self.ctx.ep > 1 else "", self.dp.name,
-                 self.ctx.backend, self.device, t.precision,
+                 self.ctx.world_size, self.ctx.dp, self.ctx.tp, self.ctx.pp,
+                 (f", ep {self.ctx.ep}" if self.ctx.ep > 1 else "") + (f", cp {self.ctx.cp}" if self.ctx.cp > 1 else ""),
+                 self.dp.name, self.ctx.backend, self.device, t.precision,
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
             log.info(line)

@@ -32,6 +32,9 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context_parallel.layout import Block, block_plan, check_layout, local_positions
 
 NEG_INF = float("-inf")
+#: queries per tile of a block: a block's fp32 scores are (B, nh, rows, T_local) at a time, not T_local^2 (at 8k
+#: tokens per rank and 32 heads a whole block's scores would take 8 GiB a copy)
+QUERY_ROWS = 512
 
 
 def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
@@ -52,8 +55,9 @@ class _Ring:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, group: dist.ProcessGroup | None,
                  stats: comm.CommStats | None, causal: bool, layout: str, slopes: torch.Tensor | None,
-                 scale: float) -> None:
+                 scale: float, query_rows: int = QUERY_ROWS) -> None:
         self.group, self.stats, self.causal, self.scale = group, stats, causal, scale
+        self.query_rows = query_rows
         self.cp = comm.group_size(group)
         self.rank = dist.get_rank(group) if self.cp > 1 else 0
         self.t_local = q.shape[2]
@@ -66,14 +70,18 @@ class _Ring:
     def _positions(self, rank: int, device: torch.device) -> torch.Tensor:
         return torch.tensor(local_positions(rank, self.cp, self.t_local, self.layout), device=device)
 
-    def scores(self, q: torch.Tensor, k: torch.Tensor, blk: Block) -> torch.Tensor:
-        """fp32 scores (B, nh, Tq, Tk) of queries [q_start:] against keys [:k_end] of block `blk`, ALiBi and the
-        causal mask from global positions."""
+    def tiles(self, blk: Block) -> list[tuple[int, int]]:
+        """The query rows [a, b) of block `blk`, `query_rows` at a time."""
+        return [(a, min(a + self.query_rows, self.t_local)) for a in range(blk.q_start, self.t_local, self.query_rows)]
+
+    def scores(self, q: torch.Tensor, k: torch.Tensor, blk: Block, rows: tuple[int, int]) -> torch.Tensor:
+        """fp32 scores (B, nh, b - a, Tk) of queries q = rows [a, b) against keys [:k_end] of block `blk`, ALiBi and
+        the causal mask from global positions."""
         s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.slopes is None and not blk.masked:
             return s
         k_pos = self._positions(blk.src, q.device)[: blk.k_end]
-        distance = (k_pos[None, :] - self.q_pos[blk.q_start:, None]).float()  # j - i, <= 0 where allowed
+        distance = (k_pos[None, :] - self.q_pos[rows[0] : rows[1], None]).float()  # j - i, <= 0 where allowed
         if self.slopes is not None:
             s = s + self.slopes[:, None, None] * distance
         if blk.masked:
@@ -111,10 +119,11 @@ def _forward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> 
         blk = ring.plan.get(step)
         if blk is not None:
             kb, vb = ring.block_kv(kv, blk)
-            s = ring.scores(qf[:, :, blk.q_start:], kb, blk)
-            block_lse = torch.logsumexp(s, dim=-1)  # (B, nh, Tq); finite: every computed row sees a key
-            p = torch.exp(s - block_lse[..., None])
-            _merge(out[:, :, blk.q_start:], lse[:, :, blk.q_start:], torch.matmul(p, vb), block_lse)
+            for a, b in ring.tiles(blk):
+                s = ring.scores(qf[:, :, a:b], kb, blk, (a, b))
+                block_lse = torch.logsumexp(s, dim=-1)  # (B, nh, rows); finite: every computed row sees a key
+                p = torch.exp(s - block_lse[..., None])
+                _merge(out[:, :, a:b], lse[:, :, a:b], torch.matmul(p, vb), block_lse)
         if work is not None:
             work.wait()
         kv = nxt[0]
@@ -125,13 +134,14 @@ def _block_grads(ring: _Ring, blk: Block, kv: torch.Tensor, qf: torch.Tensor, do
                  delta: torch.Tensor, dq: torch.Tensor) -> torch.Tensor:
     """Accumulate block `blk`'s share of dq in place; return its (2, B, nkv, k_end, hs) key/value gradients."""
     kb, vb = ring.block_kv(kv, blk)
-    qs = blk.q_start
-    p = torch.exp(ring.scores(qf[:, :, qs:], kb, blk) - lse[:, :, qs:, None])  # masked entries: exp(-inf) = 0
-    do = dof[:, :, qs:]
-    dv = torch.matmul(p.transpose(-1, -2), do)  # (B, nh, Tk, hs)
-    ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[:, :, qs:, None])
-    dq[:, :, qs:].add_(torch.matmul(ds, kb), alpha=ring.scale)
-    dk = torch.matmul(ds.transpose(-1, -2), qf[:, :, qs:]) * ring.scale
+    dk, dv = torch.zeros_like(kb), torch.zeros_like(vb)  # (B, nh, Tk, hs), summed over the query tiles
+    for a, b in ring.tiles(blk):
+        p = torch.exp(ring.scores(qf[:, :, a:b], kb, blk, (a, b)) - lse[:, :, a:b, None])  # masked: exp(-inf) = 0
+        do = dof[:, :, a:b]
+        dv.add_(torch.matmul(p.transpose(-1, -2), do))
+        ds = p * (torch.matmul(do, vb.transpose(-1, -2)) - delta[:, :, a:b, None])
+        dq[:, :, a:b].add_(torch.matmul(ds, kb), alpha=ring.scale)
+        dk.add_(torch.matmul(ds.transpose(-1, -2), qf[:, :, a:b]), alpha=ring.scale)
     return torch.stack((_fold(dk, ring.groups), _fold(dv, ring.groups)))
 
 
@@ -184,11 +194,13 @@ class _RingAttention(torch.autograd.Function):
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
                    stats: comm.CommStats | None, causal: bool = True, layout: str = "zigzag",
-                   alibi_slopes: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+                   alibi_slopes: torch.Tensor | None = None, scale: float | None = None,
+                   query_rows: int = QUERY_ROWS) -> torch.Tensor:
     """Attention of this rank's queries (B, nh, T_local, hs) to the whole sequence's keys and values, of which this
     rank holds (B, nkv, T_local, hs) (nh a multiple of nkv: MHA, GQA, MQA), the sequence split over `group` as
     `layout` places it. Returns (B, nh, T_local, hs) in q's dtype, equal to SDPA on the whole sequence; the ring's
-    bytes are counted in `stats` as "ring". `alibi_slopes` (nh,) adds -slope * (i - j) from global positions."""
+    bytes are counted in `stats` as "ring". `alibi_slopes` (nh,) adds -slope * (i - j) from global positions.
+    Each block is computed `query_rows` queries at a time (the transient scores' size)."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(f"ring_attention: q (B, nh, T, hs) and k, v (B, nkv, T, hs) expected, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
@@ -201,5 +213,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: 
     if alibi_slopes is not None and not causal:
         raise ValueError("ring_attention: ALiBi is defined here for causal attention only (as in the model)")
     check_layout(layout, comm.group_size(group), T)
-    ring = _Ring(q, k, group, stats, causal, layout, alibi_slopes, 1.0 / math.sqrt(D) if scale is None else scale)
+    if query_rows < 1:
+        raise ValueError(f"ring_attention: query_rows must be >= 1, got {query_rows}")
+    ring = _Ring(q, k, group, stats, causal, layout, alibi_slopes, 1.0 / math.sqrt(D) if scale is None else scale,
+                 query_rows)
     return _RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), ring)

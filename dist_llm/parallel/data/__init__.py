@@ -50,7 +50,7 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
         return DeepSpeedDataParallel(model, cfg, ctx, materialize=materialize, fill_each=fill_each)
     if materialize is not None:
         materialize(model)
-    if ctx.dp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over
+    if ctx.dp_cp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over
         return DataParallel(model, cfg, ctx)
     if stage == 0:
         from dist_llm.parallel.data.ddp import DDPDataParallel, FlatAllReduceDataParallel

@@ -137,8 +137,8 @@ class DataParallel:
             if not self.dp_sharded_grads:  # replicas over dp/ep, disjoint experts over ep
                 comm.all_reduce(expert_sum, self.ctx.ep_group, self.ctx.comm)
             sums = torch.cat([sums[:1], sums[1:] + expert_sum])  # (tp = pp = 1 under ep for now)
-        if self.dp_sharded_grads:  # (ZeRO's expert shards are disjoint over expert-dp x ep = dp: summed here)
-            comm.all_reduce(sums, self.ctx.dp_group, self.ctx.comm)
+        if self.dp_sharded_grads:
+            comm.all_reduce(sums, self.ctx.dp_cp_group, self.ctx.comm)
         comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
         tp_part = sums[:1].clone()
         comm.all_reduce(tp_part, self.ctx.tp_group, self.ctx.comm)

@@ -17,11 +17,11 @@ from dist_llm.parallel.expert.grads import expert_parameters, reduce_expert_grad
 # No annotations on `bucket` and the return: DDP compares them with the real classes, and this module's
 # postponed annotations are strings.
 def _allreduce_mean_hook(ctx: ParallelContext, bucket):  # type: ignore[no-untyped-def]
-    """DDP comm hook: average a gradient bucket (a dist.GradBucket) over the dp group, as DDP's default does,
-    with the bytes counted. Returns a Future of the averaged buffer."""
+    """DDP comm hook: average a gradient bucket (a dist.GradBucket) over the dp (x cp) group, as DDP's default
+    does, with the bytes counted. Returns a Future of the averaged buffer."""
     buffer = bucket.buffer()
-    buffer.div_(ctx.dp)
-    work = comm.all_reduce(buffer, ctx.dp_group, ctx.comm, async_op=True)
+    buffer.div_(ctx.dp_cp)
+    work = comm.all_reduce(buffer, ctx.dp_cp_group, ctx.comm, async_op=True)
     if work is None:
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
@@ -41,7 +41,8 @@ class DDPDataParallel(DataParallel):
         if experts:
             DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
         # gradient_as_bucket_view: grads live in DDP's buckets, not in a second copy
-        wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_group, gradient_as_bucket_view=True,
+        # (the parameters are replicated over dp x cp: context-parallel ranks reduce their gradients too)
+        wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_cp_group, gradient_as_bucket_view=True,
                       bucket_cap_mb=cfg.parallel.bucket_mb)
         wrapped.register_comm_hook(ctx, _allreduce_mean_hook)
         self.ddp = wrapped
@@ -76,9 +77,9 @@ class FlatAllReduceDataParallel(DataParallel):
         super().__init__(model, cfg, ctx)
 
     def finish_grads(self) -> None:
-        self.flat_grads.div_(self.ctx.dp)  # divide before summing, as DDP does: an fp16 sum could overflow
+        self.flat_grads.div_(self.ctx.dp_cp)  # divide before summing, as DDP does: an fp16 sum could overflow
         for lo in range(0, self.flat_grads.numel(), self.bucket_numel):
-            comm.all_reduce(self.flat_grads[lo : lo + self.bucket_numel], self.ctx.dp_group, self.ctx.comm)
+            comm.all_reduce(self.flat_grads[lo : lo + self.bucket_numel], self.ctx.dp_cp_group, self.ctx.comm)
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()  # keep the views: set_to_none would detach .grad from the buffer

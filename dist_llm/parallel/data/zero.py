@@ -165,9 +165,10 @@ class ZeroDataParallel(DataParallel):
         self.name = f"zero{stage}"
         self.cfg, self.ctx = cfg, ctx
         self.module = self.model = model
-        self.dp, self.rank, self.group = ctx.dp, ctx.dp_rank, ctx.dp_group
-        self.divisor = ctx.dp  # the dp ranks' gradients are averaged
-        if part is not None:
+        # sharded over dp x cp: the parameters are replicated over both (ctx.dp_cp_group is the dp group at cp=1)
+        self.dp, self.rank, self.group = ctx.dp_cp, ctx.dp_cp_rank, ctx.dp_cp_group
+        self.divisor = ctx.dp_cp  # the replicas' gradients are averaged
+        if part is not None:  # expert parameters under ep (cp = 1 there)
             self.dp, self.rank, self.group, self.divisor = part.size, part.rank, part.group, part.divisor
         device = ctx.device
         self.mixed = cfg.train.precision != "fp32"

@@ -1,0 +1,160 @@
+"""Context parallelism in the model: training at cp > 1 against one process, on gloo ranks.
+
+Each cp rank holds the zigzag part (layout.py) of every sequence; attention is the ring (tests/test_ring_attention.py
+checks it alone). The whole run must equal one process: losses to 1e-5 relative (fp32; the ring merges blocks by
+log-sum-exp in another summation order than SDPA, and gradients are summed over dp x cp ranks instead of over one
+batch, so results agree to rounding, not bit for bit), parameters to PARAM_ATOL (see test_data_parallel.py).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.data.sampler import host_batch
+from dist_llm.parallel.context_parallel import merge_sequence
+from dist_llm.parallel.context_parallel.apply import sequence_positions
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401
+
+BLOCK = 64  # 2 x cp = 8 chunks of 8 tokens at cp=4
+
+
+def _ring_bytes(*, cp: int, dp: int = 1, n_kv_head: int = 4) -> int:
+    """A training step's ring bytes on one rank (tiny_overrides: 2 layers, micro-batches of 4, global batch 8, head
+    size 8, fp32): per layer and micro-batch, forward sends k and v (cp - 1) times, backward twice that."""
+    block = 2 * 4 * n_kv_head * (BLOCK // cp) * 8 * 4  # (k, v) x (B, nkv, T/cp, hs) x fp32 bytes
+    micro_batches = 8 // (4 * dp)
+    return 3 * (cp - 1) * block * 2 * micro_batches
+
+
+def _run(tmp_path: Path, corpus: Path, world: int, **extra: Any) -> dict[str, Any]:  # noqa: F811
+    """Rank 0's report, with the parameters of every rank (pipeline stages hold different blocks)."""
+    ranks = run_distributed(train, world, tmp_path, corpus, {"model__block_size": BLOCK, **extra}, init_group=False)
+    for other in ranks[1:]:
+        ranks[0]["params"] = {**other["params"], **ranks[0]["params"]}
+    return ranks[0]
+
+
+@pytest.mark.parametrize("pos_emb", ["rope", "learned", "alibi"])
+def test_cp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                 pos_emb: str) -> None:
+    """Also: evaluation runs under cp as training does (its loss equal too); under ALiBi, selective activation
+    checkpointing recomputes the ring attention core in backward (ring bytes: a third forward pass)."""
+    model = {"model__block_size": BLOCK, "model__pos_emb": pos_emb}
+    selective = pos_emb == "alibi"
+    run_keys = {"train__activation_checkpointing": "selective"} if selective else {}
+    got = _run(tmp_path / "cp2", corpus, 2, parallel__cp=2, train__eval_interval=4, **run_keys, **model)
+    # (the ring ran: the run is not a cp=1 run in disguise)
+    assert got["comm"]["ring"] == _ring_bytes(cp=2) * (4 if selective else 3) // 3
+    ref = train(0, 1, tmp_path / "one", corpus, {"train__eval_interval": 4, **model})
+    assert_same_run(got, ref, rtol=1e-5)
+    val = {run: {r["step"]: r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
+                 if "val_loss" in r} for run in ("cp2", "one")}
+    assert list(val["cp2"]) == list(val["one"]) == [4, 8]
+    assert list(val["cp2"].values()) == pytest.approx(list(val["one"].values()), rel=1e-5)
+
+
+def test_cp4_gqa_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                     corpus: Path) -> None:  # noqa: F811
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope", "model__n_kv_head": 2}
+    got = _run(tmp_path, corpus, 4, parallel__cp=4, **model)
+    assert got["comm"]["ring"] == _ring_bytes(cp=4, n_kv_head=2)  # (only the kv heads travel)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("zero_stage", [0, 2])
+def test_dp2_cp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                     zero_stage: int) -> None:
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+    got = _run(tmp_path, corpus, 4, parallel__cp=2, parallel__zero_stage=zero_stage, **model)
+    assert got["dp"] == ("ddp" if zero_stage == 0 else "zero2")
+    assert got["comm"]["ring"] == _ring_bytes(cp=2, dp=2)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", ["tp2-sp", "pp2"])
+def test_cp2_with_model_parallel_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                     corpus: Path, variant: str) -> None:  # noqa: F811
+    """cp2 x tp2 with sequence parallelism (ALiBi: each tp rank's heads keep their own slopes), cp2 x pp2 (1F1B
+    over activations of T/cp tokens)."""
+    if variant == "tp2-sp":
+        model = {"model__block_size": BLOCK, "model__pos_emb": "alibi", "model__n_kv_head": 2}
+        layout = {"parallel__tp": 2, "parallel__sequence_parallel": True}
+    else:
+        model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+        layout = {"parallel__pp": 2}
+    got = _run(tmp_path, corpus, 4, parallel__cp=2, **layout, **model)
+    if variant == "tp2-sp":  # each tp rank passes its own kv head round its cp ring
+        assert got["comm"]["ring"] == _ring_bytes(cp=2, n_kv_head=1)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+def test_checkpoint_from_cp2_resumes_at_cp1(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                            corpus: Path) -> None:  # noqa: F811
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+    first = tmp_path / "cp2"
+    _run(first, corpus, 2, parallel__cp=2, train__stop_after_step=4, train__ckpt_interval=4, **model)
+    out = tmp_path / "cp1"
+    shutil.copytree(first, out)
+    got = _run(out, corpus, 1, **model)
+    ref = reference(tmp_path_factory, corpus, **model)
+    assert len(got["losses"]) == STEPS  # the cp=2 run's 4 steps, then 4 resumed at cp=1
+    for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+
+
+def test_sampler_slices_are_the_zigzag_parts() -> None:
+    """Every cp rank reads the same windows; merged back in rank order they are the whole window, targets too."""
+    import numpy as np
+
+    tokens = np.arange(1000, dtype=np.uint16) % 251
+    mask = (np.arange(1000) % 7 != 0).astype(np.uint8)
+    starts = np.array([3, 400, 17])
+    x, y = host_batch(tokens, starts, BLOCK, mask)
+    for cp in (2, 4):
+        parts = [host_batch(tokens, starts, BLOCK, mask, positions=sequence_positions(r, cp, BLOCK)) for r in range(cp)]
+        assert all(p[0].shape == (3, BLOCK // cp) for p in parts)
+        assert merge_sequence([p[0] for p in parts], "zigzag").equal(x)
+        assert merge_sequence([p[1] for p in parts], "zigzag").equal(y)
+
+
+@pytest.mark.parametrize(("keys", "culprit"), [
+    ({"model.block_size": 36}, "parallel.cp: model.block_size=36 is not divisible by 2*cp = 8"),
+    ({"model.dropout": 0.1}, "parallel.cp: model.dropout=0.1 (attention dropout) is not supported with cp>1"),
+    ({"model.n_experts": 4}, "parallel.cp: context parallelism with MoE (model.n_experts>0) is not yet supported"),
+    ({"parallel.zero_stage": 3}, "parallel.cp: context parallelism with parallel.zero_stage=3 is not yet supported"),
+    ({"parallel.tp": 2, "parallel.sequence_parallel": True, "model.block_size": 72},
+     "parallel.sequence_parallel: model.block_size=72 is not divisible by 2*cp*tp = 16"),
+    ({"parallel.backend": "deepspeed"}, "parallel.cp: context parallelism with parallel.backend=deepspeed"),
+])
+def test_refusals_name_the_key(tmp_path: Path, keys: dict[str, Any], culprit: str) -> None:
+    overrides = tiny_overrides(tmp_path, parallel__cp=4, model__block_size=BLOCK) + [f"{k}={v}" for k, v in keys.items()]
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith(culprit) and "\n" not in str(e.value)
+
+
+def test_memory_prediction_knows_cp(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """`dist-llm memory` at cp=2: the states ZeRO-1 shards over dp x cp, activations of block_size/cp tokens; both
+    equal what rank 0 measures (activations within 10%, as test_memory.py), and the measured activations fall to
+    about half of one process's."""
+    from dist_llm import memory
+    from tests.test_memory import _config
+
+    extra = {"train__max_steps": 1, "model__block_size": 128, "model__pos_emb": "rope", "parallel__zero_stage": 1}
+    one = train(0, 1, tmp_path / "one", corpus, extra)
+    got = _run(tmp_path / "cp2", corpus, 2, parallel__cp=2, **extra)
+    est = memory.predict(_config(tmp_path, corpus, {**extra, "parallel__cp": 2}), 2, pp_rank=0)
+    held = got["state_bytes"]
+    assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
+        est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
+    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=0.10)
+    assert got["activation_bytes"] / one["activation_bytes"] == pytest.approx(0.5, rel=0.10)
+    assert est.temporary_bytes >= memory.ring_buffer_bytes(_config(tmp_path, corpus, extra), tp=1, cp=2) > 0
