@@ -164,7 +164,7 @@ def _refused_at_start(rank: int, world_size: int) -> str:
 
 def test_ep_must_divide_the_world_dp() -> None:
     got = run_distributed(_refused_at_start, 2, init_group=False)
-    assert got == ["parallel.ep: 4 does not divide dp=2 (WORLD_SIZE=2 / (tp*pp))"] * 2
+    assert got == ["parallel.ep: 4 does not divide dp=2 (WORLD_SIZE=2 / (cp*tp*pp))"] * 2
 
 
 def _biased_step(rank: int, world_size: int, ep: int) -> dict[str, Any]:
