@@ -132,7 +132,7 @@ class NF4Weight:
         # A group whose absmaxes all equal the mean would divide by zero (torchao yields NaN); its values are
         # all exactly 0, so any finite factor stores them exactly.
         factor = torch.where(group_absmax > 0, 256 / (2 * group_absmax), torch.ones_like(group_absmax))
-        scale_q = (centred * factor[:, None]).round().clamp(-128, 127).to(torch.int8).reshape(-1)[:n_blocks]
+        scale_q = (centred * factor[:, None]).round().clamp(-128, 127).reshape(-1)[:n_blocks].to(torch.int8)  # (unpadded)
 
         # Level indices come from the exact absmax (not the double-quantised one), as in QLoRA and torchao.
         # An all-zero block is divided by 1 instead of 0, so its values take the zero level.
@@ -237,6 +237,24 @@ NF4_PARAMETERS = ("packed", "scale_q", "scale_factor")
 _FP32_BUFFERS = ("scale_mean", "code")
 
 
+def _local_rows(full: Tensor, like: Tensor) -> Tensor:
+    """The rows of `full` that `like` holds on this rank: all of them for a plain tensor, the FSDP2 shard of a
+    DTensor. A 1-D mesh's dim-0 shard is worked out here as torch.chunk cuts it: DTensor's general helper
+    (model/init.local_shard) builds an int64 index as long as the shard, 8 bytes for each byte of codes."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import Shard
+
+    from dist_llm.model.init import local_shard
+
+    mesh, placements = like.device_mesh, like.placements
+    if mesh.ndim != 1 or placements[0] != Shard(0):
+        return local_shard(full, like)
+    chunk = _ceil_div(full.shape[0], mesh.size())
+    start = min(mesh.get_local_rank() * chunk, full.shape[0])
+    return full.narrow(0, start, like.to_local().shape[0])
+
+
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is stored in NF4 and dequantised to the input's dtype per call.
 
@@ -298,8 +316,6 @@ class NF4Linear(nn.Module):
     def load_quantised(self, q: NF4Weight) -> None:
         """Store `q` (this layer's whole weight, quantised) in place: where a parameter is an FSDP2 shard
         (a DTensor), only this rank's part of it."""
-        from dist_llm.model.init import local_shard
-
         meta = self._meta()
         if (q.shape, q.block_size, q.scale_block_size) != (meta["shape"], self.block_size, self.scale_block_size):
             raise ValueError(f"an NF4 weight of shape {tuple(q.shape)} (blocks {q.block_size}/{q.scale_block_size}) "
@@ -309,7 +325,7 @@ class NF4Linear(nn.Module):
         for name, t in whole.items():
             mine = getattr(self, name)
             local = mine.to_local() if hasattr(mine, "to_local") else mine
-            local.copy_(local_shard(t, mine))
+            local.copy_(_local_rows(t, mine))
 
     @classmethod
     def from_linear(
