@@ -5,6 +5,7 @@ resuming equal one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -191,11 +192,14 @@ def _build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]
 
     def unmetered(cls: type, *args: Any, **kwargs: Any) -> Any:
         # the quantiser's working space (an index per value, a chunked level search) is a per-layer transient
-        # that at this size outweighs the base: kept out of the meter, which is about what the build holds
+        # that at this size outweighs the base: kept out of the meter, which is about what the build holds.
+        # Its result, one layer's whole NF4, is metered (copied under the meter) for as long as it lives.
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
-            return quantize(cls, *args, **kwargs)
+            q = quantize(cls, *args, **kwargs)
+        return dataclasses.replace(q, packed=q.packed.clone(), scale_q=q.scale_q.clone(),
+                                   scale_factor=q.scale_factor.clone(), scale_mean=q.scale_mean.clone())
 
     try:
         with torch.device("meta"):
@@ -225,8 +229,8 @@ def test_the_build_never_allocates_the_whole_nf4_base(tmp_path: Path, llama_dir:
     tables, every layer's NF4) and sharded after: the NF4 peak was the whole base on every rank."""
     extra = {"model__init_from": f"hf:{llama_dir}"} if start == "hf" else {}
     for r in run_distributed(_build_peak, 2, tmp_path, extra, init_group=False, timeout=120):
-        # (+ 8: the quantiser runs unmetered, so the meter first sees its 4-byte group factor and mean when
-        # load_quantised views them, as storages of their own that it drops when Python frees the views)
-        assert r["nf4_peak"] <= r["own_nf4"] + r["nf4_largest"] + 8, r
+        assert r["nf4_peak"] <= r["own_nf4"] + r["nf4_largest"], r
         assert r["nf4_peak"] < 0.7 * r["nf4_whole"], r
-        assert r["peak"] <= r["own"] + r["largest"] + r["nf4_largest"] + 8, r
+        # (+ 64: scalars made along the way that the built model does not keep, e.g. the failure flag each
+        # collective read exchanges)
+        assert r["peak"] <= r["own"] + r["largest"] + r["nf4_largest"] + 64, r
