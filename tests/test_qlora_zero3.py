@@ -149,6 +149,16 @@ def test_a_loaded_start_at_zero3_equals_one_process_bit_for_bit(tmp_path: Path, 
         assert torch.equal(merged[name], t), name
 
 
+def test_a_random_start_with_biases_at_zero3_equals_one_process_bit_for_bit(tmp_path: Path) -> None:
+    """With biases, each NF4 layer's stand-in shares the layer's (sharded) bias, drawn in place."""
+    extra = {"model__bias": True}
+    ranks = run_distributed(_build, 2, tmp_path / "zero3", {**extra, **ZERO3}, init_group=False, timeout=120)
+    merged, ref = _merged(ranks), _reference(_config(tmp_path / "ref", extra)).state_dict()
+    assert any(name.endswith("qkv.bias") for name in ref) and sorted(merged) == sorted(ref)
+    for name, t in ref.items():
+        assert torch.equal(merged[name], t), name
+
+
 class _Peak(TorchDispatchMode):
     """Peaks of the live CPU storages created while on: all of them, and those of NF4's dtypes (the codes'
     uint8, the scales' int8, the factors' int32 bit patterns)."""
