@@ -343,9 +343,11 @@ def _local_shape(name: str, shape: tuple[int, ...], cfg: Config, tp: int) -> tup
     return shape
 
 
-def _nf4_nbytes(numel: int, block: int = 64, scale_block: int = 256) -> int:
+def _nf4_nbytes(numel: int, block: int = 64, scale_block: int = 256, *, dp: int = 1) -> int:
+    """QLoRA's storage of a weight of `numel` values on dp rank 0: packed codes, int8 block scales and fp32 group
+    factors (each 1-D, split by FSDP2 into chunks of ceil(len/dp) at ZeRO-3), and the 4-byte mean every rank holds."""
     blocks = -(-numel // block)
-    return blocks * block // 2 + blocks + 4 * -(-blocks // scale_block) + 4
+    return sum(-(-n // dp) * size for n, size in ((blocks * block // 2, 1), (blocks, 1), (-(-blocks // scale_block), 4))) + 4
 
 
 def _stage_params(cfg: Config, pp: int, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
@@ -446,7 +448,11 @@ def model_state_bytes(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 
         frozen = 0
         for name, full_shape, requires_grad in params:
             if not requires_grad:
-                frozen += 4 * chunk(name, _local_shape(name, full_shape, cfg, tp))
+                s = _local_shape(name, full_shape, cfg, tp)
+                if qlora and name.startswith("blocks.") and name.endswith(".weight") and len(full_shape) == 2:
+                    frozen += _nf4_nbytes(math.prod(s), dp=dp)  # (its NF4 storage is sharded too)
+                else:
+                    frozen += 4 * chunk(name, s)
         est.params_bytes = 4 * sum(local) + frozen
         est.grads_bytes = 4 * sum(local)
         est.optimizer_bytes = 8 * sum(local) + 4 * len(local)

@@ -92,6 +92,7 @@ LAYOUTS = [
     (2, {"parallel__zero_stage": 1, "train__precision": "bf16", "parallel__bucket_mb": 0.01}),
     (2, {"parallel__zero_stage": 2, "train__precision": "bf16", "parallel__bucket_mb": 0.01}),
     (2, {"parallel__zero_stage": 3}),
+    (2, {"parallel__zero_stage": 3, "peft__method": "qlora", "model__n_embd": 64}),
     (2, {"parallel__backend": "deepspeed", "parallel__zero_stage": 1, "train__precision": "bf16"}),
     (2, {"parallel__backend": "deepspeed", "parallel__zero_stage": 2, "train__precision": "bf16"}),
     (2, {"parallel__tp": 2, "model__n_kv_head": 1}),
@@ -103,7 +104,7 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize(("world", "extra"), LAYOUTS, ids=[
-    "single", "llama-like", "full-ckpt", "lora", "qlora", "ddp", "zero1-bf16", "zero2-bf16", "zero3", "ds-zero1-bf16",
+    "single", "llama-like", "full-ckpt", "lora", "qlora", "ddp", "zero1-bf16", "zero2-bf16", "zero3", "qlora-zero3", "ds-zero1-bf16",
     "ds-zero2-bf16", "tp2-mqa",
     "tp2-sp-selective", "pp2-gpipe", "dp2-pp2-zero1"])
 def test_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, world: int,  # noqa: F811

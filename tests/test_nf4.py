@@ -172,7 +172,9 @@ def test_nf4_linear_forward_and_gradients(dtype):
     base = nn.Linear(128, 64)
     lin = NF4Linear.from_linear(base)
     assert (lin.in_features, lin.out_features, lin.weight_dtype) == (128, 64, torch.float32)
-    assert [(name, p.requires_grad) for name, p in lin.named_parameters()] == [("bias", False)]
+    # the NF4 storage is frozen parameters (so that FSDP2 shards them), none of them trainable
+    assert [(name, p.requires_grad) for name, p in lin.named_parameters()] == [
+        ("bias", False), ("packed", False), ("scale_q", False), ("scale_factor", False)]
     x = torch.randn(4, 3, 128, dtype=dtype, requires_grad=True)
     w = lin.dequantized_weight(dtype)
 
@@ -181,7 +183,7 @@ def test_nf4_linear_forward_and_gradients(dtype):
         out = lin(x)
     assert out.dtype == dtype
     assert torch.equal(out, F.linear(x, w, lin.bias.to(dtype)))
-    # only the 4-bit buffers are kept for backward, never a dense weight
+    # only the 4-bit storage is kept for backward, never a dense weight
     assert not any(t.is_floating_point() and t.shape == (64, 128) for t in saved)
 
     g = torch.randn_like(out)
@@ -189,7 +191,7 @@ def test_nf4_linear_forward_and_gradients(dtype):
     x_ref = x.detach().clone().requires_grad_()
     F.linear(x_ref, w, lin.bias.to(dtype)).backward(g)
     assert torch.equal(x.grad, x_ref.grad)
-    assert lin.bias.grad is None and all(b.grad is None for b in lin.buffers())
+    assert all(p.grad is None for p in lin.parameters()) and all(b.grad is None for b in lin.buffers())
 
 
 def test_nf4_linear_bias_gets_a_gradient_if_unfrozen():
@@ -207,11 +209,12 @@ def test_nf4_linear_state_dict_and_dtype_casts():
     fresh = NF4Linear(torch.zeros(64, 128), torch.zeros(64))
     fresh.load_state_dict(lin.state_dict())
     assert torch.equal(fresh.dequantized_weight(), w)
-    # a model-wide .to(bf16) casts the bias but not the fp32 scale metadata, so the weight is unchanged
+    # a model-wide .to(bf16) casts the bias but not the fp32 scale metadata (the group factors are kept as
+    # their int32 bit patterns, which no cast touches), so the weight is unchanged
     lin.to(torch.bfloat16)
     assert lin.bias.dtype == torch.bfloat16
-    assert lin.scale_factor.dtype == lin.scale_mean.dtype == lin.code.dtype == torch.float32
-    assert list(lin.state_dict()) == keys and list(dict(lin.named_buffers())) == keys[1:]
+    assert lin.scale_mean.dtype == lin.code.dtype == torch.float32 and lin.scale_factor.dtype == torch.int32
+    assert list(lin.state_dict()) == keys and list(dict(lin.named_buffers())) == keys[4:]
     assert torch.equal(lin.dequantized_weight(), w)
 
 
@@ -220,7 +223,7 @@ def test_nf4_linear_moves_to_cuda():
     lin = NF4Linear.from_linear(nn.Linear(128, 64))
     w = lin.dequantized_weight()
     lin = lin.to("cuda", torch.bfloat16)
-    assert lin.packed.is_cuda and lin.scale_factor.dtype == torch.float32
+    assert lin.packed.is_cuda and lin.scale_mean.dtype == torch.float32
     assert torch.equal(lin.dequantized_weight().cpu(), w)
     x = torch.randn(2, 128, device="cuda", dtype=torch.bfloat16)
     assert torch.equal(lin(x), F.linear(x, w.cuda().bfloat16(), lin.bias))

@@ -196,6 +196,7 @@ def test_qlora_from_hf_never_holds_the_fp32_base(tmp_path: Path, llama_dir: Path
     earlier materialise-everything-first build peaked at the whole fp32 model."""
     from torch.utils._python_dispatch import _disable_current_modes
 
+    from dist_llm.parallel.data.base import quantised_bytes
     from dist_llm.peft.nf4 import NF4Linear, NF4Weight
 
     # The quantiser's own working space (a few copies of one layer, a 16-level search in chunks of 2**20
@@ -215,8 +216,7 @@ def test_qlora_from_hf_never_holds_the_fp32_base(tmp_path: Path, llama_dir: Path
         whole = GPT(cfg.model)
     with LiveBytes() as meter:
         model = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp.module
-    kept = (sum(p.nbytes for p in model.parameters())
-            + sum(m.nf4_weight().nbytes for m in model.modules() if isinstance(m, NF4Linear)))
+    kept = sum(p.nbytes for p in model.parameters()) + quantised_bytes(model)  # (NF4 codes/scales: parameters)
     fp32_whole = sum(p.nbytes for p in whole.parameters())
     largest = max(p.nbytes for p in whole.parameters())
     assert any(isinstance(m, NF4Linear) for m in model.modules())

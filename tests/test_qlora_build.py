@@ -18,7 +18,7 @@ from dist_llm.model import GPT
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.parallelize import meta_model, parallelize
 from dist_llm.peft import apply_peft
-from dist_llm.peft.nf4 import NF4Linear
+from dist_llm.peft import qlora
 from dist_llm.train.init_from import load_initial_weights, resolve_architecture
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
@@ -51,15 +51,15 @@ def _build(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> 
         model = meta_model(cfg, ctx)
         alive: list[int] = []
         quantised: list[weakref.ref] = []
-        real = NF4Linear.from_linear.__func__  # type: ignore[attr-defined]
+        real = qlora.quantise
 
-        def counting(cls: type, linear: nn.Linear, *args: Any, **kwargs: Any) -> NF4Linear:
+        def counting(whole: nn.Module, module_name: str, linear: nn.Linear) -> None:
             alive.append(_fp32_block_weights(model, quantised))
             quantised.append(weakref.ref(linear.weight))
-            return real(cls, linear, *args, **kwargs)
+            real(whole, module_name, linear)
 
-        with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(NF4Linear, "from_linear", classmethod(counting))
+        with pytest.MonkeyPatch.context() as patch:  # (every build quantises through qlora.quantise)
+            patch.setattr(qlora, "quantise", counting)
             built = parallelize(model, cfg, ctx, load=load_initial_weights).dp.module
         state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
                  for k, v in built.state_dict().items()}

@@ -9,7 +9,8 @@ through TensorParallelFactory. `parallelize` then, in this order:
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
      rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
-     under QLoRA each block linear is allocated, filled and quantised to NF4 one at a time (peft/qlora.py);
+     under QLoRA each block linear is allocated, filled and quantised to NF4 one at a time (peft/qlora.py),
+     under ZeRO-3 into this rank's shards of the NF4 layer built on meta;
   4. PEFT (LoRA on the NF4 base, adapters), activation checkpointing, compile;
   5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed's
      ZeRO-1/2 hold those in full by design).
@@ -104,6 +105,9 @@ def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader |
     del params
     model.reset_buffers()
     adapters = peft_parameter_names(model)  # LoRA/adapters added on the meta device (ZeRO-3 shards them there)
+    # QLoRA at ZeRO-3: the NF4 layers were built and sharded on the meta device; a meta stand-in takes each one's
+    # place, and the fills below quantise into this rank's shards of it (peft/qlora.py)
+    nf4_layers = qlora.stand_in_linears(model) if cfg.peft.method == "qlora" else []
     if cfg.model.init_from:
         if load is None:
             raise ValueError("model.init_from is set but parallelize() was given no loader")
@@ -111,9 +115,10 @@ def materialize(model: GPT, cfg: Config, ctx: ParallelContext, *, load: Loader |
     else:
         names = [parameter_name(n, "") for n, _ in model.named_parameters()]
         model.reset_parameters(cfg.train.seed, only=[n for n in names if n not in adapters])  # (meta ones skipped)
-        if deferred:
+        if deferred or nf4_layers:
             qlora.materialise_quantised(model, ctx.device,
                                         lambda name, _: model.reset_parameters(cfg.train.seed, only=[name]))
+    qlora.check_filled(model, nf4_layers)
     if adapters:
         reset_peft_parameters(model, cfg.train.seed)  # the values apply_peft draws on a materialised model
 
@@ -160,9 +165,9 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     t = cfg.train
     # FSDP2 shards the meta model and each rank then allocates only its shards (DeepSpeed's ZeRO-3 likewise,
     # one parameter at a time); LoRA and adapters are added on the meta device too and drawn once allocated.
-    # QLoRA quantises real weights, so under it the tensor-parallel-local model is materialised first and
-    # sharded after.
-    shard_on_meta = wrap and builds_on_meta(cfg, ctx) and cfg.peft.method != "qlora"
+    # QLoRA's NF4 layers too (FSDP2 shards their codes and scales); DeepSpeed does not take QLoRA on meta
+    # (builds_on_meta): there the model is materialised first and partitioned after.
+    shard_on_meta = wrap and builds_on_meta(cfg, ctx)
 
     def adapt_and_compile() -> None:
         if cfg.peft.method != "none":

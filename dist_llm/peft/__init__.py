@@ -141,12 +141,14 @@ class ParameterCounts:
 
 
 def parameter_counts(model: nn.Module) -> ParameterCounts:
-    """Trainable and total parameters of `model` (this rank's part). A QLoRA base weight is NF4 buffers, not a
-    parameter: counted by the elements it stands for, not skipped (nor by its packed bytes)."""
-    from dist_llm.peft.nf4 import NF4Linear
+    """Trainable and total parameters of `model` (this rank's part). A QLoRA base weight is stored as NF4
+    tensors: counted by the elements it stands for, not by its packed bytes (nor skipped)."""
+    from dist_llm.peft.nf4 import NF4_PARAMETERS, NF4Linear
 
-    nf4 = tuple((m.out_features, m.in_features) for m in model.modules() if isinstance(m, NF4Linear))
-    params = list(model.parameters())
+    layers = [m for m in model.modules() if isinstance(m, NF4Linear)]
+    nf4 = tuple((m.out_features, m.in_features) for m in layers)
+    storage = {id(getattr(m, name)) for m in layers for name in NF4_PARAMETERS}
+    params = [p for p in model.parameters() if id(p) not in storage]
     return ParameterCounts(trainable=sum(p.numel() for p in params if p.requires_grad),
                            total=sum(p.numel() for p in params) + sum(o * i for o, i in nf4), nf4_shapes=nf4)
 

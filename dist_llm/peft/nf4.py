@@ -27,6 +27,7 @@ nothing is padded and the results are identical.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -131,7 +132,7 @@ class NF4Weight:
         # A group whose absmaxes all equal the mean would divide by zero (torchao yields NaN); its values are
         # all exactly 0, so any finite factor stores them exactly.
         factor = torch.where(group_absmax > 0, 256 / (2 * group_absmax), torch.ones_like(group_absmax))
-        scale_q = (centred * factor[:, None]).round().clamp(-128, 127).to(torch.int8).reshape(-1)[:n_blocks]
+        scale_q = (centred * factor[:, None]).round().clamp(-128, 127).reshape(-1)[:n_blocks].to(torch.int8)  # (unpadded)
 
         # Level indices come from the exact absmax (not the double-quantised one), as in QLoRA and torchao.
         # An all-zero block is divided by 1 instead of 0, so its values take the zero level.
@@ -192,7 +193,7 @@ class NF4Weight:
 class _NF4LinearFunction(torch.autograd.Function):
     """x @ W.T + b with W dequantised in forward and again in backward, so no dense copy of W lives between.
 
-    Only the NF4 buffers are saved. The weight gets no gradient (it is frozen); x gets one (LoRA adapters sit
+    Only the NF4 tensors are saved. The weight gets no gradient (it is frozen); x gets one (LoRA adapters sit
     on top) and so does the bias if someone unfreezes it.
     """
 
@@ -214,22 +215,60 @@ class _NF4LinearFunction(torch.autograd.Function):
         return (grad_x, grad_bias, None) + (None,) * len(ctx.saved_tensors)
 
 
-# Buffers holding fp32 metadata that `module.to(dtype)` / `.half()` must not cast.
 def nf4_nbytes(numel: int, block_size: int = 64, scale_block_size: int = 256) -> int:
     """`NF4Weight.nbytes` of a weight of `numel` elements, without quantising one: packed codes (half a byte a
     value, padded to whole blocks), an int8 scale per block, an fp32 factor per group of scales, the fp32 mean."""
+    return sum(math.prod(shape) * dtype.itemsize
+               for shape, dtype in nf4_storage(numel, block_size, scale_block_size).values())
+
+
+def nf4_storage(numel: int, block_size: int = 64,
+                scale_block_size: int = 256) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of each tensor `NF4Linear` stores for a weight of `numel` elements (the 16-level table
+    aside): `packed`, `scale_q` and `scale_factor` are 1-D, so that FSDP2 can shard them on dim 0."""
     blocks = _ceil_div(numel, block_size)
-    return blocks * block_size // 2 + blocks + 4 * _ceil_div(blocks, scale_block_size) + 4
+    return {"packed": ((blocks * block_size // 2,), torch.uint8), "scale_q": ((blocks,), torch.int8),
+            "scale_factor": ((_ceil_div(blocks, scale_block_size),), torch.int32), "scale_mean": ((), torch.float32)}
 
 
-_FP32_BUFFERS = ("scale_factor", "scale_mean", "code")
+#: NF4 storage kept as frozen parameters (sharded by FSDP2) and as buffers (tiny; every rank holds them whole)
+NF4_PARAMETERS = ("packed", "scale_q", "scale_factor")
+# Buffers holding fp32 metadata that `module.to(dtype)` / `.half()` must not cast.
+_FP32_BUFFERS = ("scale_mean", "code")
+
+
+def _local_rows(full: Tensor, like: Tensor) -> Tensor:
+    """The rows of `full` that `like` holds on this rank: all of them for a plain tensor, the FSDP2 shard of a
+    DTensor. A 1-D mesh's dim-0 shard is worked out here as torch.chunk cuts it: DTensor's general helper
+    (model/init.local_shard) builds an int64 index as long as the shard, 8 bytes for each byte of codes."""
+    if not hasattr(like, "device_mesh"):
+        return full
+    from torch.distributed.tensor import Shard
+
+    from dist_llm.model.init import local_shard
+
+    mesh, placements = like.device_mesh, like.placements
+    if mesh.ndim != 1 or placements[0] != Shard(0):
+        return local_shard(full, like)
+    chunk = _ceil_div(full.shape[0], mesh.size())
+    start = min(mesh.get_local_rank() * chunk, full.shape[0])
+    return full.narrow(0, start, like.to_local().shape[0])
 
 
 class NF4Linear(nn.Module):
     """A frozen linear layer whose weight is stored in NF4 and dequantised to the input's dtype per call.
 
-    The NF4 tensors are buffers (they move with `.to(device)` and are in the state dict, but are not
-    parameters, so no optimiser sees them); the bias, if any, is a parameter with requires_grad=False.
+    The codes (`packed`), the int8 block scales (`scale_q`) and the fp32 group factors (`scale_factor`) are
+    frozen 1-D parameters (requires_grad=False, so no optimiser or gradient sees them): FSDP2 (ZeRO-3)
+    shards parameters, not buffers, so as parameters each rank keeps 1/dp of them and a block's unit gathers
+    them with its other weights for forward and backward (FSDP2 gathers a unit of mixed dtypes as bytes). The
+    group factors are stored as their int32 bit patterns: FSDP2's mixed precision and `module.to(bf16)` cast
+    floating parameters, and a bf16 factor would change the dequantised weight. The mean (a scalar) and the
+    16-level table stay fp32 buffers, held whole. The bias, if any, is a parameter with requires_grad=False.
+
+    Built from a weight on the meta device, the layer is an empty shell of the right shapes (for a model built
+    on the meta device and sharded before anything is allocated); `load_quantised` fills it, or this rank's
+    shards of it.
     """
 
     def __init__(
@@ -251,13 +290,42 @@ class NF4Linear(nn.Module):
         self.weight_dtype = weight.dtype
         self.block_size = block_size
         self.scale_block_size = scale_block_size
-        q = NF4Weight.quantize(weight, block_size, scale_block_size, code)
-        self.register_buffer("packed", q.packed)
-        self.register_buffer("scale_q", q.scale_q)
-        self.register_buffer("scale_factor", q.scale_factor)
-        self.register_buffer("scale_mean", q.scale_mean)
-        self.register_buffer("code", q.code)
+        # (the bias first: the state dict keeps its order bias, packed, scale_q, scale_factor, scale_mean, code)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
+        if weight.is_meta:
+            stored = {name: torch.empty(shape, dtype=dtype, device="meta")
+                      for name, (shape, dtype) in nf4_storage(weight.numel(), block_size, scale_block_size).items()}
+            stored["code"] = torch.empty(16, dtype=torch.float32, device="meta")
+        else:
+            q = NF4Weight.quantize(weight, block_size, scale_block_size, code)
+            stored = {"packed": q.packed, "scale_q": q.scale_q, "scale_factor": q.scale_factor.view(torch.int32),
+                      "scale_mean": q.scale_mean, "code": q.code}
+        for name in NF4_PARAMETERS:
+            setattr(self, name, nn.Parameter(stored[name], requires_grad=False))
+        for name in _FP32_BUFFERS:
+            self.register_buffer(name, stored[name])
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """After `to_empty` of a layer built on the meta device: the default table, and a NaN mean until
+        `load_quantised` stores a weight (an unfilled layer then shows in the loss, not as a plausible weight)."""
+        self.code.copy_(torch.tensor(NF4_CODE, dtype=torch.float32))
+        self.scale_mean.fill_(float("nan"))
+
+    @torch.no_grad()
+    def load_quantised(self, q: NF4Weight) -> None:
+        """Store `q` (this layer's whole weight, quantised) in place: where a parameter is an FSDP2 shard
+        (a DTensor), only this rank's part of it."""
+        meta = self._meta()
+        if (q.shape, q.block_size, q.scale_block_size) != (meta["shape"], self.block_size, self.scale_block_size):
+            raise ValueError(f"an NF4 weight of shape {tuple(q.shape)} (blocks {q.block_size}/{q.scale_block_size}) "
+                             f"does not fit {self.extra_repr()}")
+        whole = {"packed": q.packed, "scale_q": q.scale_q, "scale_factor": q.scale_factor.view(torch.int32),
+                 "scale_mean": q.scale_mean, "code": q.code}
+        for name, t in whole.items():
+            mine = getattr(self, name)
+            local = mine.to_local() if hasattr(mine, "to_local") else mine
+            local.copy_(_local_rows(t, mine))
 
     @classmethod
     def from_linear(
@@ -275,11 +343,15 @@ class NF4Linear(nn.Module):
                 "block_size": self.block_size, "scale_block_size": self.scale_block_size}
 
     def _nf4_tensors(self) -> tuple[Tensor, ...]:
-        # in NF4Weight's field order
-        return (self.packed, self.scale_q, self.scale_factor, self.scale_mean, self.code)
+        # in NF4Weight's field order. Inside an FSDP2 unit's forward and backward the parameters are the
+        # gathered whole tensors; a sharded one (a DTensor, outside them) is gathered here: collective.
+        packed, scale_q, factor = (t.full_tensor() if hasattr(t, "full_tensor") else t
+                                   for t in (self.packed, self.scale_q, self.scale_factor))
+        return (packed, scale_q, factor.view(torch.float32), self.scale_mean, self.code)
 
     def nf4_weight(self) -> NF4Weight:
-        """The stored weight as an `NF4Weight` over this module's buffers (no copy)."""
+        """The stored weight as an `NF4Weight` over this module's tensors (no copy, unless sharded: then gathered,
+        a collective over the data-parallel group)."""
         return NF4Weight(*self._nf4_tensors(), **self._meta())
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> Tensor:
@@ -290,7 +362,7 @@ class NF4Linear(nn.Module):
         return _NF4LinearFunction.apply(x, self.bias, self._meta(), *self._nf4_tensors())
 
     def _apply(self, fn: Any, recurse: bool = True) -> NF4Linear:
-        # Module.to(dtype), .half() and .bfloat16() cast every floating buffer; the scale metadata must stay
+        # Module.to(dtype), .half() and .bfloat16() cast every floating buffer; the fp32 metadata must stay
         # fp32 or the dequantised weight changes. Those buffers go through fn as int32 bit patterns (which
         # device moves keep and dtype casts skip) and come back as fp32.
         order = list(self._buffers)

@@ -5,6 +5,12 @@
 checkpoint, a Hugging Face region) allocates that one weight, fills it, quantises it to NF4 (`quantise`)
 and drops the fp32 tensor before the next one is allocated (`materialise_quantised`). The NF4 codes are those
 of quantising the whole fp32 model, since each weight holds the same values when it is quantised.
+
+Under ZeRO-3 (FSDP2) the NF4 layers exist before anything is allocated: built on the meta device and sharded
+there, each rank allocates only its shards of their codes and scales. `stand_in_linears` then puts a plain
+linear with a meta weight in each one's place, so that the same fills (random draw, `ckpt:`, `hf:`) run
+unchanged; `quantise` quantises that one whole weight, copies this rank's shards into the NF4 layer and puts
+the layer back. No rank holds more than one block linear in fp32 or in whole NF4 at a time.
 """
 
 from __future__ import annotations
@@ -49,13 +55,47 @@ def restore(deferred: list[tuple[nn.Module, nn.Parameter]]) -> None:
         layer._parameters["weight"] = weight  # (still on the meta device)
 
 
-def quantise(model: nn.Module, module_name: str, linear: nn.Linear) -> None:
-    """Replace block linear `module_name` of `model` by its NF4 form and free its fp32 weight (the caller's
-    reference to the old layer keeps no tensor alive after this)."""
+def stand_in_linears(model: nn.Module) -> list[nn.Module]:
+    """Put a plain linear with a meta weight (sharing the bias) in the place of every block NF4 layer of `model`
+    (built on the meta device, its storage allocated but not filled), for `quantise` to fill it back; returns
+    the NF4 layers."""
     from dist_llm.peft.nf4 import NF4Linear
 
+    names = {id(m): parameter_name(n, "") for n, m in model.named_modules()}
+    layers = [(names[id(layer)], layer) for block in model.blocks for path in BLOCK_LINEARS  # type: ignore[union-attr]
+              if isinstance(layer := _child(block, path), NF4Linear)]
+    for module_name, layer in layers:
+        stand_in = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta",
+                             dtype=layer.weight_dtype).requires_grad_(False)
+        stand_in.bias = layer.bias
+        stand_in.__dict__["nf4_target"] = layer  # (not an attribute Module registers: no child, no parameters)
+        parent_name, _, child = module_name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, stand_in)
+    return [layer for _, layer in layers]
+
+
+def check_filled(model: nn.Module, layers: list[nn.Module]) -> None:
+    """That every NF4 layer `stand_in_linears` took out is back in `model` (each got its weight)."""
+    present = {id(m) for m in model.modules()}
+    missing = [layer for layer in layers if id(layer) not in present]
+    if missing:
+        raise ValueError(f"{len(missing)} NF4 block linear(s) were never filled (a loader skipped them)")
+
+
+def quantise(model: nn.Module, module_name: str, linear: nn.Linear) -> None:
+    """Replace block linear `module_name` of `model` by its NF4 form and free its fp32 weight (the caller's
+    reference to the old layer keeps no tensor alive after this). A stand-in (`stand_in_linears`) fills the
+    NF4 layer it stands for, this rank's shards of it, and puts that layer back."""
+    from dist_llm.peft.nf4 import NF4Linear, NF4Weight
+
+    target = linear.__dict__.get("nf4_target")
+    if target is None:
+        layer = NF4Linear.from_linear(linear)
+    else:  # (the NF4 defaults, as NF4Linear.from_linear quantises)
+        target.load_quantised(NF4Weight.quantize(linear.weight, target.block_size, target.scale_block_size))
+        layer = target
     parent_name, _, child = module_name.rpartition(".")
-    setattr(model.get_submodule(parent_name), child, NF4Linear.from_linear(linear))
+    setattr(model.get_submodule(parent_name), child, layer)
     linear._parameters["weight"] = None
 
 

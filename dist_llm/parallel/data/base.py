@@ -40,11 +40,11 @@ def tensor_bytes(tensors: Any) -> int:
 
 
 def quantised_bytes(module: nn.Module) -> int:
-    """Bytes of weights held as buffers in a quantised form (QLoRA's NF4 base), which are parameters in all
-    but name."""
+    """Bytes of a quantised base (QLoRA's NF4) held as buffers, outside `parameters()`: each layer's fp32 mean.
+    (Its codes, block scales and group factors are frozen parameters, counted with the others: FSDP2's shards.)"""
     from dist_llm.peft.nf4 import NF4Linear
 
-    return sum(m.nf4_weight().nbytes for m in module.modules() if isinstance(m, NF4Linear))
+    return sum(m.scale_mean.nbytes for m in module.modules() if isinstance(m, NF4Linear))
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
