@@ -34,7 +34,7 @@ import dataclasses
 import json
 import re
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterator, Sequence
 
 import torch
 
@@ -362,6 +362,18 @@ def _safetensors_header(file: Path) -> dict[str, Stored]:
         raise ConfigError(f"{file}: cannot read weights (not a safetensors file: {e})") from None
 
 
+def _overlaps(mapping: Mapping, rows: Rows) -> Iterator[tuple[tuple[int, int], Any, tuple[int, int]]]:
+    """Where each asked row range meets each of the mapping's pieces: (rows of the destination, which stacks the
+    ranges, the piece, its own rows)."""
+    at = 0
+    for a, b in rows:
+        for p in mapping.pieces:
+            lo, hi = max(a, p.start), min(b, p.start + p.rows)
+            if lo < hi:
+                yield (at + lo - a, at + hi - a), p, (lo - p.start, hi - p.start)
+        at += b - a
+
+
 def _read_failure(e: OSError, entry: "_Entry") -> OSError:
     """An I/O error reading `entry`'s tensor, as an OSError of the same errno naming the file and the tensor."""
     return OSError(e.errno, f"cannot read tensor {entry.key!r}: {e.strerror or _first_line(e)}", str(entry.file))
@@ -455,34 +467,27 @@ class HFCheckpoint:
         want = (sum(b - a for a, b in rows), *((c1 - c0,) if len(mapping.shape) > 1 else ()))
         if tuple(out.shape) != want:
             raise ValueError(f"{name}: destination of shape {tuple(out.shape)} for a region of shape {want}")
-        at = 0
-        for a, b in rows:
-            for p in mapping.pieces:
-                lo, hi = max(a, p.start), min(b, p.start + p.rows)
-                if lo >= hi:
-                    continue
-                dst = out[at + lo - a : at + hi - a]
-                entry = self.entries.get(p.name) if p.name is not None else None
-                if entry is None:  # padding, or a bias the checkpoint leaves out
-                    dst.zero_()
-                    continue
-                r0, r1 = lo - p.start, hi - p.start
-                if entry.tensor is not None:  # pytorch_model.bin, mapped
-                    self._copy_mapped(entry, dst, (r0, r1), (c0, c1), vector=len(mapping.shape) == 1,
-                                      transposed=p.transposed)
-                    continue
-                shard = self._shard(entry)
-                try:  # (a file damaged past its header is found here, by the ranks that read that region)
-                    if p.transposed and len(mapping.shape) > 1:  # Conv1D (in, out): our rows are its columns
-                        for i, block in shard.blocks(entry.key, (c0, c1), (r0, r1)):
-                            dst[:, i : i + len(block)].copy_(block.t())
-                    else:  # (straight into dst where it has the file's dtype and whole rows are read)
-                        shard.read_rows_into(entry.key, (r0, r1), dst, (c0, c1) if len(mapping.shape) > 1 else None)
-                except ValueError as e:  # the file is bad (cut short inside the tensor)
-                    raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
-                except OSError as e:
-                    raise _read_failure(e, entry) from None
-            at += b - a
+        for (d0, d1), p, (r0, r1) in _overlaps(mapping, rows):
+            dst = out[d0:d1]
+            entry = self.entries.get(p.name) if p.name is not None else None
+            if entry is None:  # padding, or a bias the checkpoint leaves out
+                dst.zero_()
+                continue
+            if entry.tensor is not None:  # pytorch_model.bin, mapped
+                self._copy_mapped(entry, dst, (r0, r1), (c0, c1), vector=len(mapping.shape) == 1,
+                                  transposed=p.transposed)
+                continue
+            shard = self._shard(entry)
+            try:  # (a file damaged past its header is found here, by the ranks that read that region)
+                if p.transposed and len(mapping.shape) > 1:  # Conv1D (in, out): our rows are its columns
+                    for i, block in shard.blocks(entry.key, (c0, c1), (r0, r1)):
+                        dst[:, i : i + len(block)].copy_(block.t())
+                else:  # (straight into dst where it has the file's dtype and whole rows are read)
+                    shard.read_rows_into(entry.key, (r0, r1), dst, (c0, c1) if len(mapping.shape) > 1 else None)
+            except ValueError as e:  # the file is bad (cut short inside the tensor)
+                raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
+            except OSError as e:
+                raise _read_failure(e, entry) from None
         return out
 
     def _read_experts(self, name: str, mapping: Mapping, out: torch.Tensor, rows: Rows,
@@ -493,31 +498,27 @@ class HFCheckpoint:
         want = (sum(b - a for a, b in rows), *mapping.shape[1:])
         if cols is not None or tuple(out.shape) != want:
             raise ValueError(f"{name}: destination of shape {tuple(out.shape)} for experts of shape {want}")
-        at = 0
-        for a, b in rows:
-            for p in mapping.pieces:
-                lo, hi = max(a, p.start), min(b, p.start + p.rows)
-                if lo >= hi:
-                    continue
-                dst, entry = out[at + lo - a : at + hi - a], self.entries[p.name] if p.name else None
-                r0, r1 = lo - p.start, hi - p.start
-                part = p.part or (0, p.hf_shape[1])
-                try:
-                    if entry is None:
-                        dst.zero_()
-                    elif entry.tensor is not None:  # pytorch_model.bin, mapped
-                        src = entry.tensor[None] if len(p.hf_shape) == 2 else entry.tensor[r0:r1, part[0]:part[1]]
-                        dst.copy_(src.transpose(1, 2))
-                    elif len(p.hf_shape) == 2:  # one expert's (out, in): its rows are our columns
-                        for i, block in self._shard(entry).blocks(entry.key, (0, p.hf_shape[0])):
-                            dst[0, :, i : i + len(block)].copy_(block.t())
-                    else:
-                        for i, block in self._shard(entry).blocks(entry.key, (r0, r1), part):
-                            dst[i : i + len(block)].copy_(block.transpose(1, 2))
-                except (OSError, ValueError, RuntimeError) as e:
-                    assert entry is not None
-                    raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
-            at += b - a
+        for (d0, d1), p, (r0, r1) in _overlaps(mapping, rows):
+            dst, entry = out[d0:d1], self.entries[p.name] if p.name else None
+            part = p.part or (0, p.hf_shape[1])
+            try:
+                if entry is None:
+                    dst.zero_()
+                elif entry.tensor is not None:  # pytorch_model.bin, mapped
+                    src = entry.tensor[None] if len(p.hf_shape) == 2 else entry.tensor[r0:r1, part[0]:part[1]]
+                    dst.copy_(src.transpose(1, 2))
+                elif len(p.hf_shape) == 2:  # one expert's (out, in): its rows are our columns
+                    for i, block in self._shard(entry).blocks(entry.key, (0, p.hf_shape[0])):
+                        dst[0, :, i : i + len(block)].copy_(block.t())
+                else:
+                    for i, block in self._shard(entry).blocks(entry.key, (r0, r1), part):
+                        dst[i : i + len(block)].copy_(block.transpose(1, 2))
+            except OSError as e:  # the system failed to read (not the file's fault): as for dense tensors
+                assert entry is not None
+                raise _read_failure(e, entry) from None
+            except (ValueError, RuntimeError) as e:
+                assert entry is not None
+                raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
         return out
 
     @staticmethod

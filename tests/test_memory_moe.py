@@ -11,9 +11,8 @@ import pytest
 from dist_llm import memory, memory_moe
 from dist_llm.config import ConfigError, load_config
 from tests.conftest import tiny_overrides
-from tests.distributed import run_distributed
 from tests.test_data_parallel import corpus, train  # noqa: F401
-from tests.test_memory import _config, cli
+from tests.test_memory import check_rank_0, cli
 
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_hidden": 48}
 
@@ -37,14 +36,7 @@ def test_moe_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, 
                                                   extra: dict[str, Any], rel: float) -> None:
     """Model states to the byte; saved activations (router logits and probabilities in fp32, the sort indices,
     the routed rows, the experts' hidden values, the combine) against the saved-tensor meter at ep=1."""
-    extra = {**MOE, **extra, "train__max_steps": 1}
-    got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
-           else train(0, 1, tmp_path, corpus, extra))
-    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0)
-    held = got["state_bytes"]
-    assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
-        est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
-    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=rel)
+    check_rank_0(tmp_path, corpus, world, {**MOE, **extra}, rel=rel)
 
 
 # a model whose shapes the tests below count by hand: C wide, vocabulary V (tied), L blocks of E experts H wide

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import tracemalloc
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -42,18 +42,24 @@ def test_every_region_is_what_safetensors_slices_give(weights: Path, block_bytes
     holds more rows than fit the bound (at least one)."""
     shard = ShardFile(weights, read_header(weights))
     try:
-        with safe_open(str(weights), framework="pt") as ref:
-            for key in ref.keys():  # noqa: SIM118 - safe_open is no dict
-                for (r0, r1), cols in REGIONS if key != "bias" else [((0, 29), None), ((4, 17), None)]:
-                    want = ref.get_slice(key)[r0:r1] if cols is None else ref.get_slice(key)[r0:r1, cols[0]:cols[1]]
-                    got = torch.empty_like(want)
-                    for at, block in shard.blocks(key, (r0, r1), cols, block_bytes=block_bytes):
-                        row_bytes = (53 if block.dim() == 2 else 1) * block.element_size()  # whole rows read
-                        assert block.dtype == want.dtype and len(block) <= max(1, block_bytes // row_bytes)
-                        got[at : at + len(block)] = block
-                    assert torch.equal(got, want), (key, r0, r1, cols)
+        for key, (r0, r1), cols, want in _regions(weights):
+            got = torch.empty_like(want)
+            for at, block in shard.blocks(key, (r0, r1), cols, block_bytes=block_bytes):
+                row_bytes = (53 if block.dim() == 2 else 1) * block.element_size()  # whole rows read
+                assert block.dtype == want.dtype and len(block) <= max(1, block_bytes // row_bytes)
+                got[at : at + len(block)] = block
+            assert torch.equal(got, want), (key, r0, r1, cols)
     finally:
         shard.close()
+
+
+def _regions(weights: Path) -> Iterator[tuple[str, tuple[int, int], tuple[int, int] | None, torch.Tensor]]:
+    """(key, rows, columns, safetensors' own slice of that region) for every tensor of the file and REGIONS."""
+    with safe_open(str(weights), framework="pt") as ref:
+        for key in ref.keys():  # noqa: SIM118 - safe_open is no dict
+            for (r0, r1), cols in REGIONS if key != "bias" else [((0, 29), None), ((4, 17), None)]:
+                yield key, (r0, r1), cols, (ref.get_slice(key)[r0:r1] if cols is None
+                                            else ref.get_slice(key)[r0:r1, cols[0]:cols[1]])
 
 
 def _maps(file: Path) -> list[str]:
@@ -131,14 +137,11 @@ def test_read_rows_into_is_what_safetensors_slices_give(weights: Path, out_dtype
     dtype, at block sizes down to one row."""
     shard = ShardFile(weights, read_header(weights))
     try:
-        with safe_open(str(weights), framework="pt") as ref:
-            for key in ref.keys():  # noqa: SIM118 - safe_open is no dict
-                for (r0, r1), cols in REGIONS if key != "bias" else [((0, 29), None), ((4, 17), None)]:
-                    want = ref.get_slice(key)[r0:r1] if cols is None else ref.get_slice(key)[r0:r1, cols[0]:cols[1]]
-                    for block_bytes in (1, 1 << 20):
-                        got = torch.full_like(want, float("nan"), dtype=out_dtype or want.dtype)
-                        shard.read_rows_into(key, (r0, r1), got, cols, block_bytes=block_bytes)
-                        assert torch.equal(got, want.to(got.dtype)), (key, r0, r1, cols, block_bytes)
+        for key, (r0, r1), cols, want in _regions(weights):
+            for block_bytes in (1, 1 << 20):
+                got = torch.full_like(want, float("nan"), dtype=out_dtype or want.dtype)
+                shard.read_rows_into(key, (r0, r1), got, cols, block_bytes=block_bytes)
+                assert torch.equal(got, want.to(got.dtype)), (key, r0, r1, cols, block_bytes)
     finally:
         shard.close()
 
