@@ -201,3 +201,39 @@ def test_a_rank_whose_experts_get_no_rows() -> None:
             first = g["first"][0]
             torch.testing.assert_close(grad, ref["grads"][name][first : first + grad.shape[0]], rtol=1e-5, atol=1e-6)
     assert all(float(grad.abs().sum()) == 0.0 for grad in got[1]["grads"].values())
+
+
+def _train_biased(rank: int, world_size: int, *args: Any) -> dict[str, Any]:
+    """`train` with the tokens of dp ranks 0 and 1 routed to experts 0 and 1 only (a selection bias set before
+    each training forward), those of dp ranks 2 and 3 as the router likes. At dp=4, ep=2 rank 1 (experts 2, 3)
+    then gets no rows in any step while rank 3, its expert-dp peer, does. One process runs the four ranks'
+    micro-batches in rank order (as every dp equality test relies on), so its k-th training forward of a step
+    plays rank k's."""
+    from dist_llm.model import moe
+
+    forward, seen = moe.MoE.forward, {"forwards": 0}
+    layers = 2  # (tiny_overrides' n_layer: every block MoE here)
+
+    def biased(self: moe.MoE, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            dp_rank = rank if world_size > 1 else (seen["forwards"] // layers) % 4
+            seen["forwards"] += 1
+            self.expert_bias.copy_(torch.tensor([9.0, 9.0, 0.0, 0.0] if dp_rank < 2 else [0.0] * 4))
+        return forward(self, x)
+
+    moe.MoE.forward = biased  # type: ignore[method-assign]  # (in this spawned process only)
+    return train(rank, world_size, *args)
+
+
+@pytest.mark.parametrize("zero_stage", [2])
+def test_ranks_whose_experts_get_no_rows_reduce_in_step(tmp_path: Path, corpus: Path, zero_stage: int) -> None:
+    """ZeRO-2 at dp=4, ep=2 with small buckets: rank 1's experts get no rows, its expert-dp peer rank 3's do. Rank
+    1 must reduce-scatter its expert buckets at the point, and in the order, rank 3 does (before: its buckets
+    started only at the end of backward, so the two summed different buckets together, or hung)."""
+    extra = {**MOE, "train__micro_batch_size": 2}
+    got = run_distributed(_train_biased, 4, tmp_path / "ep", corpus,
+                          {**extra, "parallel__ep": 2, "parallel__zero_stage": zero_stage, "parallel__bucket_mb": 0.01},
+                          init_group=False, timeout=300)
+    ref = run_distributed(_train_biased, 1, tmp_path / "ref", corpus, extra,
+                          init_group=False, timeout=300)[0]
+    assert_same_run(got[0], ref, rtol=1e-5)

@@ -72,8 +72,14 @@ class AllToAllDispatch:
         order = torch.argsort(expert_of_received, stable=True)
         if rows.shape[0]:
             out = experts(rows[order], received.view(ep, n_local).sum(0), expert_of_received[order])
-        else:  # no rows for my experts (the grouped matmul refuses none); still through autograd, so that this
-            out = rows.clone()  # rank's backward runs both reverse all-to-alls its peers wait in
+        else:  # no rows for my experts (the grouped matmul refuses none): one zero row through expert 0, none kept.
+            # The experts stay in the graph, so backward reaches their weights where it does on every peer (ZeRO-2
+            # starts each expert bucket's reduce-scatter from those gradients: at the same point, in the same
+            # order on every rank of the expert-dp group) and runs both reverse all-to-alls its peers wait in.
+            one = torch.zeros_like(counts[:n_local])
+            one[0] = 1
+            none = experts(rows.new_zeros(1, rows.shape[1]), one, one[:1] * 0)[:0]
+            out = none + rows.to(none.dtype)  # (the dtype the peers' experts return: what comes back to them)
         
         restored = torch.empty_like(out).index_copy(0, order, out)  # restored[order[i]] = out[i]
         return all_to_all_rows(restored, sent_host, received_host, self.group, self.stats)
