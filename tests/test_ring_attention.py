@@ -164,6 +164,25 @@ def test_one_rank_is_plain_attention_and_sends_nothing() -> None:
     assert stats.total == 0
 
 
+def test_autocast_around_the_core_keeps_it_fp32() -> None:
+    """A trainer runs attention inside bf16 autocast; the core's scores, softmax and sums stay fp32 there (its
+    backward recomputes the scores in fp32 against the forward's log-sum-exp: both must be the same arithmetic).
+    fp32 inputs under autocast therefore give the fp32 result (1e-5: summation order against SDPA); before, the
+    scores were rounded to bf16 (errors ~1e-1 at these magnitudes, dq off by more)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (3 * torch.randn(1, 4, 128, 16, generator=gen) for _ in range(3))
+    ref = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = _reference(*ref, True, None)
+    want.backward(torch.ones_like(want))
+    got_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = ring_attention(*got_in, group=None, stats=None, layout="zigzag")
+        got.backward(torch.ones_like(got))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got_in, ref):  # gradients reach ~30 here; the fp32 ring differs from SDPA by up to 6e-5 (2e-6
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-4)  # relative) without autocast too
+
+
 # -- layout arithmetic (no processes) ---------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("cp", [1, 2, 3, 4])

@@ -65,10 +65,11 @@ class _Ring:
         self.layout = layout
         self.plan = {b.step: b for b in block_plan(self.rank, self.cp, self.t_local, layout, causal)}
         self.slopes = None if slopes is None else slopes.float().to(q.device)
-        self.q_pos = self._positions(self.rank, q.device)
-
-    def _positions(self, rank: int, device: torch.device) -> torch.Tensor:
-        return torch.tensor(local_positions(rank, self.cp, self.t_local, self.layout), device=device)
+        # every rank's global positions, copied to the device once per call (not per block and tile: each copy
+        # of a host list to a GPU waits for the host)
+        self.positions = torch.tensor([local_positions(r, self.cp, self.t_local, layout) for r in range(self.cp)],
+                                      device=q.device)
+        self.q_pos = self.positions[self.rank]
 
     def tiles(self, blk: Block) -> list[tuple[int, int]]:
         """The query rows [a, b) of block `blk`, `query_rows` at a time."""
@@ -80,7 +81,7 @@ class _Ring:
         s = torch.matmul(q, k.transpose(-1, -2)) * self.scale
         if self.slopes is None and not blk.masked:
             return s
-        k_pos = self._positions(blk.src, q.device)[: blk.k_end]
+        k_pos = self.positions[blk.src, : blk.k_end]
         distance = (k_pos[None, :] - self.q_pos[rows[0] : rows[1], None]).float()  # j - i, <= 0 where allowed
         if self.slopes is not None:
             s = s + self.slopes[:, None, None] * distance
@@ -180,7 +181,8 @@ def _backward(ring: _Ring, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ou
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: _Ring) -> torch.Tensor:
-        out, lse = _forward(ring, q, k, v)
+        with torch.autocast(q.device.type, enabled=False):  # fp32 scores and sums, as the backward recomputes them
+            out, lse = _forward(ring, q, k, v)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)  # only this rank's slice: the point of context parallelism
         ctx.ring = ring
@@ -189,7 +191,8 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        return (*_backward(ctx.ring, q, k, v, out, lse, dout), None)
+        with torch.autocast(q.device.type, enabled=False):
+            return (*_backward(ctx.ring, q, k, v, out, lse, dout), None)
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
