@@ -684,6 +684,16 @@ def _check_pipeline(cfg: Config) -> None:
     if p.pp > 1 and p.pp_schedule == "zb1" and cfg.train.compile:
         raise ConfigError("parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; "
                           "set train.compile=false or use pp_schedule=1f1b")
+    # a sequence-parallel layer's backward is one autograd Function that computes its input and weight gradients
+    # together (re-gathering its input): zb1's W pass would run its collectives and matmuls a second time
+    if p.pp > 1 and p.pp_schedule == "zb1" and p.tp > 1 and p.sequence_parallel:
+        raise ConfigError("parallel.pp_schedule: zb1 with parallel.sequence_parallel would run each layer's "
+                          "sequence-parallel backward twice; use pp_schedule=1f1b or sequence_parallel=false")
+    # ZeRO-2 starts every bucket's reduce-scatter at the end of each micro-step's backward, and interleaving runs
+    # a backward per chunk: v times the bytes
+    if p.pp > 1 and p.pp_schedule == "interleaved" and p.zero_stage == 2:
+        raise ConfigError("parallel.zero_stage: 2 with pp_schedule=interleaved would reduce-scatter every bucket "
+                          "once per chunk; use zero_stage 1 or pp_schedule=1f1b")
     if p.pp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.pp>1; use backend=native")
     # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards
@@ -729,8 +739,9 @@ def _check_context_parallel(cfg: Config) -> None:
     if p.sequence_parallel and m.block_size % (2 * p.cp * p.tp):
         raise ConfigError(f"parallel.sequence_parallel: model.block_size={m.block_size} is not divisible by "
                           f"2*cp*tp = {2 * p.cp * p.tp} (each cp rank's part of a sequence splits over tp)")
+    # (compile: the ring's point-to-point calls inside a compiled block are untested: graph breaks at best)
     for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.zero_stage == 3, "parallel.zero_stage=3"),
-                     (p.backend != "native", f"parallel.backend={p.backend}")):
+                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.train.compile, "train.compile=true")):
         if on:
             raise ConfigError(f"parallel.cp: context parallelism with {what} is not yet supported; use parallel.cp=1")
 
@@ -771,8 +782,10 @@ def _check_expert_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep: model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}")
     if p.dp and p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
+    # (compile: the dispatch reads its split sizes on the host, a graph break and a recompile per new split)
     for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"),
-                     (p.zero_stage == 3, "parallel.zero_stage=3"), (p.backend != "native", f"parallel.backend={p.backend}")):
+                     (p.zero_stage == 3, "parallel.zero_stage=3"), (p.backend != "native", f"parallel.backend={p.backend}"),
+                     (cfg.train.compile, "train.compile=true")):
         if on:
             raise ConfigError(f"parallel.ep: expert parallelism with {what} is not yet supported (issue 19); "
                               f"use parallel.ep=1")

@@ -281,6 +281,13 @@ def test_partition_errors_name_the_key(args: tuple, message: str) -> None:
     (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.pp_layers=[1, 3]"],
      "parallel.pp_layers: [1, 3] must be 4 positive counts summing to model.n_layer=4"),
     (["parallel.pp_virtual=0"], "parallel.pp_virtual: must be positive, got 0"),
+    (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=zb1"],
+     "parallel.pp_schedule: zb1 with parallel.sequence_parallel would run each layer's sequence-parallel backward "
+     "twice; use pp_schedule=1f1b or sequence_parallel=false"),
+    (["parallel.pp=2", "parallel.dp=2", "train.micro_batch_size=4", "parallel.zero_stage=2", "parallel.pp_schedule=interleaved",
+      "parallel.pp_virtual=2"],
+     "parallel.zero_stage: 2 with pp_schedule=interleaved would reduce-scatter every bucket once per chunk; use "
+     "zero_stage 1 or pp_schedule=1f1b"),
 ])
 def test_schedule_refusals_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as info:
