@@ -208,7 +208,10 @@ class MoE(nn.Module):
         if self.dispatch is None:
             rows = self.experts(flat[token_sorted], counts, expert_sorted)  # (M, C)
         else:
-            rows = self.dispatch(self.experts, flat[token_sorted], counts, expert_sorted)
+            sent = flat[token_sorted]
+            if torch.is_autocast_enabled(x.device.type):  # the experts compute in it anyway: half the bytes to send
+                sent = sent.to(torch.get_autocast_dtype(x.device.type))
+            rows = self.dispatch(self.experts, sent, counts, expert_sorted)
         rows = rows * weight_sorted.to(rows.dtype)[:, None]
         out = torch.zeros_like(flat, dtype=rows.dtype).index_add_(0, token_sorted, rows).to(x.dtype)
         if self.training and not _in_backward():  # (not again when activation checkpointing recomputes)
