@@ -53,7 +53,8 @@ class DDPDataParallel(DataParallel):
         return contextlib.nullcontext() if last else self.ddp.no_sync()
 
     def finish_grads(self) -> None:
-        reduce_expert_grads(self.expert_params, self.ctx)
+        # (fp32 gradients: parallel.bucket_mb of them per all-reduce)
+        reduce_expert_grads(self.expert_params, self.ctx, max(1, int(self.cfg.parallel.bucket_mb * 2**20 / 4)))
 
 
 class FlatAllReduceDataParallel(DataParallel):
