@@ -157,6 +157,7 @@ def _build_failing_on_rank_1(rank: int, world_size: int, out_dir: Path, extra: d
     """The build, with rank 1's reads of its block linears failing (as a damaged chunk would)."""
     from dist_llm.config import ConfigError
     from dist_llm.train import init_from
+    from dist_llm.train.errors import ReadError
 
     def damaged(reader: Any, where: Path, name: str, out: torch.Tensor) -> None:
         raise OSError(f"{where}: a damaged chunk of {name}")
@@ -166,7 +167,7 @@ def _build_failing_on_rank_1(rank: int, world_size: int, out_dir: Path, extra: d
             patch.setattr(init_from, "_read_alone", damaged)
         try:
             _build(rank, world_size, out_dir, extra)
-        except ConfigError as e:
+        except (ConfigError, ReadError) as e:  # (an OSError is the system's failure to read: ReadError, exit 1)
             return str(e)
     return None
 
