@@ -372,6 +372,9 @@ class Trainer:
         if attention is None:
             return "none"
         m, t = self.cfg.model, self.cfg.train
+        if self.ctx.cp > 1:  # (no SDPA: the ring computes each block in fp32 tiles, parallel/context_parallel/ring.py)
+            log.info("attention: ring over cp=%d (fp32 tiles, %d heads of %d)", self.ctx.cp, attention.n_head, m.head_dim)
+            return "ring"
         kernel = perf.sdpa_kernel(attention, seq=m.block_size, dtype=DTYPES[t.precision], device=self.device)
         if self.device.type == "cuda" and kernel not in perf.FUSED_CUDA_KERNELS:
             log.warning("attention runs SDPA's %s kernel, not flash/efficient/cudnn: it materialises the %d x %d "
