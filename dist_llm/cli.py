@@ -328,7 +328,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 # -- memory -----------------------------------------------------------------------------------------------
 def add_memory_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", type=Path, default=None, help="YAML config file (its layout, or --world-size)")
-    p.add_argument("--world-size", type=int, default=None, help="ranks (default: dp*tp*pp of the config, dp>=1)")
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default: dp*cp*tp*pp of the config, dp>=1)")
     p.add_argument("--params", type=float, default=None,
                    help="a parameter count: alone, the ZeRO paper's shorthand; with --config or --suggest, the config's "
                         "model (or a Llama-shaped one) scaled to this size")
@@ -407,7 +407,7 @@ def _memory_config(args: argparse.Namespace) -> tuple[Config, int]:
               f"{before.n_embd})", file=sys.stderr if args.json else sys.stdout)
         if not args.suggest:
             validate(cfg)
-    world = args.world_size or max(1, cfg.parallel.dp) * cfg.parallel.tp * cfg.parallel.pp
+    world = args.world_size or max(1, cfg.parallel.dp) * cfg.parallel.cp * cfg.parallel.tp * cfg.parallel.pp
     return cfg, world
 
 

@@ -164,3 +164,18 @@ def test_memory_prediction_knows_cp(tmp_path: Path, corpus: Path) -> None:  # no
     ring = 2 * 16384 * 4 + 3 * 16384 * 4 + 2 * 8192 * 4 + 3 * 65536 * 4
     assert memory.ring_buffer_bytes(_config(tmp_path, corpus, extra), tp=1, cp=2) == ring == 1_179_648
     assert est.temporary_bytes >= ring  # (the largest of the transients)
+
+
+def test_memory_of_the_long_config_defaults_to_its_cp_world() -> None:
+    """`dist-llm memory --config configs/long.yaml` (cp=2) counts cp in the default world size (it said "WORLD_SIZE=1
+    is not divisible by cp*tp*pp" before), and its activations are half of the same model's at cp=1."""
+    from dist_llm import memory
+    from dist_llm.config import load_config
+    from tests.test_memory import cli
+
+    out = cli("--config", "configs/long.yaml")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("long: world 2 (dp=1, cp=2, tp=1, pp=1)")
+    cp2 = memory.predict(load_config("configs/long.yaml"))
+    cp1 = memory.predict(load_config("configs/long.yaml", ["parallel.cp=1"]))
+    assert cp2.activation_bytes == pytest.approx(cp1.activation_bytes / 2, rel=1e-6)  # 8192 -> 4096 tokens a rank
