@@ -4,8 +4,9 @@ The GPT is built on the meta device (shapes, no storage), its layers already ten
 through TensorParallelFactory. `parallelize` then, in this order:
   1. cuts the pipeline stage (other stages' blocks are dropped while they are still meta);
   2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated
-     (DeepSpeed's ZeRO-3 instead takes the meta model, adapters included, and partitions each parameter as it
-     is drawn or read from model.init_from whole, one at a time: `_one_by_one`);
+     (DeepSpeed's ZeRO-3 instead takes the meta model, adapters and QLoRA's NF4 layers included, and partitions
+     each parameter as it is drawn or read from model.init_from whole, one at a time, an NF4 layer as its weight
+     is quantised: `_one_by_one`);
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: each parameter drawn in full from a generator of its own and cut to this
      rank's part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
@@ -165,8 +166,7 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     t = cfg.train
     # FSDP2 shards the meta model and each rank then allocates only its shards (DeepSpeed's ZeRO-3 likewise,
     # one parameter at a time); LoRA and adapters are added on the meta device too and drawn once allocated.
-    # QLoRA's NF4 layers too (FSDP2 shards their codes and scales); DeepSpeed does not take QLoRA on meta
-    # (builds_on_meta): there the model is materialised first and partitioned after.
+    # QLoRA's NF4 layers too (FSDP2 shards their codes and scales; DeepSpeed partitions them as each is quantised).
     shard_on_meta = wrap and builds_on_meta(cfg, ctx)
 
     def adapt_and_compile() -> None:

@@ -327,6 +327,20 @@ class NF4Linear(nn.Module):
             local = mine.to_local() if hasattr(mine, "to_local") else mine
             local.copy_(_local_rows(t, mine))
 
+    @torch.no_grad()
+    def take(self, q: NF4Weight) -> None:
+        """Make `q` (this layer's whole weight, quantised) this layer's NF4 tensors without a copy: its codes, block
+        scales and group factors become the (whole, unsharded) parameters, its mean the buffer's value."""
+        meta = self._meta()
+        if (q.shape, q.block_size, q.scale_block_size) != (meta["shape"], self.block_size, self.scale_block_size):
+            raise ValueError(f"an NF4 weight of shape {tuple(q.shape)} (blocks {q.block_size}/{q.scale_block_size}) "
+                             f"does not fit {self.extra_repr()}")
+        stored = {"packed": q.packed, "scale_q": q.scale_q, "scale_factor": q.scale_factor.view(torch.int32)}
+        for name, t in stored.items():
+            setattr(self, name, nn.Parameter(t, requires_grad=False))
+        self.scale_mean.copy_(q.scale_mean)
+        self.code.copy_(q.code)
+
     @classmethod
     def from_linear(
         cls,

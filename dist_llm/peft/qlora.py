@@ -65,13 +65,31 @@ def stand_in_linears(model: nn.Module) -> list[nn.Module]:
     layers = [(names[id(layer)], layer) for block in model.blocks for path in BLOCK_LINEARS  # type: ignore[union-attr]
               if isinstance(layer := _child(block, path), NF4Linear)]
     for module_name, layer in layers:
-        stand_in = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta",
-                             dtype=layer.weight_dtype).requires_grad_(False)
-        stand_in.bias = layer.bias
-        stand_in.__dict__["nf4_target"] = layer  # (not an attribute Module registers: no child, no parameters)
-        parent_name, _, child = module_name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, stand_in)
+        stand_in(model, module_name, layer)
     return [layer for _, layer in layers]
+
+
+def stand_in(model: nn.Module, module_name: str, layer: nn.Module, device: torch.device | str = "meta") -> nn.Linear:
+    """Put a plain linear (sharing the bias) in the place of NF4 layer `layer`, called `module_name` in `model`,
+    its weight allocated on `device` but not filled (meta: nothing allocated); `quantise` fills the layer from it
+    and puts the layer back, `put_back` puts it back unfilled."""
+    linear = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta",
+                       dtype=layer.weight_dtype).requires_grad_(False)
+    if str(device) != "meta":  # (allocated here, not by nn.Linear: its constructor draws from the global stream)
+        linear.weight = nn.Parameter(torch.empty_like(linear.weight, device=device), requires_grad=False)
+    linear.bias = layer.bias
+    linear.__dict__["nf4_target"] = layer  # (not an attribute Module registers: no child, no parameters)
+    parent_name, _, child = module_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, linear)
+    return linear
+
+
+def put_back(model: nn.Module, module_name: str, linear: nn.Linear) -> None:
+    """Undo `stand_in` without filling the NF4 layer (a rank that receives its values from another), freeing the
+    stand-in's weight."""
+    parent_name, _, child = module_name.rpartition(".")
+    setattr(model.get_submodule(parent_name), child, linear.__dict__["nf4_target"])
+    linear._parameters["weight"] = None
 
 
 def check_filled(model: nn.Module, layers: list[nn.Module]) -> None:

@@ -23,7 +23,7 @@ def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
 
 def builds_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
     """Whether the data-parallel form takes the model on the meta device and materialises only this rank's
-    part of it: FSDP2, and DeepSpeed's ZeRO-3 (deepspeed_shards.build_partitioned; not under QLoRA)."""
+    part of it: FSDP2, and DeepSpeed's ZeRO-3 (deepspeed_shards.build_partitioned)."""
     from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
 
     return uses_fsdp(cfg, ctx) or builds_partitioned(cfg)

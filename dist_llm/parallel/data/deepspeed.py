@@ -10,7 +10,8 @@ DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own s
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
 At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time, whether drawn, read from
-model.init_from or a LoRA/adapter tensor (deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each
+model.init_from or a LoRA/adapter tensor, QLoRA's NF4 base one layer at a time, quantised whole and then partitioned
+(deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each
 rank's partitions as chunks of the full tensors, under the keys every layout reads (model.<fqn>: the fp32 master,
 optim.state.<fqn>: the moments and step), so a DeepSpeed checkpoint resumes in any layout and any checkpoint resumes
 here, each rank reading its partitions straight from the chunks (deepspeed_shards.py). What is not a tensor of the
@@ -190,10 +191,6 @@ class DeepSpeedDataParallel(DataParallel):
                     build_partitioned(model, fill, ctx.device, ds_config)
             else:
                 materialize(model)
-        elif cfg.parallel.zero_stage == 3:
-            log.warning("parallel.backend=deepspeed at parallel.zero_stage=3 with peft.method=qlora: each rank "
-                        "materialises the embedding, head and norms whole before DeepSpeed partitions them (the NF4 "
-                        "base is held whole by design)")
         optimizer = adamw(_param_groups(model, cfg.optim.weight_decay), cfg.optim, ctx.device)
         engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.engine = engine

@@ -19,13 +19,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
+
+if TYPE_CHECKING:
+    from dist_llm.peft.nf4 import NF4Linear
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
@@ -172,10 +175,12 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
     The partitioner first broadcasts the partition group's first rank's values over the others' (DeepSpeed 0.19's
     `_zero_init_param`), so only that rank fills for real: the others call `fill(..., source=False)`, reading
     nothing from model.init_from (one read of the checkpoint per group, not one per rank) and drawing nothing.
+    QLoRA's NF4 layers (built on the meta device by apply_peft) are built a layer at a time (`_build_nf4`).
     Buffers (small, recomputed) are allocated whole."""
     import deepspeed
 
     from dist_llm.model.init import parameter_name
+    from dist_llm.peft.nf4 import NF4_PARAMETERS, NF4Linear
 
     # (not entered: no module class is patched; only its converter, the one deepspeed.initialize would use on a
     # whole model, is applied to each parameter)
@@ -185,12 +190,22 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
         for name, b in module._buffers.items():
             if b is not None and b.is_meta:
                 module._buffers[name] = torch.empty_like(b, device=device)
+    model.reset_buffers()  # (before the parameters: an NF4 layer's mean is its weight's, set as it is built)
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding a parameter (tied ones: two)
     for module in model.modules():
         for pname, p in module._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), []).append((module, pname))
+    nf4 = {id(getattr(layer, pname)): (module_name, layer) for module_name, layer in model.named_modules()
+           if isinstance(layer, NF4Linear) for pname in NF4_PARAMETERS}
+    built: set[int] = set()  # the NF4 layers built (each at its first NF4 parameter)
     for name, meta in list(model.named_parameters()):  # (a shared parameter once, under its first name)
+        if id(meta) in nf4:
+            module_name, layer = nf4[id(meta)]
+            if id(layer) not in built:
+                built.add(id(layer))
+                _build_nf4(model, module_name, layer, fill, device, partitioner, source)
+            continue
         p = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
         for attr, value in vars(meta).items():  # parameter marks (parallel/marks.py)
             setattr(p, attr, value)
@@ -200,12 +215,41 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
         p.data = p.data.to(partitioner.dtype)
         # (broadcasts the source's values over the group, then keeps this rank's range: the others' p held garbage)
         partitioner._convert_to_zero_parameters([p])
-    model.reset_buffers()
+
+
+def _build_nf4(model: nn.Module, module_name: str, layer: NF4Linear, fill: Fill, device: torch.device,
+               partitioner: Any, source: bool) -> None:
+    """One QLoRA NF4 layer into DeepSpeed's partitions: its frozen base weight read or drawn whole (as one process
+    fills it, under its base name `<layer>.weight`, on the source rank only), quantised to NF4 there, and the NF4
+    codes, block scales and group factors (uint8, int8, int32 bits: parameters, which DeepSpeed partitions
+    whatever their dtype, and never casts) handed to the partitioner, which broadcasts the source's and keeps
+    this rank's range. The mean (an fp32 scalar buffer, held whole) is broadcast beside them. Peak: the weight in
+    fp32 and its NF4 form whole (plus the quantiser's working space), beside the partitions."""
+    from deepspeed import comm as ds_dist
+
+    from dist_llm.model.init import parameter_name
+    from dist_llm.peft import qlora
+    from dist_llm.peft.nf4 import NF4_PARAMETERS, NF4Weight
+
+    linear = qlora.stand_in(model, module_name, layer, device)  # (the fills find `<layer>.weight` in the model)
+    weight = linear.weight
+    fill(parameter_name(module_name, "weight"), weight, source=source)
+    qlora.put_back(model, module_name, linear)
+    if source:  # (as NF4Linear.from_linear quantises: the NF4 defaults)
+        layer.take(NF4Weight.quantize(weight, layer.block_size, layer.scale_block_size))
+    else:  # (garbage: the source's values are broadcast over it)
+        for pname in NF4_PARAMETERS:
+            setattr(layer, pname, nn.Parameter(torch.empty_like(getattr(layer, pname), device=device),
+                                               requires_grad=False))
+    del linear, weight  # (the fp32 weight freed before DeepSpeed partitions)
+    group = partitioner.ds_process_group
+    ds_dist.broadcast(layer.scale_mean, ds_dist.get_global_rank(group, 0), group=group)
+    partitioner._convert_to_zero_parameters([getattr(layer, pname) for pname in NF4_PARAMETERS])
 
 
 def builds_partitioned(cfg: Any) -> bool:
     """Whether the DeepSpeed backend builds the model straight into ZeRO-3 partitions (`build_partitioned`):
-    at zero_stage 3, from a random start or model.init_from, with LoRA and adapters too. QLoRA quantises a
-    materialised base (its NF4 weights are buffers, which DeepSpeed does not partition)."""
+    at zero_stage 3, from a random start or model.init_from, with LoRA, adapters and QLoRA (its NF4 base quantised
+    one layer at a time) too."""
     p = cfg.parallel
-    return p.backend == "deepspeed" and p.zero_stage == 3 and cfg.peft.method != "qlora"
+    return p.backend == "deepspeed" and p.zero_stage == 3
