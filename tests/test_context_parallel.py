@@ -176,6 +176,6 @@ def test_memory_of_the_long_config_defaults_to_its_cp_world() -> None:
     out = cli("--config", "configs/long.yaml")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("long: world 2 (dp=1, cp=2, tp=1, pp=1)")
-    cp2 = memory.predict(load_config("configs/long.yaml"))
-    cp1 = memory.predict(load_config("configs/long.yaml", ["parallel.cp=1"]))
+    long = Path(__file__).resolve().parents[1] / "configs" / "long.yaml"
+    cp2, cp1 = memory.predict(load_config(long)), memory.predict(load_config(long, ["parallel.cp=1"]))
     assert cp2.activation_bytes == pytest.approx(cp1.activation_bytes / 2, rel=1e-6)  # 8192 -> 4096 tokens a rank

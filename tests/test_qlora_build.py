@@ -168,7 +168,7 @@ def _build_failing_on_rank_1(rank: int, world_size: int, out_dir: Path, extra: d
         try:
             _build(rank, world_size, out_dir, extra)
         except (ConfigError, ReadError) as e:  # (an OSError is the system's failure to read: ReadError, exit 1)
-            return str(e)
+            return f"{type(e).__name__}: {e}"
     return None
 
 
@@ -178,7 +178,7 @@ def test_a_block_linear_read_failing_on_one_rank_fails_every_rank(tmp_path: Path
     extra = {"model__init_from": f"ckpt:{base_step}", "parallel__pp": 2}
     errors = run_distributed(_build_failing_on_rank_1, 2, tmp_path, extra, init_group=False, timeout=120)
     assert errors[0] is not None and errors[0] == errors[1], errors
-    assert re.fullmatch(rf"rank 1: model.init_from: OSError: {re.escape(str(base_step))}: a damaged chunk of "
+    assert re.fullmatch(rf"ReadError: rank 1: model.init_from: OSError: {re.escape(str(base_step))}: a damaged chunk of "
                         r"blocks\.\d+\.attn\.qkv\.weight", errors[0]), errors[0]
 
 
