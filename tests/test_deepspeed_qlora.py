@@ -4,7 +4,6 @@ factors (uint8, int8, int32 bits) partitioned by DeepSpeed, as FSDP2 shards them
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -12,14 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from dist_llm.peft.nf4 import NF4Linear, NF4Weight, nf4_nbytes
+from dist_llm.peft.nf4 import NF4Linear, nf4_nbytes
 from tests.distributed import run_distributed
 from tests.test_data_parallel import corpus, reference, train  # noqa: F401 - corpus is a fixture
 from tests.test_deepspeed_init_from import ZERO3
 from tests.test_deepspeed_shards import _config
 from tests.test_finetune import llama_dir  # noqa: F401 - a fixture
 from tests.test_peft import ALL
-from tests.test_qlora_zero3 import _Peak
+from tests.test_qlora_zero3 import _Peak, unmetered_quantise
 
 QLORA = {"peft__method": "qlora", "peft__rank": 4, "peft__targets": ALL, "optim__lr": 1e-2}
 # (a random start: 6 blocks of width 64, so that the NF4 base outweighs the largest single tensor; hf: takes the
@@ -29,23 +28,6 @@ RANDOM = {"model__n_layer": 6, "model__n_embd": 64}
 
 def _start(kind: str, hf: Path) -> dict[str, Any]:
     return {**QLORA, **({"model__init_from": f"hf:{hf}"} if kind == "hf" else RANDOM)}
-
-
-def _unmetered_quantise(patch: pytest.MonkeyPatch) -> None:
-    """The quantiser's working space (a fp32 copy, an index per value, a chunked level search: a per-layer transient
-    that at this size outweighs the base) is kept out of the meter, which is about what the build holds; its result,
-    one layer's whole NF4, is metered (copied under the meter) for as long as it lives."""
-    quantize = NF4Weight.quantize.__func__  # type: ignore[attr-defined]
-
-    def unmetered(cls: type, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils._python_dispatch import _disable_current_modes
-
-        with _disable_current_modes():
-            q = quantize(cls, *args, **kwargs)
-        return dataclasses.replace(q, packed=q.packed.clone(), scale_q=q.scale_q.clone(),
-                                   scale_factor=q.scale_factor.clone(), scale_mean=q.scale_mean.clone())
-
-    patch.setattr(NF4Weight, "quantize", classmethod(unmetered))
 
 
 def _build(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[str, Any]) -> dict[str, Any]:  # noqa: F811
@@ -82,7 +64,7 @@ def _build(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[
         handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
         logging.getLogger("dist_llm").addHandler(handler)
         with pytest.MonkeyPatch.context() as patch, meter:
-            _unmetered_quantise(patch)
+            unmetered_quantise(patch)
             patch.setattr(deepspeed, "initialize", initializing)
             par = parallelize(model, cfg, ctx, load=load_initial_weights, read=open_initial_tensors)
         logging.getLogger("dist_llm").removeHandler(handler)

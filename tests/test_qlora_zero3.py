@@ -208,15 +208,13 @@ class _Peak(TorchDispatchMode):
         return out
 
 
-def _build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> dict[str, int]:
-    cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, **{**QLORA, **ZERO3, **extra})))
-    ctx = ParallelContext.from_config(cfg)
+def unmetered_quantise(patch: pytest.MonkeyPatch) -> None:
+    """The quantiser's working space (a fp32 copy, an index per value, a chunked level search: a per-layer transient
+    that at this size outweighs the base) is kept out of the meter, which is about what the build holds; its result,
+    one layer's whole NF4, is metered (copied under the meter) for as long as it lives."""
     quantize = NF4Weight.quantize.__func__  # type: ignore[attr-defined]
 
     def unmetered(cls: type, *args: Any, **kwargs: Any) -> Any:
-        # the quantiser's working space (an index per value, a chunked level search) is a per-layer transient
-        # that at this size outweighs the base: kept out of the meter, which is about what the build holds.
-        # Its result, one layer's whole NF4, is metered (copied under the meter) for as long as it lives.
         from torch.utils._python_dispatch import _disable_current_modes
 
         with _disable_current_modes():
@@ -224,11 +222,17 @@ def _build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]
         return dataclasses.replace(q, packed=q.packed.clone(), scale_q=q.scale_q.clone(),
                                    scale_factor=q.scale_factor.clone(), scale_mean=q.scale_mean.clone())
 
+    patch.setattr(NF4Weight, "quantize", classmethod(unmetered))
+
+
+def _build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> dict[str, int]:
+    cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, **{**QLORA, **ZERO3, **extra})))
+    ctx = ParallelContext.from_config(cfg)
     try:
         with torch.device("meta"):
             whole = GPT(cfg.model)
         with pytest.MonkeyPatch.context() as patch, _Peak() as meter:
-            patch.setattr(NF4Weight, "quantize", classmethod(unmetered))
+            unmetered_quantise(patch)
             model = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp.module
         layers = [m for m in model.modules() if isinstance(m, NF4Linear)]
         tensors = [*model.parameters(), *model.buffers()]
