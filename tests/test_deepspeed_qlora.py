@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_llm.peft.nf4 import NF4Linear, nf4_nbytes
+from dist_llm.peft.nf4 import NF4Linear, NF4Weight, nf4_nbytes
 from tests.distributed import run_distributed
 from tests.test_data_parallel import corpus, reference, train  # noqa: F401 - corpus is a fixture
 from tests.test_deepspeed_init_from import ZERO3
@@ -136,3 +136,28 @@ def test_qlora_at_zero3_trains_to_the_one_process_losses(tmp_path: Path, tmp_pat
     assert len(got["losses"]) == len(ref["losses"]) == 8
     for a, b in zip(got["losses"], ref["losses"], strict=True):
         assert a == pytest.approx(b, rel=1e-5)
+
+
+def _build_failing_to_quantise(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                               extra: dict[str, Any]) -> str:
+    """The build with the source rank's quantiser failing (as running out of memory there alone would)."""
+    def failing(cls: type, *args: Any, **kwargs: Any) -> Any:
+        raise torch.OutOfMemoryError("out of memory (quantiser's working space)")
+
+    with pytest.MonkeyPatch.context() as patch:
+        if rank == 0:
+            patch.setattr(NF4Weight, "quantize", classmethod(failing))
+        try:
+            _build(rank, world_size, out_dir, corpus, extra)
+        except RuntimeError as e:
+            return str(e)
+    return "built"
+
+
+def test_a_quantiser_failing_on_the_source_rank_stops_every_rank(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Only the partition group's first rank quantises; its failure must reach the other rank as the same line
+    before that rank waits in the broadcast of the NF4 tensors (before: rank 1 waited there until the timeout)."""
+    got = run_distributed(_build_failing_to_quantise, 2, tmp_path, corpus, _start("random", tmp_path),
+                          init_group=False, timeout=120)
+    assert got[0] == got[1] == ("rank 0: quantising blocks.0.attn.qkv.weight to NF4 failed: out of memory "
+                                "(quantiser's working space)"), got

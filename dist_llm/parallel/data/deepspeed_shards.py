@@ -22,8 +22,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from dist_llm.parallel import comm
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 
@@ -235,9 +237,19 @@ def _build_nf4(model: nn.Module, module_name: str, layer: NF4Linear, fill: Fill,
     weight = linear.weight
     fill(parameter_name(module_name, "weight"), weight, source=source)
     qlora.put_back(model, module_name, linear)
+    failed = None
     if source:  # (as NF4Linear.from_linear quantises: the NF4 defaults)
-        layer.take(NF4Weight.quantize(weight, layer.block_size, layer.scale_block_size))
-    else:  # (garbage: the source's values are broadcast over it)
+        try:
+            layer.take(NF4Weight.quantize(weight, layer.block_size, layer.scale_block_size))
+        except Exception as e:  # noqa: BLE001 - e.g. out of memory on this rank alone: said on every rank below
+            failed = (f"rank {dist.get_rank()}: quantising {module_name}.weight to NF4 failed: "
+                      f"{(str(e).strip().splitlines() or [type(e).__name__])[0]}")
+    # only the source quantises: its peers must learn of a failure before they wait in the broadcast below (under
+    # NCCL they would wait there until the timeout)
+    failed = comm.shared_error(failed, partitioner.ds_process_group)
+    if failed is not None:
+        raise RuntimeError(failed)
+    if not source:  # (garbage: the source's values are broadcast over it)
         for pname in NF4_PARAMETERS:
             setattr(layer, pname, nn.Parameter(torch.empty_like(getattr(layer, pname), device=device),
                                                requires_grad=False))
