@@ -22,6 +22,7 @@ dropout is not supported here (the caller refuses dropout > 0 with cp > 1).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -63,12 +64,8 @@ class _Ring:
         self.t_local = q.shape[2]
         self.groups = q.shape[1] // k.shape[1]
         self.layout = layout
-        self.plan = {b.step: b for b in block_plan(self.rank, self.cp, self.t_local, layout, causal)}
+        self.plan, self.positions = _tables(self.rank, self.cp, self.t_local, layout, causal, q.device)
         self.slopes = None if slopes is None else slopes.float().to(q.device)
-        # every rank's global positions, copied to the device once per call (not per block and tile: each copy
-        # of a host list to a GPU waits for the host)
-        self.positions = torch.tensor([local_positions(r, self.cp, self.t_local, layout) for r in range(self.cp)],
-                                      device=q.device)
         self.q_pos = self.positions[self.rank]
 
     def tiles(self, blk: Block) -> list[tuple[int, int]]:
@@ -98,6 +95,16 @@ class _Ring:
         """Post the sends to the next rank and the matching receives from the previous one (one batch)."""
         recvs = [torch.empty_like(s) for s in sends]
         return recvs, comm.ring_shift(sends, recvs, self.group, self.stats)
+
+
+@functools.lru_cache(maxsize=64)
+def _tables(rank: int, cp: int, t_local: int, layout: str, causal: bool,
+            device: torch.device) -> tuple[dict[int, Block], torch.Tensor]:
+    """The block plan and every rank's global positions (on `device`), made once per shape, not per layer and
+    call: each copy of a host list to a GPU waits for the host."""
+    plan = {b.step: b for b in block_plan(rank, cp, t_local, layout, causal)}
+    positions = torch.tensor([local_positions(r, cp, t_local, layout) for r in range(cp)], device=device)
+    return plan, positions
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
