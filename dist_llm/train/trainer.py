@@ -29,6 +29,7 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.context_parallel.apply import sequence_positions
 from dist_llm.parallel.parallelize import PP_SEED_STRIDE, meta_model, parallelize  # noqa: F401 - the stride, importable here as before
+from dist_llm.parallel.pipeline.balancing import metric_layers
 from dist_llm.parallel.runtime import ParallelRuntime
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.train import checkpoint as ckpt
@@ -131,7 +132,10 @@ class Trainer:
             del whole
         self.model = self.runtime.model  # what forward calls (a DDP/FSDP wrapper, or the GPT itself)
         self.module = self.runtime.module  # the GPT
-        self.moe_layers = moe.moe_layers(self.module)  # (empty for a dense model)
+        self.moe_layers = moe.moe_layers(self.module)  # (empty for a dense model; under pp this stage's)
+        # what the metrics average: every MoE layer of the model, another stage's as a stand-in under pp
+        self.moe_metric_layers = (metric_layers(self.module, cfg.model.n_experts, cfg.model.is_moe_block, self.device)
+                                  if ctx.pp > 1 else self.moe_layers)
         self.tp_state = TensorParallelState(self.module, ctx) if ctx.tp > 1 or ctx.ep > 1 else None
         self.optimizer = self.dp.optimizer
         # fp16 loss scaling is ours, unless the engine brings its own (DeepSpeed)
@@ -305,6 +309,12 @@ class Trainer:
         """Sum a tensor over the dp group in place (router loads: bookkeeping, not counted as training traffic)."""
         comm.all_reduce(t, self.ctx.dp_group, None)
 
+    def _moe_sum(self, t: torch.Tensor) -> None:
+        """Sum MoE metric rows over dp, and under pp over the stages (each holds its own layers' rows)."""
+        self._dp_sum(t)
+        if self.ctx.pp > 1:
+            comm.all_reduce(t, self.ctx.pp_group, None)
+
     def _dp_mean(self, t: torch.Tensor) -> torch.Tensor:
         """The mean of a per-rank scalar over the dp x cp group (for metrics: not counted as training traffic)."""
         t = t.detach().clone()
@@ -466,8 +476,8 @@ class Trainer:
             last["loss_scale"] = self.scaler.scale
         if self.scaler.skipped_steps:
             last["skipped_steps"] = self.scaler.skipped_steps
-        if self.moe_layers:  # means over the steps since the last log step, layers and dp ranks
-            last.update(moe.take_metrics(self.moe_layers, all_reduce=self._dp_sum))
+        if self.moe_metric_layers:  # means over the steps since the last log step, layers and dp ranks
+            last.update(moe.take_metrics(self.moe_metric_layers, all_reduce=self._moe_sum))  # type: ignore[arg-type]
         self.metrics.write(last)
         log.info(step_line(last), extra=FILE_ONLY)  # every rank's log file (the bar shows the loss)
         bar.set_postfix(loss=f"{last['loss']:.4f}", tok_s=f"{last['tokens_per_s']:.0f}")

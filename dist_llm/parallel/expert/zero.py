@@ -32,11 +32,12 @@ class ExpertZeroDataParallel(DataParallel):
         dense = frozenset(n for n, p in model.named_parameters() if p.requires_grad and n not in experts)
         self.dense = ZeroDataParallel(model, cfg, ctx, stage=stage,
                                       part=ZeroPart(dense, ctx.dp_group, ctx.dp, ctx.dp_rank, ctx.dp))
+        # a pipeline stage of dense blocks alone holds no experts (nor do its expert-dp peers, the same stage's)
         self.experts = ZeroDataParallel(model, cfg, ctx, stage=stage, part=ZeroPart(
-            experts, ctx.expert_dp_group, ctx.expert_dp, ctx.dp_rank // ctx.ep, ctx.dp))
+            experts, ctx.expert_dp_group, ctx.expert_dp, ctx.dp_rank // ctx.ep, ctx.dp)) if experts else None
         self.expert_names = experts
         self.optimizer = self.dense.optimizer  # (the learning rate the trainer reads; both step alike)
-        self.forms = (self.dense, self.experts)
+        self.forms = (self.dense, self.experts) if self.experts is not None else (self.dense,)
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
@@ -51,6 +52,10 @@ class ExpertZeroDataParallel(DataParallel):
     def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
         return [s for form in self.forms for s in form.grad_shards()]
 
+    def tied_embedding_grad(self) -> torch.Tensor:
+        # the embedding is dense: its piece as the dense form holds it (ZeRO-2 keeps no whole .grad of it)
+        return self.dense.tied_embedding_grad()
+
     def step(self, lr: float, found_inf: torch.Tensor) -> torch.Tensor | None:
         for form in self.forms:
             form.step(lr, found_inf)
@@ -61,17 +66,20 @@ class ExpertZeroDataParallel(DataParallel):
             form.zero_grad()
 
     def checkpoint_state(self) -> dict[str, Any]:
-        dense, experts = self.dense.checkpoint_state(), self.experts.checkpoint_state()
+        dense = self.dense.checkpoint_state()
+        if self.experts is None:
+            return dense
+        experts = self.experts.checkpoint_state()
         model = {k: experts["model"][k] if k in self.expert_names else v for k, v in dense["model"].items()}
         return {"model": model, "optim": {"state": {**dense["optim"]["state"], **experts["optim"]["state"]}}}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         optim = state["optim"]["state"]
-        for form, experts in ((self.dense, False), (self.experts, True)):
+        for form, experts in zip(self.forms, (False, True)):
             mine = {k: v for k, v in optim.items() if (k in self.expert_names) == experts}
             form.load_checkpoint_state({"model": state["model"], "optim": {"state": mine}})
 
     def model_state_bytes(self) -> dict[str, int]:
-        a, b = self.dense.model_state_bytes(), self.experts.model_state_bytes()
-        return {k: a[k] + b[k] for k in a}  # (each holds its own buffers; PEFT, whose frozen base both would
-        # count, is refused with MoE)
+        # each form holds its own buffers (PEFT, whose frozen base both would count, is refused with MoE)
+        counts = [form.model_state_bytes() for form in self.forms]
+        return {k: sum(c[k] for c in counts) for k in counts[0]}

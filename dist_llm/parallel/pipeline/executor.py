@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dist_llm.parallel import comm
+from dist_llm.parallel.pipeline.balancing import attach_balancing, stage_moe_layers
 from dist_llm.parallel.pipeline.schedule import Action, Exchange, Step
 from dist_llm.parallel.pipeline.split_backward import WeightWork, backward_input, backward_weights
 from dist_llm.profiling import span
@@ -121,6 +122,7 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
     data-parallel context around each action that produces weight gradients (B, or W where the plan splits
     the backward: there B computes the input gradient alone, split_backward.py)."""
     chunks = stage if isinstance(stage, list) else [stage]
+    moe_of = [stage_moe_layers(c.model, c.layers) for c in chunks]
     inputs: dict[Key, torch.Tensor] = {}
     outputs: dict[Key, torch.Tensor] = {}
     out_grads: dict[Key, torch.Tensor] = {}
@@ -148,6 +150,8 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
                     loss = st.model.loss(out, y, reduction="sum")  # the trainer divides (by the global count)
                     loss_sum += loss.detach().float()
                     out = loss_fn(loss)
+                if train:  # this stage's MoE balancing losses join its backward (balancing.py)
+                    out = attach_balancing(out, moe_of[a.chunk], y, loss_fn)
             if train or not st.last:
                 outputs[key] = out
             if not train:

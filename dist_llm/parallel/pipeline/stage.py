@@ -11,7 +11,7 @@ from functools import lru_cache
 from torch import nn
 
 from dist_llm.config import Config, ConfigError, ModelConfig
-from dist_llm.parallel.marks import mark_pp_duplicate
+from dist_llm.parallel.marks import expert_slice, mark_pp_duplicate, partition_dim
 
 log = logging.getLogger("dist_llm")
 
@@ -109,6 +109,21 @@ def describe_stages(m: ModelConfig, ranges: list[range], named_shapes: Iterable[
                      for r, load in zip(ranges, loads))
 
 
+def whole_shapes(model: nn.Module, tp: int) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of every parameter of the whole model from this rank's slices (an expert-parallel slice holds
+    E/ep of the stacked experts, a tensor-parallel one 1/tp along its partition dim): the split must not depend
+    on the layout, and `dist-llm memory` splits the whole model's shapes."""
+    out = []
+    for name, p in model.named_parameters():
+        shape = list(p.shape)
+        if (experts := expert_slice(p)) is not None:
+            shape[0] = experts[1]
+        if (dim := partition_dim(p)) is not None:
+            shape[dim] *= tp
+        out.append((name, tuple(shape)))
+    return out
+
+
 Blocks = range | tuple[range, ...]  # a stage's blocks: one run, or (interleaved) one per chunk
 
 
@@ -134,7 +149,7 @@ def cut_to_stage(model: nn.Module, cfg: Config, pp: int, pp_rank: int) -> tuple[
     weight too (as the head), marked a pipeline duplicate (parallel/marks.py) so the gradient norm counts it once.
     Returns (blocks, first, last): blocks a range, or under the interleaved schedule a range per chunk."""
     m, virtual = cfg.model, cfg.parallel.pp_virtual
-    shapes = [(name, tuple(p.shape)) for name, p in model.named_parameters()]
+    shapes = whole_shapes(model, cfg.parallel.tp)
     ranges = stage_ranges(m, pp * virtual, shapes, cfg.parallel.pp_layers or None)
     if pp_rank == 0:
         log.info("pipeline %s by training FLOPs per token: %s", "chunks" if virtual > 1 else "stages",
