@@ -101,3 +101,25 @@ def test_pp_is_accepted_and_the_other_refusals_stay_one_line() -> None:
         with pytest.raises(ConfigError) as err:
             load_config(None, [*base, *extra])
         assert str(err.value) == message
+
+
+def test_stage_split_under_ep_is_the_whole_models() -> None:
+    """The FLOP balance counts an MoE block's experts at top_k/E of the WHOLE layer's (stage.py), also where ep
+    left a rank E/ep of them: the cut reads the whole shapes back from the slices, so every ep (and
+    `dist-llm memory`, which splits the whole model) gives the same stages. Before, an ep=4 rank counted its
+    MoE block (the last of 3) at a quarter of its experts and split 1 | 2 blocks where the whole model gives 2 | 1."""
+    from types import SimpleNamespace
+
+    from dist_llm.model.gpt import GPT
+    from dist_llm.parallel.expert import apply_expert_parallel
+    from dist_llm.parallel.pipeline.stage import cut_to_stage, stage_ranges, whole_shapes
+
+    cfg = load_config("configs/moe.yaml", ["model.n_layer=3", "model.moe_every=3", "parallel.pp=2"])
+    with torch.device("meta"):
+        whole, sliced = GPT(cfg.model), GPT(cfg.model)
+    apply_expert_parallel(sliced, SimpleNamespace(ep=4, ep_rank=1, ep_group=None, comm=None))  # type: ignore[arg-type]
+    shapes = [(n, tuple(p.shape)) for n, p in whole.named_parameters()]
+    assert whole_shapes(sliced, tp=1) == shapes
+    expected = stage_ranges(cfg.model, 2, shapes)
+    assert [len(r) for r in expected] == [2, 1]
+    assert cut_to_stage(sliced, cfg, 2, 0)[0] == expected[0]
