@@ -48,13 +48,15 @@ def test_pp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPa
 
 
 @pytest.mark.parametrize("zero_stage,schedule,layers", [
+    (0, "gpipe", {}),  # the flat all-reduce over dp leaves the experts to their expert-dp group (mixed them before)
     (1, "1f1b", {"model__moe_every": 2}),  # stage 0 holds a dense block alone: no experts, stand-in metric rows
     (2, "zb1", {}),  # the attached term inside the split backward; expert reduce-scatters from the W passes
     (1, "interleaved", {"model__n_layer": 4, "parallel__pp_virtual": 2}),  # two chunks a rank, each its own term
-], ids=["zero1-1f1b-dense-stage0", "zero2-zb1", "zero1-interleaved"])
+], ids=["ddp-flat-gpipe", "zero1-1f1b-dense-stage0", "zero2-zb1", "zero1-interleaved"])
 def test_dp2_pp2_ep2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                          zero_stage: int, schedule: str, layers: dict[str, Any]) -> None:
-    """World 4: dp=2 x pp=2, ep=2 inside each stage's dp pair (experts 0-1 on dp rank 0, 2-3 on dp rank 1).
+    """World 4: dp=2 x pp=2, ep=2 inside each stage's dp pair (experts 0-1 on dp rank 0, 2-3 on dp rank 1), with
+    each data-parallel form a pipeline takes.
     atol 3e-6 on parameters as test_pipeline's dp x pp: the tied embedding's two stage contributions and the
     dp mean are summed in another order, which Adam scales up on near-zero gradients."""
     model = {k: v for k, v in layers.items() if k.startswith("model")}
@@ -64,7 +66,7 @@ def test_dp2_pp2_ep2_matches_one_process(tmp_path: Path, tmp_path_factory: pytes
                                                            "parallel__pp_schedule": schedule,
                                                            "parallel__bucket_mb": 0.01}, init_group=False)
     assert_same(results, reference(tmp_path_factory, corpus, **extra), atol=3e-6)
-    assert {r["dp"] for r in results} == {f"zero{zero_stage}+ep"}
+    assert {r["dp"] for r in results} == {f"zero{zero_stage}+ep" if zero_stage else "ddp-flat"}
 
 
 def test_pp2_checkpoint_resumes_at_pp1_and_ep2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,

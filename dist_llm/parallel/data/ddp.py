@@ -68,7 +68,10 @@ class FlatAllReduceDataParallel(DataParallel):
     name = "ddp-flat"
 
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
-        params = [p for p in model.parameters() if p.requires_grad]
+        # expert-parallel slices differ across dp: outside the flat buffer, reduced over their expert-dp group
+        self.expert_params = [p for _, p in expert_parameters(model)]
+        experts = {id(p) for p in self.expert_params}
+        params = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
         self.flat_grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=ctx.device)
         at = 0
         for p in params:  # every .grad a view of the flat buffer, so backward accumulates straight into it
@@ -81,6 +84,9 @@ class FlatAllReduceDataParallel(DataParallel):
         self.flat_grads.div_(self.ctx.dp_cp)  # divide before summing, as DDP does: an fp16 sum could overflow
         for lo in range(0, self.flat_grads.numel(), self.bucket_numel):
             comm.all_reduce(self.flat_grads[lo : lo + self.bucket_numel], self.ctx.dp_cp_group, self.ctx.comm)
+        reduce_expert_grads(self.expert_params, self.ctx, self.bucket_numel)
 
     def zero_grad(self) -> None:
         self.flat_grads.zero_()  # keep the views: set_to_none would detach .grad from the buffer
+        for p in self.expert_params:
+            p.grad = None
