@@ -125,3 +125,12 @@ def test_stage_split_under_ep_is_the_whole_models() -> None:
     expected = stage_ranges(cfg.model, 2, shapes)
     assert [len(r) for r in expected] == [2, 1]
     assert cut_to_stage(sliced, cfg, 2, 0)[0] == expected[0]
+    # a tensor-parallel slice reads back likewise (configs/3d.yaml, tp=8 x pp=2, split its 24 blocks 16 | 8 by
+    # its slices where `dist-llm memory` splits the whole model 13 | 11)
+    from torch import nn
+
+    from dist_llm.parallel.marks import mark_partition
+
+    layer = nn.Linear(8, 4, bias=False)  # weight (4, 8): a column slice of a (8, 8) at tp=2
+    mark_partition(layer.weight, 0)
+    assert whole_shapes(nn.ModuleDict({"fc": layer}), tp=2) == [("fc.weight", (8, 8))]
