@@ -774,7 +774,7 @@ def _check_moe(cfg: Config) -> None:
 
 def _check_expert_parallel(cfg: Config) -> None:
     """parallel.ep > 1: experts split over ep of the dp ranks (dp itself is checked against WORLD_SIZE at start,
-    parallel/context.py). With tp, pp, ZeRO-3 and DeepSpeed it comes later (issue 19)."""
+    parallel/context.py), per pipeline stage under pp. With tp, ZeRO-3 and DeepSpeed it comes later (issue 19)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
