@@ -222,6 +222,10 @@ class TrainConfig:
     """Optimizer steps to train for (also the length of the LR schedule)."""
     stop_after_step: int = 0
     """Stop after this step as if interrupted (the LR schedule still follows max_steps); 0 = run to max_steps."""
+    max_time_s: float = 0.0
+    """A time budget: the run ends (evaluating and saving as at its last step) after the first step at which this
+    many seconds of training have passed (metrics' elapsed_s, resumes included; every rank stops at the same
+    step). The LR schedule still follows max_steps. 0 = no limit."""
     profile_steps: str = ""
     """Steps a:b (from 1, both included) to trace with the PyTorch profiler into out_dir/profile/rank_K.json
     (Chrome trace; open in Perfetto or chrome://tracing). Empty: no profiling."""
@@ -579,7 +583,8 @@ def validate(cfg: Config) -> None:
               "parallel.timeout_s", "optim.lr")
     _non_negative(cfg, "model.n_kv_head", "model.mlp_hidden", "optim.min_lr", "optim.warmup_steps",
                   "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval", "train.peak_tflops",
-                  "train.ckpt_interval", "train.keep_checkpoints", "train.stop_after_step", "train.seed")
+                  "train.ckpt_interval", "train.keep_checkpoints", "train.stop_after_step", "train.seed",
+                  "train.max_time_s")
     if t.seed >= 2**63:
         raise ConfigError(f"train.seed: must be below 2**63, got {t.seed}")
     if m.n_embd % m.n_head:

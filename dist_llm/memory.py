@@ -644,7 +644,7 @@ def _moe_figures(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_ra
     n_moe = sum(1 for i in _blocks(cfg, pp, pp_rank) if m.is_moe_block(i))
     in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
     rows = memory_moe.routed_rows(cfg, tokens, ep)
-    per_row = memory_moe.received_row_bytes(cfg) * n_moe * in_flight
+    per_row = memory_moe.received_row_bytes(cfg, ep) * n_moe * in_flight
     worst = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp, worst=True)
     a2a_worst = memory_moe.a2a_buffer_bytes(cfg, tokens, ep, worst=True)
     est.moe = {"ep": ep, "routed_rows": rows.assignments, "received_rows_balanced": rows.received_balanced,

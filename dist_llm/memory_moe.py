@@ -17,7 +17,8 @@ experts, C = n_embd, H = the expert hidden size, s = the compute dtype's bytes:
     per kept row   the token index (int64, 8; and the expert index with biases), the gate s, the combined
                    expert output sC and the gated product sC: on the rank that owns the tokens
     per received   the experts' input sC and hidden values s*(4H SwiGLU: gate, silu, up, product; 2H GELU):
-    row            on the rank that owns the experts; at ep=1 the received rows are the kept rows
+    row            on the rank that owns the experts; at ep=1 the received rows are the kept rows; at ep>1 also
+                   the dispatch's regrouping of the arrivals by local expert and its inverse (int64, 8 + 8)
     per layer      in mixed precision with fp32 parameters the 16-bit copies of the rank's expert weights
                    (autocast's casts are saved by the grouped matmul); with 16-bit parameters the router's
                    fp32 weight copy; the aux loss's per-expert fractions and the groups' offsets
@@ -113,9 +114,11 @@ def kept_row_bytes(cfg: Config) -> int:
     return 8 + (8 if cfg.model.bias else 0) + s + 2 * s * cfg.model.n_embd
 
 
-def received_row_bytes(cfg: Config) -> int:
-    """Bytes per row the rank's experts compute: their input and hidden values."""
-    return _compute_size(cfg) * (cfg.model.n_embd + _hidden_per_row(cfg, cfg.model.moe_expert_hidden))
+def received_row_bytes(cfg: Config, ep: int) -> int:
+    """Bytes per row the rank's experts compute: their input and hidden values (and at ep>1 the two int64
+    permutations parallel/expert/dispatch.py saves)."""
+    regroup = 16 if ep > 1 else 0
+    return _compute_size(cfg) * (cfg.model.n_embd + _hidden_per_row(cfg, cfg.model.moe_expert_hidden)) + regroup
 
 
 def layer_constant_bytes(cfg: Config, ep: int, *, params16: bool) -> int:
@@ -139,7 +142,7 @@ def moe_block_bytes(cfg: Config, tokens: int, ep: int, *, params16: bool, worst:
     received = rows.received_worst if worst else rows.received_balanced
     order = 8 * rows.assignments + (rows.assignments if cfg.model.moe_capacity_factor > 0 else 0)
     return round(token_side_bytes(cfg) * tokens + order + kept_row_bytes(cfg) * rows.kept
-                 + received_row_bytes(cfg) * received + layer_constant_bytes(cfg, ep, params16=params16))
+                 + received_row_bytes(cfg, ep) * received + layer_constant_bytes(cfg, ep, params16=params16))
 
 
 def a2a_buffer_bytes(cfg: Config, tokens: int, ep: int, *, worst: bool = False) -> int:
@@ -156,7 +159,7 @@ def summary_lines(cfg: Config, tokens: int, ep: int, n_moe_layers: int, in_fligh
     """What `dist-llm memory` prints for an MoE model: the load it assumes and the routed figures."""
     m = cfg.model
     rows = routed_rows(cfg, tokens, ep)
-    per_layer = received_row_bytes(cfg)
+    per_layer = received_row_bytes(cfg, ep)
     balanced = per_layer * rows.received_balanced * n_moe_layers * in_flight
     worst = per_layer * rows.received_worst * n_moe_layers * in_flight
     mib = 2**20

@@ -16,6 +16,15 @@ Scenarios (each runs one of the scripts beside this one, or dist_llm's own train
            tokens/s of the whole job (median over the logged steps after the first); runs with more processes
            than cores are marked oversubscribed.
   all-cpu  all of the above, at sizes that finish in a few minutes on a 2-core machine.
+  moe      (issue 19; ~3 minutes on 2 cores) scripts/bench_moe.py: one 8-expert top-2 MoE layer, forward+backward
+           fp32, our grouped path (torch._grouped_mm) against its fallbacks, a naive per-expert loop over the
+           unsorted routing and a per-token loop; `dist-llm train` of configs/moe.yaml at ep=1 (one process), ep=2
+           (2 processes, dp=2) and ep=4 (with --max-procs 4) against configs/tiny.yaml (the dense model with the same
+           active parameters), one thread a process, same global batch; scripts/bench_ep.py: one layer at ep=2
+           against ep=1 on 2 ranks. Targets: grouped >= 2x the naive loop, ep=2 >= 1.6x ep=1.
+  cp       (issue 21; ~3-4 minutes on 2 cores) scripts/bench_cp.py: tiny.yaml's model (2 layers) at block_size
+           4096 and 8192, cp = 1, 2 (and 4 with --max-procs 4): tokens/s, saved activations per rank against
+           `dist-llm memory`, and the attention part's saved activations at cp=k over cp=1 against 1/k (within 10%).
   gpu      (one CUDA GPU) scripts/bench_model.py in bf16 with the fused AdamW step timed: the GPT-2 124M shape
            (batch 16 x 1024) against HF GPT-2 with SDPA, ours eager and with each block compiled; and a 1.3B GPT
            (24 x 2048, seq 2048, batch 8), compiled. MFU against the GPU's bf16 peak, which bench_model.py
@@ -28,6 +37,8 @@ measured, in MiB, the highest rank's (CUDA: max_memory_allocated; CPU: the peak 
   dp, tp   the most a rank's memory rose above where it stood before the model was built (model states too)
   pp       the most a stage's memory rose over the steps, once the trainer was built
   scaling  the whole process's peak during training (`peak_memory_bytes` in metrics.jsonl)
+  moe      the model rows as scaling; the layer rows none
+  cp       the worst rank's rise of its peak resident set over its training steps
 Below it, the bytes each layout sent per step by kind of collective. `--json` keeps every row and each script's full results, for
 scripts/plot_bench.py. MFU is computed on a GPU only: a CPU's matmul peak says little about training on it.
 """
@@ -45,19 +56,23 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench_runs import ENV, train_run
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ["model", "dp", "tp", "pp", "scaling"]  # all-cpu
-EXTRA_SCENARIOS = ["gpu"]
+EXTRA_SCENARIOS = ["moe", "cp", "gpu"]  # not in all-cpu: each takes as long as all of it
 # the sizes of all-cpu: a few minutes in all on 2 cores
 SMALL = {
     "model": ["--models", "tiny", "--steps", "20", "--warmup", "3"],
     "dp": ["--layers", "4", "--width", "256", "--seq", "128", "--steps", "8", "--warmup", "2", "--rounds", "3"],
     "tp": ["--layers", "4", "--width", "256", "--heads", "8", "--seq", "128", "--steps", "4", "--warmup", "1"],
     "pp": ["--micro-batches", "1", "4", "8", "--layers", "4", "--width", "128", "--heads", "4", "--steps", "2"],
+    "moe": ["--tokens", "4096", "--repeats", "3", "--global-batch", "16", "--steps", "6"],
+    "ep": ["--ranks", "2", "--tokens", "2048", "--repeats", "3"],
+    "cp": ["--block-sizes", "4096,8192", "--layers", "2", "--steps", "3"],
 }
 SCALING_MODEL = ["model.n_layer=4", "model.n_embd=128", "model.n_head=4", "model.block_size=128",
-                 "train.micro_batch_size=4", "train.global_batch_size=16", "train.max_steps=8",
-                 "train.log_interval=1", "train.eval_interval=0", "train.ckpt_interval=0", "optim.warmup_steps=2"]
+                 "train.micro_batch_size=4", "train.global_batch_size=16", "train.max_steps=8", "optim.warmup_steps=2"]
 
 
 GPU_RUNS = {  # bench_model.py arguments of the gpu scenario
@@ -67,7 +82,6 @@ GPU_RUNS = {  # bench_model.py arguments of the gpu scenario
              "--warmup", "3"],
 }
 MFU_TARGETS = {"gpt2-124m": 0.40, "gpt-1.3b": 0.50}
-ENV = {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
 def run_script(name: str, extra: list[str], out: Path) -> dict[str, Any]:
@@ -162,19 +176,7 @@ def pp_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def scaling_run(form: str, n: int, out_dir: Path) -> dict[str, Any]:
     layout = {"dp": [], "tp": [f"parallel.tp={n}"], "pp": [f"parallel.pp={n}", "train.micro_batch_size=2"]}[form]
-    cmd = [sys.executable, "-m", "dist_llm.cli", "train", "--config", str(ROOT / "configs/tiny.yaml"), *SCALING_MODEL,
-           *layout, f"train.out_dir={out_dir}", "train.resume=never"]
-    if n > 1:
-        cmd[4:4] = ["--nproc-per-node", str(n)]  # after "train"
-    start = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**ENV, "OMP_NUM_THREADS": "1"})
-    if proc.returncode != 0:
-        raise RuntimeError(f"{form}={n} failed:\n{proc.stderr[-2000:]}")
-    records = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "tokens_per_s" in r][1:]  # the first step carries the warm-up
-    return {"form": form, "procs": n, "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steps),
-            "peak_bytes": max(max(r["peak_memory_bytes"]) for r in steps), "comm_bytes": steps[-1]["comm_bytes"],
-            "wall_s": time.perf_counter() - start, "oversubscribed": n > (os.cpu_count() or 1)}
+    return {"form": form, **train_run("configs/tiny.yaml", [*SCALING_MODEL, *layout], n, out_dir)}
 
 
 def scaling_rows(max_procs: int, tmp: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
@@ -190,6 +192,52 @@ def scaling_rows(max_procs: int, tmp: Path) -> tuple[list[dict[str, Any]], list[
                 "1 process", "tokens/s", r["tokens_per_s"], one["tokens_per_s"], ours_mem=r["peak_bytes"],
                 ref_mem=one["peak_bytes"], comm_by_kind=r["comm_bytes"]) for r in runs[1:]]
     return rows, runs
+
+
+def moe_rows(r: dict[str, Any], ep: dict[str, Any]) -> list[dict[str, Any]]:
+    layer, out = r["layer"]["tokens_per_s"], []
+    for impl in ("loop", "bmm", "naive", "per-token"):
+        naive = impl == "naive"
+        out.append(row("moe", "layer grouped_mm", f"layer {impl}", "tokens/s", layer["grouped_mm"], layer[impl],
+                       ">= 2 (issue 19)" if naive else "", layer["grouped_mm"] >= 2 * layer[impl] if naive else None))
+    runs = {m["name"]: m for m in r["model"]}
+
+    def model_row(ours: str, ref: str, target: float | None = None) -> None:
+        if ours in runs and ref in runs:
+            a, b = runs[ours], runs[ref]
+            out.append(row("moe", ours + (" (oversubscribed)" if a["oversubscribed"] else ""), ref, "tokens/s",
+                           a["tokens_per_s"], b["tokens_per_s"], f">= {target} (issue 19)" if target else "",
+                           a["tokens_per_s"] >= target * b["tokens_per_s"] if target else None,
+                           ours_mem=a["peak_bytes"], ref_mem=b["peak_bytes"], comm_by_kind=a["comm_bytes"]))
+
+    model_row("moe 1 process", "dense 1 process")
+    for n in (2, 4, 8):
+        model_row(f"moe ep={n}", "moe 1 process", 1.6 if n == 2 else None)
+        model_row(f"moe ep={n}", f"moe dp={n}")
+        model_row(f"moe ep={n}", f"dense dp={n}")
+        model_row(f"dense dp={n}", "dense 1 process")
+    res = ep["results"]
+    n = ep["ranks"]
+    out.append(row("moe", f"layer ep={n}", f"layer ep=1 (dp={n})", "tokens/s", res[str(n)]["tokens_per_s"],
+                   res["1"]["tokens_per_s"], all_to_all_bytes=res[str(n)]["all_to_all_bytes"]))
+    return out
+
+
+def cp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
+    out = []
+    for run in r["runs"]:
+        t, k = run["block_size"], run["cp"]
+        one = next(x for x in r["runs"] if x["block_size"] == t and x["cp"] == 1)
+        name = f"T={t} cp={k}" + (" (oversubscribed)" if run["oversubscribed"] else "")
+        out.append(row("cp", f"{name} saved", "dist-llm memory", "MiB saved", run["saved_bytes"] / 2**20,
+                       run["predicted_saved_bytes"] / 2**20))
+        if k > 1:
+            out.append(row("cp", name, f"T={t} cp=1", "tokens/s", run["tokens_per_s"], one["tokens_per_s"],
+                           ours_mem=run["rise_bytes"], ref_mem=one["rise_bytes"]))
+            ratio = run["attention_ratio"]
+            out.append(row("cp", f"{name} attention", "1/cp", "saved ratio", ratio, 1 / k,
+                           f"1/cp within {r['tolerance']:.0%}", abs(ratio * k - 1) <= r["tolerance"]))
+    return out
 
 
 def _mib(n: int | None) -> str:
@@ -233,7 +281,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--scenario", default="all-cpu",
                    help=f"all-cpu, or comma-separated: {', '.join(SCENARIOS + EXTRA_SCENARIOS)}")
-    p.add_argument("--max-procs", type=int, default=4, help="largest process count of the scaling scenario")
+    p.add_argument("--max-procs", type=int, default=None,
+                   help="largest process count: scaling's (default 4), moe's ep and cp's cp (default 2)")
     p.add_argument("--json", type=Path, default=None, help="write every row and each script's results here")
     args = p.parse_args(argv)
     wanted = SCENARIOS if args.scenario == "all-cpu" else args.scenario.split(",")
@@ -254,9 +303,18 @@ def main(argv: list[str] | None = None) -> int:
         for s in wanted:
             t0 = time.perf_counter()
             if s == "scaling":
-                new, raw[s] = scaling_rows(args.max_procs, tmp)
+                new, raw[s] = scaling_rows(args.max_procs or 4, tmp)
             elif s == "gpu":
                 new, raw[s] = gpu_rows(tmp)
+            elif s == "moe":
+                procs = ",".join(str(n) for n in (1, 2, 4) if n <= (args.max_procs or 2))
+                raw[s] = run_script(s, [*SMALL[s], "--procs", procs], tmp / "moe.json")
+                raw["ep"] = run_script("ep", SMALL["ep"], tmp / "ep.json")
+                new = moe_rows(raw[s], raw["ep"])
+            elif s == "cp":
+                cps = ",".join(str(n) for n in (1, 2, 4) if n <= (args.max_procs or 2))
+                raw[s] = run_script(s, [*SMALL[s], "--cp", cps], tmp / "cp.json")
+                new = cp_rows(raw[s])
             else:
                 raw[s] = run_script(s, SMALL[s], tmp / f"{s}.json")
                 new = {"model": model_rows, "dp": dp_rows, "tp": tp_rows, "pp": pp_rows}[s](raw[s])
@@ -270,6 +328,12 @@ def main(argv: list[str] | None = None) -> int:
               f"matmul; attention kernel {', '.join(r['sdpa_kernel'] for r in res['results'].values())}")
     print_table(rows)
     print_comm(raw)
+    verdicts = [r for r in rows if r["met"] is not None]
+    if verdicts:
+        print("\ntargets")
+    for r in verdicts:
+        print(f"{'PASS' if r['met'] else 'FAIL'}: {r['scenario']} {r['ours']} against {r['reference']}: {r['what']} "
+              f"ratio {r['ratio']:.3f} (target {r['target']})")
     if args.json:
         args.json.write_text(json.dumps({"torch": torch.__version__, "device": device, "cores": os.cpu_count(),
                                          "date": time.strftime("%Y-%m-%d"), "rows": rows, "raw": raw}, indent=1))

@@ -3,6 +3,7 @@ ep=1 (every rank runs all experts on its own tokens: data parallelism) and at ep
 the tokens the all-to-all brings it), at the same tokens per rank; and the all-to-all bytes per step.
 
     python scripts/bench_ep.py [--ranks 2] [--tokens 4096] [--experts 8] [--top-k 2] [--embd 128] [--hidden 512]
+                               [--json out.json]
 
 On 2 shared CPU cores the two layouts do the same FLOPs and ep adds the exchange, so expect no speed-up here;
 what ep buys is 1/ep of the expert weights, gradients and optimizer states per rank.
@@ -11,6 +12,7 @@ what ep buys is 1/ep of the expert weights, gradients and optimizer states per r
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import time
@@ -23,6 +25,7 @@ from dist_llm.config import ModelConfig
 from dist_llm.model.moe import MoE
 from dist_llm.parallel.comm import CommStats
 from dist_llm.parallel.expert import AllToAllDispatch, LocalExperts
+from pathlib import Path
 
 
 def build(args: argparse.Namespace, rank: int, ep: int, group: object, stats: CommStats) -> MoE:
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--embd", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -91,6 +95,9 @@ def main() -> None:
     for ep, (tokens_s, nbytes) in results.items():
         print(f"ep={ep}: {tokens_s:,.0f} tokens/s over {args.ranks} ranks, all-to-all {nbytes / 2**20:.2f} MiB/step "
               f"on rank 0")
+    if args.json:
+        args.json.write_text(json.dumps({"ranks": args.ranks, "tokens_per_rank": args.tokens, "results": {
+            str(ep): {"tokens_per_s": t, "all_to_all_bytes": b} for ep, (t, b) in results.items()}}, indent=1))
 
 
 if __name__ == "__main__":

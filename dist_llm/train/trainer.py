@@ -331,6 +331,17 @@ class Trainer:
         comm.all_reduce(flag, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
         return int(flag.item())
 
+    def _time_is_up(self, clock: _RunClock) -> bool:
+        """train.max_time_s reached? Each rank reads its own clock; any rank's yes stops all of them at this step
+        (one host collective a step, only with a budget set)."""
+        up = torch.tensor([float(clock.elapsed() >= self.cfg.train.max_time_s)])
+        if self.ctx.world_size > 1:
+            comm.all_reduce(up, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
+        if up.item() and self.ctx.is_main:
+            log.info("train.max_time_s=%g reached: step %d is the last (%.1f s trained)", self.cfg.train.max_time_s,
+                     self.step, clock.elapsed())
+        return bool(up.item())
+
     def _heartbeat(self) -> None:
         """out_dir/heartbeat/rank_K.json: the last step this rank finished, when, and its process (to find a
         stuck or dead rank)."""
@@ -551,7 +562,7 @@ class Trainer:
     def fit(self) -> dict[str, Any]:
         """Train to `train.max_steps` (or `train.stop_after_step`); returns the last metrics."""
         t = self.cfg.train
-        stop = t.stop_after_step or t.max_steps
+        stop = planned = t.stop_after_step or t.max_steps  # (train.max_time_s may bring `stop` forward)
         if self._already_complete(stop):
             return {}
         self._announce()
@@ -574,6 +585,8 @@ class Trainer:
                 bar.update(1)
                 if clock.window_steps == 1 and self.step == clock.start_step + 1:
                     self._first_step_accounting()
+                if t.max_time_s and self.step < stop and self._time_is_up(clock):
+                    stop = self.step  # this step is the last: evaluated, saved and reported as one
                 if self.step % t.log_interval == 0 or self.step == stop:
                     last = self._log_step(out, clock, bar, peak_flops=peak_flops, flops_per_token=flops_per_token)
                 paused = time.perf_counter()
@@ -602,7 +615,7 @@ class Trainer:
                 plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
                 write_report(self.out_dir)
                 newest = ckpt.latest_checkpoint(self.ckpt_root)
-                for line in summary_lines(self.out_dir, step=self.step, stop=stop, newest=newest,
+                for line in summary_lines(self.out_dir, step=self.step, stop=planned, newest=newest,
                                           command=sample_command(self.out_dir)):
                     log.info(line)
         finally:

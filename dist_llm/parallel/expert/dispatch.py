@@ -81,5 +81,9 @@ class AllToAllDispatch:
             none = experts(rows.new_zeros(1, rows.shape[1]), one, one[:1] * 0)[:0]
             out = none + rows.to(none.dtype)  # (the dtype the peers' experts return: what comes back to them)
         
-        restored = torch.empty_like(out).index_copy(0, order, out)  # restored[order[i]] = out[i]
+        # restored[order[i]] = out[i], by gathering at the inverse permutation: index_copy's backward keeps its
+        # source (the experts' outputs, R x C) alive until backward, index_select's only the (R,) index
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        restored = out.index_select(0, inverse)
         return all_to_all_rows(restored, sent_host, received_host, self.group, self.stats)
