@@ -682,6 +682,9 @@ def _check_pipeline(cfg: Config) -> None:
     # to run the whole forward.
     # zb1's B walks the graph for the gathered parameters its W fills: a unit resharded after forward (and
     # gathered again, as new tensors, for B) would leave W nothing to fill
+    # (CPU offload keeps the gradients a stage accumulates unsharded over its micro-batches on the device: untested)
+    if p.pp > 1 and p.offload != "none":
+        raise ConfigError(f"parallel.offload={p.offload} is not supported with parallel.pp>1; use parallel.offload=none")
     if p.pp > 1 and p.zero_stage == 3 and p.pp_schedule == "zb1" and p.reshard_after_forward:
         raise ConfigError("parallel.reshard_after_forward: true with parallel.zero_stage=3 and pp_schedule=zb1 would "
                           "regather each unit between B and W; leave it unset (false under a pipeline)")

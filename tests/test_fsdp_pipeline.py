@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,3 +75,47 @@ def test_zero3_with_context_parallel_matches_one_process(tmp_path: Path, tmp_pat
     for kind, want in expected_state_bytes(got["n_params"], 2 * dp, 3, "fp32").items():  # sharded over dp x cp
         assert want <= got["state_bytes"][kind] <= want * 1.01 + 512, (kind, got["state_bytes"][kind], want)
     assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+def _held_at_last_backward(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                           extra: dict[str, Any]) -> dict[str, int]:
+    """One step; at the start of the stage's last backward, the bytes of every gathered parameter and every
+    unsharded gradient (accumulated over the earlier micro-batches) this rank holds."""
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": 1,
+                                                       "train__eval_interval": 0, "model__bias": False, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        dp, seen = trainer.dp, {}
+        micro_step = dp.micro_step
+
+        def recording(*, last: bool) -> Any:
+            if last:
+                params = [fp for unit in dp.fsdp_units for g in unit._get_fsdp_state()._fsdp_param_groups
+                          for fp in g.fsdp_params]
+                seen["params"] = sum(fp.unsharded_param.untyped_storage().nbytes() for fp in params)
+                seen["grads"] = sum(g.untyped_storage().nbytes() for fp in params
+                                    for g in (fp.unsharded_param.grad, fp.unsharded_accumulated_grad) if g is not None)
+            return micro_step(last=last)
+
+        dp.micro_step = recording
+        trainer.fit()
+        return {**seen, "pp_rank": ctx.pp_rank}
+    finally:
+        ctx.destroy()
+
+
+def test_memory_counts_what_a_stage_holds_through_the_step(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """`dist-llm memory`'s ZeRO-3-with-pp term (memory.pipelined_zero3_bytes) is what each stage holds at the start
+    of its last backward: its part gathered whole and its gradients accumulated whole, to the byte."""
+    from dist_llm import memory
+
+    extra = {**DP_PP, "model__tie_embeddings": False}
+    got = run_distributed(_held_at_last_backward, 4, tmp_path, corpus, extra, init_group=False)
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False, **extra))
+    for r in got[:2]:
+        want = memory.pipelined_zero3_bytes(cfg, tp=1, pp=2, pp_rank=r["pp_rank"])
+        assert r["params"] + r["grads"] == want and r["grads"] == r["params"] > 0, (r, want)
