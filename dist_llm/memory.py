@@ -555,7 +555,7 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     logits = 2 * t.micro_batch_size * m.block_size // cp * m.padded_vocab // tp * 4
     candidates = [logits, ring_buffer_bytes(cfg, tp=tp, cp=cp)]
-    if dp > 1 and p.zero_stage == 3:  # a unit gathered: its all-gather buffer and the copy FSDP2 makes of it
+    if dp * cp > 1 and p.zero_stage == 3:  # a unit gathered (over dp x cp): its all-gather buffer and FSDP2's copy
         size = 4 if t.precision == "fp32" else 2
         candidates.append(2 * _block_params(cfg) // tp * size)
         # the embedding or the head (a unit each, parallel/data/fsdp.py): vocabulary x width, often the largest;

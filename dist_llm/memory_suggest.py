@@ -210,6 +210,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     e = dataclasses.replace(states[key], notes=[])
                     e.activation_bytes = memory.activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
                     e.temporary_bytes = max(e.temporary_bytes, memory.temporary_bytes(c, dp=dp, tp=tp))
+                    e.temporary_bytes += memory.pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
                     e.offloaded = c.parallel.offload == "cpu"
                     if est is None or e.peak_bytes > est.peak_bytes:
                         est = e
