@@ -22,15 +22,18 @@ from tests.test_pipeline import LAYERS, assert_matches
 DP_PP = {**LAYERS, "parallel__pp": 2, "parallel__zero_stage": 3, "train__micro_batch_size": 1}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1", "interleaved"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1", "interleaved", "1f1b-reshard"])
 def test_zero3_with_pipeline_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                  corpus: Path, schedule: str) -> None:  # noqa: F811
     """dp=2 x pp=2 on 4 processes, tied embedding (the first stage's embedding and the last stage's head are one
     weight, each stage's copy a DTensor sharded over its dp pair): 8 steps equal one process. Under 1F1B also
-    evaluation (the forward-only schedule through the same root calls) every 4 steps, its losses equal too."""
-    extra = {**DP_PP, "parallel__pp_schedule": schedule}
+    evaluation (the forward-only schedule through the same root calls) every 4 steps, its losses equal too;
+    '1f1b-reshard': 1F1B with parallel.reshard_after_forward=true (each unit gathered twice per micro-batch)."""
+    extra = {**DP_PP, "parallel__pp_schedule": schedule.removesuffix("-reshard")}
     if schedule == "interleaved":
         extra["parallel__pp_virtual"] = 2
+    if schedule.endswith("-reshard"):
+        extra["parallel__reshard_after_forward"] = True
     evaluate = {"train__eval_interval": 4} if schedule == "1f1b" else {}
     results = run_distributed(train, 4, tmp_path / "pp", corpus, {**extra, **evaluate}, init_group=False)
     assert {r["dp"] for r in results} == {"fsdp2"}
@@ -43,9 +46,10 @@ def test_zero3_with_pipeline_matches_one_process(tmp_path: Path, tmp_path_factor
         val = {run: [r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
                      if "val_loss" in r] for run in ("pp", "one")}
         assert len(val["pp"]) == 2 and val["pp"] == pytest.approx(val["one"], rel=1e-5)
-    # each unit gathered once and reduce-scattered once per step, not per micro-batch (GPipe and 1F1B in the last
-    # backward, zb1 after its last W, interleaved's chunks at the end of chunk 0's last backward): the last step's
-    # counted data-parallel bytes (and the tied embedding's all-reduce) are the planner's (memory_comm), to the byte
+    # each unit gathered once (twice per micro-batch when resharding) and reduce-scattered once per step, not per
+    # micro-batch (GPipe and 1F1B in the last backward, zb1 after its last W, interleaved's chunks at the end of
+    # chunk 0's last backward): the last step's counted data-parallel bytes (and the tied embedding's all-reduce)
+    # are the planner's (memory_comm), to the byte
     cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False,
                                            train__max_steps=STEPS, **extra))
     for r in results[:2]:  # a rank of each stage
