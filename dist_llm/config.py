@@ -201,8 +201,9 @@ class ParallelConfig:
     grad_accum_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
     """ZeRO-1/2 (native): dtype gradients accumulate in across micro-steps; bf16/fp16 (= train.precision) halve
     the gradient buffer but round every micro-step's sum. DDP, FSDP2 and one process always accumulate in fp32."""
-    reshard_after_forward: bool = True
-    """ZeRO-3 (FSDP2): free gathered parameters after forward and gather again in backward."""
+    reshard_after_forward: bool | None = None
+    """ZeRO-3 (FSDP2): free gathered parameters after forward and gather again in backward. Unset: true, and
+    false with pp > 1 (a stage keeps its part gathered from its first forward to its last backward of a step)."""
     offload: Literal["none", "cpu"] = "none"
     """ZeRO-3: keep sharded parameters, gradients and optimizer states in CPU memory."""
     deepspeed_config: str = ""
@@ -682,9 +683,16 @@ def _check_pipeline(cfg: Config) -> None:
     check_interleaved(cfg)
     # The pipeline drives its own forwards and backwards stage by stage, so it composes with the data-parallel
     # forms whose gradient reduction it can time (after the last micro-batch's backward): the flat-buffer
-    # all-reduce, ZeRO-1 and ZeRO-2. FSDP2's and DeepSpeed's own wrappers expect to run the whole forward.
-    if p.pp > 1 and p.zero_stage == 3:
-        raise ConfigError("parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2")
+    # all-reduce, ZeRO-1, ZeRO-2 and FSDP2 (driven per stage, parallel/data/fsdp.py). DeepSpeed's engine expects
+    # to run the whole forward.
+    # zb1's B walks the graph for the gathered parameters its W fills: a unit resharded after forward (and
+    # gathered again, as new tensors, for B) would leave W nothing to fill
+    # (CPU offload keeps the gradients a stage accumulates unsharded over its micro-batches on the device: untested)
+    if p.pp > 1 and p.offload != "none":
+        raise ConfigError(f"parallel.offload={p.offload} is not supported with parallel.pp>1; use parallel.offload=none")
+    if p.pp > 1 and p.zero_stage == 3 and p.pp_schedule == "zb1" and p.reshard_after_forward:
+        raise ConfigError("parallel.reshard_after_forward: true with parallel.zero_stage=3 and pp_schedule=zb1 would "
+                          "regather each unit between B and W; leave it unset (false under a pipeline)")
     # a torch.compile'd block's backward is one compiled function run once (donated buffers): it cannot be split
     if p.pp > 1 and p.pp_schedule == "zb1" and cfg.train.compile:
         raise ConfigError("parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; "
@@ -704,6 +712,14 @@ def _check_pipeline(cfg: Config) -> None:
     # DeepSpeed's engine wraps the whole module as one data-parallel replica; it has no place for our tp shards
     if p.tp > 1 and p.backend != "native":
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.tp>1; use backend=native")
+
+
+def reshard_after_forward(cfg: Config) -> bool:
+    """`parallel.reshard_after_forward`, or where unset its default: true, false under a pipeline (torchtitan's
+    choice: 1F1B runs other micro-batches' forwards before a backward, so resharding would gather every unit
+    twice per micro-batch)."""
+    p = cfg.parallel
+    return p.pp == 1 if p.reshard_after_forward is None else p.reshard_after_forward
 
 
 def check_interleaved(cfg: Config, dp: int | None = None) -> None:
@@ -730,8 +746,8 @@ def check_interleaved(cfg: Config, dp: int | None = None) -> None:
 
 
 def _check_context_parallel(cfg: Config) -> None:
-    """What context parallelism composes with so far (parallel/context_parallel/): dp with DDP or ZeRO-1/2, tp
-    (with or without sequence parallelism) and pp."""
+    """What context parallelism composes with so far (parallel/context_parallel/): dp with DDP, ZeRO-1/2 or FSDP2
+    (sharded over dp x cp), tp (with or without sequence parallelism) and pp."""
     m, p = cfg.model, cfg.parallel
     if p.cp == 1:
         return
@@ -745,7 +761,7 @@ def _check_context_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.sequence_parallel: model.block_size={m.block_size} is not divisible by "
                           f"2*cp*tp = {2 * p.cp * p.tp} (each cp rank's part of a sequence splits over tp)")
     # (compile: the ring's point-to-point calls inside a compiled block are untested: graph breaks at best)
-    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"),
                      (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.train.compile, "train.compile=true")):
         if on:
             raise ConfigError(f"parallel.cp: context parallelism with {what} is not yet supported; use parallel.cp=1")

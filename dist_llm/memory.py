@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from dist_llm import memory_moe
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, reshard_after_forward
 
 GB, GiB = 1e9, 2**30
 PAPER_K = 12
@@ -555,7 +555,7 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
     m, t, p = cfg.model, cfg.train, cfg.parallel
     logits = 2 * t.micro_batch_size * m.block_size // cp * m.padded_vocab // tp * 4
     candidates = [logits, ring_buffer_bytes(cfg, tp=tp, cp=cp)]
-    if dp > 1 and p.zero_stage == 3:  # a unit gathered: its all-gather buffer and the copy FSDP2 makes of it
+    if dp * cp > 1 and p.zero_stage == 3:  # a unit gathered (over dp x cp): its all-gather buffer and FSDP2's copy
         size = 4 if t.precision == "fp32" else 2
         candidates.append(2 * _block_params(cfg) // tp * size)
         # the embedding or the head (a unit each, parallel/data/fsdp.py): vocabulary x width, often the largest;
@@ -607,6 +607,20 @@ def transient_bytes(cfg: Config) -> tuple[int, int, int]:
     return 4 * largest, largest * (_source_bytes(cfg) + 4), 8 * largest
 
 
+def pipelined_zero3_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> int:
+    """What ZeRO-3 (FSDP2) under a pipeline holds whole through a step (parallel/data/fsdp.py): the stage's
+    gradients accumulated unsharded in fp32 over its micro-batches (reduce-scattered once, in its last backward),
+    and unless parallel.reshard_after_forward=true its parameters, gathered in the compute dtype at its first
+    forward and kept to its last backward. (A quantised base is counted at 4 bytes an element: an overestimate.)"""
+    p, t = cfg.parallel, cfg.train
+    if pp == 1 or p.zero_stage != 3 or p.backend != "native":
+        return 0
+    local = [(math.prod(_local_shape(n, s, cfg, tp)), g) for n, s, g in _stage_params(cfg, pp, pp_rank)]
+    grads = 4 * sum(n for n, g in local if g)
+    size = 4 if t.precision == "fp32" else 2
+    return grads + (0 if reshard_after_forward(cfg) else size * sum(n for n, _ in local))
+
+
 def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None = None) -> Estimate:
     """Per-rank bytes for `cfg` at `world_size` ranks (default: dp*tp*pp with dp=1 when parallel.dp is 0).
     With a pipeline, the stage that needs the most (or `pp_rank`)."""
@@ -624,6 +638,14 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         est = model_state_bytes(cfg, dp=dp * p.cp, tp=tp, pp=pp, pp_rank=s)
         est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp, cp=p.cp)
         est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp, cp=p.cp))
+        held = pipelined_zero3_bytes(cfg, tp=tp, pp=pp, pp_rank=s)
+        if held:  # held through the step, beside the activations and the largest transient
+            est.temporary_bytes += held
+            est.notes.append(f"ZeRO-3 with pp: {held / 2**20:.2f} MiB held through a step on stage {s} (its gradients "
+                             "accumulated whole in fp32, reduce-scattered once a step"
+                             + ("" if reshard_after_forward(cfg) else ", and its parameters gathered in the compute "
+                                "dtype from its first forward to its last backward; parallel.reshard_after_forward="
+                                "true regathers them per micro-batch instead") + ")")
         if cfg.model.n_experts:
             _moe_figures(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s, ep=ep)
         if p.offload == "cpu":

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dist_llm import memory
-from dist_llm.config import Config
+from dist_llm.config import Config, reshard_after_forward
 
 NODE_BANDWIDTH = 300e9  # bytes a rank sends per second to ranks of its own node (NVLink)
 BANDWIDTH = 50e9  # ... to ranks of other nodes (one 400 Gb/s NIC per device)
@@ -110,15 +110,17 @@ def _dp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
             unit = (f"blocks.{rest.partition('.')[0]}" if top == "blocks"
                     else top if untied and top in ("wte", "lm_head") else "root")
             units.setdefault(unit, []).append((s, g))
+        reshard = reshard_after_forward(cfg)
         for unit, shapes in units.items():
             shard = sum(-(-s[0] // dp) * math.prod(s[1:]) if s else 1 for s, _ in shapes)
             trained = sum(-(-s[0] // dp) * math.prod(s[1:]) if s else 1 for s, g in shapes if g)
             # gathered in forward and again in backward (fsdp.py reshards the root too), but for the untied
-            # embedding, whose backward never reads its table (set_unshard_in_backward(False))
-            gathers = 1 if unit == "wte" or not p.reshard_after_forward else 2
-            out.add("all_gather", (dp - 1) * shard * size, times=gathers * micro_steps)
-            if trained:  # (n-1)/n of n shards, reduced in fp32
-                out.add("reduce_scatter", (dp - 1) * trained * 4, times=micro_steps)
+            # embedding, whose backward never reads its table (set_unshard_in_backward(False)); under a pipeline
+            # kept gathered from the stage's first forward to its last backward (the default there): once a step
+            gathers = 1 if unit == "wte" or not reshard else 2
+            out.add("all_gather", (dp - 1) * shard * size, times=1 if pp > 1 and not reshard else gathers * micro_steps)
+            if trained:  # (n-1)/n of n shards, reduced in fp32: once a step under a pipeline (fsdp.py)
+                out.add("reduce_scatter", (dp - 1) * trained * 4, times=1 if pp > 1 else micro_steps)
         return
     # DeepSpeed's engine: the same volume as ZeRO-1/2's, in its buckets
     n = sum(math.prod(s) for _, s in trainable)
@@ -146,6 +148,8 @@ def step_comm(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Co
             from dist_llm.parallel.data.zero import accum_dtype
 
             out.add("all_reduce", -(-numel // dp) * accum_dtype(cfg).itemsize)
+        elif stage == 3:  # FSDP2: this rank's rows of it, fp32 (rank 0's: the first ceil(rows / dp))
+            out.add("all_reduce", -(-tied[0][0][0] // dp) * math.prod(tied[0][0][1:]) * 4)
         else:
             out.add("all_reduce", numel * 4)
     bsh = t.micro_batch_size * m.block_size * m.n_embd

@@ -2,7 +2,7 @@
 
 Candidates: every (dp, tp, pp) with dp*tp*pp = world size that the config's validation accepts (tp divides
 the heads, the KV heads, the padded vocabulary, the MLP width and, with sequence parallelism, the sequence;
-pp at most n_layer; FSDP2 only without a pipeline; the forms MoE allows; the config's parallel.ep kept, not
+pp at most n_layer; the forms MoE allows; the config's parallel.ep kept, not
 searched: expert parallelism's all-to-all is not in the cost model yet); each ZeRO stage the layout allows
 (one at dp=1: they are the same there); each micro-batch size that divides a rank's share of the global batch (up to 64); each
 activation-checkpointing mode. Nothing is built per candidate: the model's parameter shapes come from one
@@ -30,7 +30,8 @@ budget; then the one with the least estimated step time comes first,
       ZeRO-2         reduce-scatter of each micro-step's gradients (compute dtype) at EVERY micro-step,
                      all-gather of the parameters once
       ZeRO-3 (FSDP2) all-gather of every unit's parameters in forward and again in backward (an untied
-                     embedding only in forward) and reduce-scatter of the fp32 gradients, at EVERY micro-step
+                     embedding only in forward) and reduce-scatter of the fp32 gradients, at EVERY micro-step;
+                     under pp each unit gathered and reduce-scattered once per step (kept gathered, the default)
       tp             per block and micro-batch, each column layer (qkv; up, and gate for SwiGLU) all-reduces
                      its input's gradient and each row layer (proj, down) its output: b*s*h each (with
                      sequence parallelism an all-gather and a reduce-scatter instead, the same bytes); the
@@ -209,6 +210,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     e = dataclasses.replace(states[key], notes=[])
                     e.activation_bytes = memory.activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
                     e.temporary_bytes = max(e.temporary_bytes, memory.temporary_bytes(c, dp=dp, tp=tp))
+                    e.temporary_bytes += memory.pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
                     e.offloaded = c.parallel.offload == "cpu"
                     if est is None or e.peak_bytes > est.peak_bytes:
                         est = e

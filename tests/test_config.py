@@ -68,8 +68,11 @@ def test_shipped_configs_load(tmp_path: Path) -> None:
         (["parallel.pp=5"], "parallel.pp: 5 stages need at least as many blocks, model.n_layer=4"),
         (["parallel.pp=2", "parallel.pp_layers=[1, 2]"],
          "parallel.pp_layers: [1, 2] must be 2 positive counts summing to model.n_layer=4"),
-        (["parallel.pp=2", "parallel.zero_stage=3"],
-         "parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2"),
+        (["parallel.pp=2", "parallel.zero_stage=3", "parallel.offload=cpu"],
+         "parallel.offload=cpu is not supported with parallel.pp>1; use parallel.offload=none"),
+        (["parallel.pp=2", "parallel.zero_stage=3", "parallel.pp_schedule=zb1", "parallel.reshard_after_forward=true"],
+         "parallel.reshard_after_forward: true with parallel.zero_stage=3 and pp_schedule=zb1 would regather each "
+         "unit between B and W; leave it unset (false under a pipeline)"),
         (["parallel.pp=2", "parallel.backend=deepspeed"],
          "parallel.backend: deepspeed is not supported with parallel.pp>1; use backend=native"),
         (["parallel.tp=2", "parallel.backend=deepspeed"],

@@ -129,7 +129,6 @@ def test_sampler_slices_are_the_zigzag_parts() -> None:
     ({"model.block_size": 36}, "parallel.cp: model.block_size=36 is not divisible by 2*cp = 8"),
     ({"model.dropout": 0.1}, "parallel.cp: model.dropout=0.1 (attention dropout) is not supported with cp>1"),
     ({"model.n_experts": 4}, "parallel.cp: context parallelism with MoE (model.n_experts>0) is not yet supported"),
-    ({"parallel.zero_stage": 3}, "parallel.cp: context parallelism with parallel.zero_stage=3 is not yet supported"),
     ({"parallel.tp": 2, "parallel.sequence_parallel": True, "model.block_size": 72},
      "parallel.sequence_parallel: model.block_size=72 is not divisible by 2*cp*tp = 16"),
     ({"parallel.backend": "deepspeed"}, "parallel.cp: context parallelism with parallel.backend=deepspeed"),

@@ -100,13 +100,15 @@ LAYOUTS = [
     (2, {"parallel__pp": 2, "model__n_layer": 4, "train__micro_batch_size": 2, "parallel__pp_schedule": "gpipe"}),
     (4, {"parallel__pp": 2, "parallel__dp": 2, "parallel__zero_stage": 1, "model__n_layer": 4,
          "train__micro_batch_size": 1}),
+    (4, {"parallel__pp": 2, "parallel__dp": 2, "parallel__zero_stage": 3, "model__n_layer": 4,
+         "train__micro_batch_size": 1}),
 ]
 
 
 @pytest.mark.parametrize(("world", "extra"), LAYOUTS, ids=[
     "single", "llama-like", "full-ckpt", "lora", "qlora", "ddp", "zero1-bf16", "zero2-bf16", "zero3", "qlora-zero3", "ds-zero1-bf16",
     "ds-zero2-bf16", "tp2-mqa",
-    "tp2-sp-selective", "pp2-gpipe", "dp2-pp2-zero1"])
+    "tp2-sp-selective", "pp2-gpipe", "dp2-pp2-zero1", "dp2-pp2-zero3"])
 def test_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, world: int,  # noqa: F811
                                               extra: dict[str, Any]) -> None:
     check_rank_0(tmp_path, corpus, world, extra, rel=0.10)

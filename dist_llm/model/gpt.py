@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Iterable, Literal
+from typing import Callable, Iterable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -221,9 +221,14 @@ class GPT(nn.Module):
         return self.layers.cross_entropy(logits, targets, reduction=reduction)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *,
-                reduction: Reduction = "mean") -> torch.Tensor:
+                reduction: Reduction = "mean",
+                part: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
         """Logits (B, T, vocab_size) for token ids (B, T); with targets, the cross-entropy instead: its mean over
-        the targets that are not -100, or ("sum") its sum over them (the trainer divides by a count of its own)."""
+        the targets that are not -100, or ("sum") its sum over them (the trainer divides by a count of its own).
+        `part(idx)` runs instead of the whole forward: a piece of the model (a pipeline stage's embed / blocks /
+        head) called through this module, so that hooks on the model's call run around it (FSDP2's root unit)."""
+        if part is not None:
+            return part(idx)
         if idx.shape[1] > self.cfg.block_size:
             raise ValueError(f"sequence of {idx.shape[1]} tokens is longer than model.block_size={self.cfg.block_size}")
         x = self.embed(idx)

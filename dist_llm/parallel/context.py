@@ -194,6 +194,14 @@ class ParallelContext:
     def dp_mesh(self) -> DeviceMesh | None:
         return None if self.mesh is None else self.mesh["dp"]
 
+    @property
+    def dp_cp_mesh(self) -> DeviceMesh | None:
+        """The dp x cp ranks as one mesh dim (FSDP2 shards over it); the dp mesh at cp=1. The first use at cp>1
+        creates its groups: a collective, every rank at the same point."""
+        if self.mesh is None or self.cp == 1:
+            return self.dp_mesh
+        return self.mesh["dp", "cp"]._flatten("dp_cp")
+
     def pp_neighbours(self) -> tuple[int | None, int | None]:
         """Global ranks of the previous and next pipeline stage at this rank's (dp, tp) position."""
         if self.pp == 1:

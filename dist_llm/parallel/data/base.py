@@ -92,6 +92,8 @@ class DataParallel:
 
     #: True when ranks hold disjoint pieces of the reduced gradient (ZeRO, FSDP), False when replicas (DDP)
     dp_sharded_grads = False
+    #: True when a pipeline stage must run its part through the model's own call, where the form hooks in (FSDP2)
+    hooks_on_model_call = False
 
     def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
         """(parameter, the reduced gradient of it that this rank holds, where that piece starts among the

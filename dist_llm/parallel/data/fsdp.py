@@ -3,6 +3,22 @@
 Its all-gathers and reduce-scatters are routed through comm.py (`set_custom_all_gather` /
 `set_custom_reduce_scatter`), which counts their bytes and, on gloo, replaces the emulated reduce-scatter
 (a full all-reduce, twice the bytes) by all-to-all plus a local sum.
+
+Units shard over the dp ranks, or under context parallelism over dp x cp flattened (cp ranks hold the same
+parameters, and the gradients of their different tokens are averaged over both, as DDP and ZeRO-1/2 do).
+
+Under a pipeline (pp > 1) each stage shards its own part (its blocks, and the embedding / head it holds in the
+root unit) over its dp group, as torchtitan composes them. The schedule runs the stage's forwards and backwards
+in its own order, so the step is driven here rather than by one forward and one backward:
+  - each part runs through the root's call (StageModel.through_call), so the root unit's hooks gather the
+    embedding / head and hook the end of every backward;
+  - a stage's parameters are gathered at its first forward and, by default (`parallel.reshard_after_forward`
+    unset), stay gathered until its last backward of the step: one all-gather per unit per step instead of two
+    per micro-batch, for the memory of the stage's whole part in the compute dtype;
+  - gradients accumulate unsharded (fp32, the stage's whole part) over the micro-batches and are
+    reduce-scattered once per step, in the stage's last backward (known from the schedule: `micro_step(last)`);
+    `finish_grads` then reduces whatever that backward did not reach (zb1's weight-gradient pass W runs no
+    FSDP2 hook) and reshards, as torch.distributed.pipelining's REDUCE_GRAD does.
 """
 
 from __future__ import annotations
@@ -19,7 +35,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_api import AllGather, ReduceScatt
 from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam, alloc_storage
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dist_llm.config import Config
+from dist_llm.config import Config, reshard_after_forward
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
@@ -116,14 +132,16 @@ class FSDPDataParallel(DataParallel):
         mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else DTYPES[precision],
                                   reduce_dtype=torch.float32)
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if p.offload == "cpu" else OffloadPolicy()
-        kwargs = dict(mesh=ctx.dp_mesh, mp_policy=mp, offload_policy=offload)
+        kwargs = dict(mesh=ctx.dp_cp_mesh, mp_policy=mp, offload_policy=offload)
+        reshard = reshard_after_forward(cfg)
         # fully_shard swaps every parameter for a new DTensor one: carry the tensor-parallel marks across
         marks = {name: marks_of(p) for name, p in model.named_parameters()}
         vocab = _vocab_units(model)
-        units = [*model.blocks, *vocab]
+        held = [b for b in model.blocks if any(True for _ in b.parameters())]  # (not another stage's placeholder)
+        units = [*held, *vocab]
         for unit in units:
-            fully_shard(unit, reshard_after_forward=p.reshard_after_forward, **kwargs)
-        fully_shard(model, reshard_after_forward=p.reshard_after_forward, **kwargs)
+            fully_shard(unit, reshard_after_forward=reshard, **kwargs)
+        fully_shard(model, reshard_after_forward=reshard, **kwargs)
         if vocab:  # an embedding's backward reads only the indices and the output's gradient, never the table:
             # without this, backward's prefetch would gather the whole table again after the first block
             vocab[0].set_unshard_in_backward(False)
@@ -144,6 +162,11 @@ class FSDPDataParallel(DataParallel):
                                        else CountedAllGather(ctx.comm))
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
         self.fsdp_units = units
+        # Under a pipeline, between two backwards of a step: keep the gathered parameters for the next
+        # micro-batch, unless asked to reshard (zb1's W needs the gathered parameters its B left, so never there)
+        self._keep_between = ctx.pp > 1 and (not reshard or p.pp_schedule == "zb1")
+        if ctx.pp > 1:
+            self._pipeline_flags(last=False)
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
             materialize(model)
         for name, p in model.named_parameters():
@@ -158,7 +181,12 @@ class FSDPDataParallel(DataParallel):
         device = torch.device("cpu") if self.cfg.parallel.offload == "cpu" else self.ctx.device
         return build_optimizer(self.model, self.cfg.optim, device)
 
+    hooks_on_model_call = True
+
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
+        if self.ctx.pp > 1:  # the stage's last backward reduces the step's gradients once (module docstring)
+            self._pipeline_flags(last=last)
+            return contextlib.nullcontext()
         # Reduce-scatter on every micro-step, not only the last: FSDP2 then adds each result into the sharded
         # fp32 gradient, so between micro-steps a rank holds 4/dp bytes of gradient per parameter, as ZeRO-3
         # promises (and memory.py predicts). Skipping the sync would save accumulation-1 reduce-scatters a step
@@ -166,6 +194,32 @@ class FSDPDataParallel(DataParallel):
         for unit in self.fsdp_units:
             unit.set_requires_gradient_sync(True, recurse=False)
         return contextlib.nullcontext()
+
+    def _pipeline_flags(self, *, last: bool) -> None:
+        """Set how the next backward ends: the step's last reduce-scatters the accumulated gradients and reshards;
+        any other accumulates them unsharded (and keeps the parameters gathered, by default)."""
+        for unit in self.fsdp_units:
+            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_reshard_after_backward(last or not self._keep_between, recurse=False)
+        self.fsdp_units[-1].set_is_last_backward(last)  # (the root: the flag is shared by every unit)
+
+    def finish_grads(self) -> None:
+        if self.ctx.pp == 1:
+            return
+        # Every unit's post-backward once more, as the last backward's end would run it: a no-op for a unit that
+        # last backward reduced already; the reduce-scatter (and reshard) for one it did not reach (zb1's W
+        # accumulates through AccumulateGrad alone). Then the root's end-of-backward: wait for the reductions.
+        self._pipeline_flags(last=True)
+        root = self.fsdp_units[-1]._get_fsdp_state()
+        for state in root._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                group.post_backward()
+        root._root_post_backward_final_callback()
+        self._pipeline_flags(last=False)  # the next step's backwards accumulate until its last
+
+    def tied_embedding_grad(self) -> torch.Tensor:
+        # the first stage's embedding and the last stage's head shard alike over their dp groups (same dp rank)
+        return self.module.wte.weight.grad.to_local()
 
     dp_sharded_grads = True
 

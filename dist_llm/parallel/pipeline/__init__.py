@@ -13,6 +13,7 @@
                 point to the neighbour stages (round a ring under interleaved) in the compute dtype; it times
                 the stage's compute (the bubble) and checks its stashes are empty at the end of a step
 
-The trainer composes stages with tensor parallelism and with data parallelism at ZeRO stages 0-2 (the
-native backend: FSDP2 and DeepSpeed expect to run the whole forward, so the config refuses them with pp > 1).
+The trainer composes stages with tensor parallelism and with data parallelism at ZeRO stages 0-3 (the native
+backend; FSDP2 per stage, driven from parallel/data/fsdp.py; DeepSpeed's engine expects to run the whole forward,
+so the config refuses it with pp > 1).
 """

@@ -38,8 +38,14 @@ class StageModel:
     layers: range
     first: bool
     last: bool
+    #: run the part through the model's own call (`model(inp, part=...)`), so that hooks on the whole model run
+    #: around it: FSDP2's root unit gathers the embedding / head it holds there, and hooks the backward's end
+    through_call: bool = False
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
+        return self.model(inp, part=self._run) if self.through_call else self._run(inp)
+
+    def _run(self, inp: torch.Tensor) -> torch.Tensor:
         # Activations arrive in the compute dtype; the residual stream goes on in the parameters' dtype (fp32
         # under autocast with fp32 weights), as it would with one stage, rounded only at the boundary.
         x = self.model.embed(inp) if self.first else inp.to(next(self.model.parameters()).dtype)

@@ -1,0 +1,148 @@
+"""ZeRO-3 (FSDP2) under a pipeline (dp x pp) and under context parallelism (dp x cp), against one process."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_llm import memory_suggest
+from dist_llm.config import load_config
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_context_parallel import BLOCK
+from tests.test_data_parallel import STEPS, assert_same_run, corpus, expected_state_bytes, reference, train  # noqa: F401
+from tests.test_pipeline import LAYERS, assert_matches
+
+# dp=2 x pp=2: micro-batch 1 gives 4 micro-batches per stage and step (global batch 8 over 2 dp ranks)
+DP_PP = {**LAYERS, "parallel__pp": 2, "parallel__zero_stage": 3, "train__micro_batch_size": 1}
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1", "interleaved", "1f1b-reshard"])
+def test_zero3_with_pipeline_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                 corpus: Path, schedule: str) -> None:  # noqa: F811
+    """dp=2 x pp=2 on 4 processes, tied embedding (the first stage's embedding and the last stage's head are one
+    weight, each stage's copy a DTensor sharded over its dp pair): 8 steps equal one process. Under 1F1B also
+    evaluation (the forward-only schedule through the same root calls) every 4 steps, its losses equal too;
+    '1f1b-reshard': 1F1B with parallel.reshard_after_forward=true (each unit gathered twice per micro-batch)."""
+    extra = {**DP_PP, "parallel__pp_schedule": schedule.removesuffix("-reshard")}
+    if schedule == "interleaved":
+        extra["parallel__pp_virtual"] = 2
+    if schedule.endswith("-reshard"):
+        extra["parallel__reshard_after_forward"] = True
+    evaluate = {"train__eval_interval": 4} if schedule == "1f1b" else {}
+    results = run_distributed(train, 4, tmp_path / "pp", corpus, {**extra, **evaluate}, init_group=False)
+    assert {r["dp"] for r in results} == {"fsdp2"}
+    # atol 3e-6 as test_pipeline.test_with_data_parallel: the tied embedding's two contributions and the dp mean
+    # are summed in another order than at one process, and Adam scales that rounding on near-zero gradients
+    ref = train(0, 1, tmp_path / "one", corpus, {**LAYERS, **evaluate}) if evaluate else reference(
+        tmp_path_factory, corpus, **LAYERS)
+    assert_matches(results, ref, atol=3e-6)
+    if evaluate:
+        val = {run: [r["val_loss"] for r in map(json.loads, (tmp_path / run / "metrics.jsonl").open())
+                     if "val_loss" in r] for run in ("pp", "one")}
+        assert len(val["pp"]) == 2 and val["pp"] == pytest.approx(val["one"], rel=1e-5)
+    # each unit gathered once (twice per micro-batch when resharding) and reduce-scattered once per step, not per
+    # micro-batch (GPipe and 1F1B in the last backward, zb1 after its last W, interleaved's chunks at the end of
+    # chunk 0's last backward): the last step's counted data-parallel bytes (and the tied embedding's all-reduce)
+    # are the planner's (memory_comm), to the byte
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False,
+                                           train__max_steps=STEPS, **extra))
+    for r in results[:2]:  # a rank of each stage
+        want = memory_suggest.step_comm(cfg, dp=2, tp=1, pp=2, pp_rank=r["pp_rank"]).by_kind()
+        kinds = ("all_gather", "reduce_scatter", "all_reduce")
+        assert {k: want[k] for k in kinds} == {k: r["comm"][k] for k in kinds}
+
+
+def test_zero3_pipeline_checkpoint_resumes_at_pp1_and_at_zero2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                               corpus: Path) -> None:  # noqa: F811
+    """Saved at dp=2 x pp=2 ZeRO-3 after 4 steps (DTensor shards of each stage's part), resumed at one process and
+    at dp=2 ZeRO-2 (flat buffers): the next 4 losses are those of the uninterrupted one-process run."""
+    first = tmp_path / "zero3-pp2"
+    run_distributed(train, 4, first, corpus, {**DP_PP, "train__stop_after_step": 4, "train__ckpt_interval": 4},
+                    init_group=False)
+    ref = reference(tmp_path_factory, corpus, **LAYERS)
+    for name, world, layout in (("one", 1, {}), ("zero2", 2, {"parallel__zero_stage": 2})):
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        got = run_distributed(train, world, out, corpus, {**LAYERS, **layout}, init_group=False)[0]
+        assert len(got["losses"]) == STEPS  # 4 steps at ZeRO-3 x pp=2, then 4 resumed
+        for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
+            assert a == pytest.approx(b, rel=1e-5)
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_zero3_with_context_parallel_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                         corpus: Path, dp: int) -> None:  # noqa: F811
+    """cp=2 ZeRO-3 on 2 processes, dp2 x cp2 on 4: FSDP2 shards over the dp x cp ranks (cp ranks hold the same
+    parameters), so at dp=1 the 2 cp ranks each hold half the model, and the gradients of their different tokens
+    are averaged over all dp x cp ranks."""
+    model = {"model__block_size": BLOCK, "model__pos_emb": "rope"}
+    results = run_distributed(train, 2 * dp, tmp_path, corpus, {**model, "parallel__cp": 2, "parallel__zero_stage": 3},
+                              init_group=False)
+    got = results[0]
+    assert got["dp"] == "fsdp2" and got["comm"]["ring"] > 0
+    for kind, want in expected_state_bytes(got["n_params"], 2 * dp, 3, "fp32").items():  # sharded over dp x cp
+        assert want <= got["state_bytes"][kind] <= want * 1.01 + 512, (kind, got["state_bytes"][kind], want)
+    assert_same_run(got, reference(tmp_path_factory, corpus, **model), rtol=1e-5)
+
+
+def _held_at_last_backward(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                           extra: dict[str, Any]) -> dict[str, Any]:
+    """Two steps; at the start of the stage's last backward of each, the bytes of every gathered parameter and
+    every unsharded gradient (accumulated over the earlier micro-batches) this rank holds; after them, whether
+    FSDP2's every unit is back to sharded and idle with nothing unsharded left."""
+    from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
+
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": 2,
+                                                       "train__eval_interval": 0, "model__bias": False, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        dp, seen = trainer.dp, []
+        states = [unit._get_fsdp_state() for unit in dp.fsdp_units]
+        params = [fp for state in states for g in state._fsdp_param_groups for fp in g.fsdp_params]
+        micro_step = dp.micro_step
+
+        def unsharded_grads() -> list[torch.Tensor]:
+            return [g for fp in params for g in (fp.unsharded_param.grad, fp.unsharded_accumulated_grad)
+                    if g is not None]
+
+        def recording(*, last: bool) -> Any:
+            if last:
+                seen.append((sum(fp.unsharded_param.untyped_storage().nbytes() for fp in params),
+                             sum(g.untyped_storage().nbytes() for g in unsharded_grads())))
+            return micro_step(last=last)
+
+        dp.micro_step = recording
+        trainer.fit()
+        groups = [g for state in states for g in state._fsdp_param_groups]
+        clean = (all(g.is_sharded and g._training_state == TrainingState.IDLE for g in groups)
+                 and all(state._training_state == TrainingState.IDLE for state in states) and not unsharded_grads())
+        return {"seen": seen, "clean": clean, "pp_rank": ctx.pp_rank}
+    finally:
+        ctx.destroy()
+
+
+def test_memory_counts_what_a_stage_holds_through_the_step(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """`dist-llm memory`'s ZeRO-3-with-pp term (memory.pipelined_zero3_bytes) is what each stage holds at the start
+    of its last backward: its part gathered whole and its gradients accumulated whole, to the byte; FSDP2's state
+    after the step's partial backwards (root hooks through the stage's own call) is back where a step starts."""
+    from dist_llm import memory
+
+    extra = {**DP_PP, "model__tie_embeddings": False}
+    got = run_distributed(_held_at_last_backward, 4, tmp_path, corpus, extra, init_group=False)
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False, **extra))
+    for r in got[:2]:
+        want = memory.pipelined_zero3_bytes(cfg, tp=1, pp=2, pp_rank=r["pp_rank"])
+        (params, grads), again = r["seen"]
+        assert params + grads == want and grads == params > 0, (r, want)
+        assert again == (params, grads)  # the second step the same: nothing left over from the first
+    assert all(r["clean"] for r in got)  # after the step: every unit resharded and idle, no unsharded gradient
