@@ -39,6 +39,7 @@ from dist_llm.parallel.data.deepspeed_shards import Fill
 from dist_llm.parallel.expert import apply_expert_parallel
 from dist_llm.parallel.pipeline.stage import Blocks, cut_to_stage, describe_blocks
 from dist_llm.parallel.tensor import TensorParallelFactory
+from dist_llm.parallel.tensor.moe import apply_moe_tensor_parallel
 from dist_llm.peft import apply_peft, parameter_counts, peft_parameter_names, qlora, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")
@@ -67,6 +68,7 @@ def meta_model(cfg: Config, ctx: ParallelContext) -> GPT:
         layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
         model = GPT(cfg.model, layers)
         apply_expert_parallel(model, ctx)
+        apply_moe_tensor_parallel(model, ctx, sequence_parallel=cfg.parallel.sequence_parallel)
     if layers.summary():
         log.info(layers.summary())
     if ctx.cp > 1:  # each rank holds a part of every sequence: global positions, attention by ring

@@ -1,0 +1,148 @@
+"""MoE under tensor parallelism (parallel/tensor/moe.py): whole experts on every tp rank, 1/tp of the tokens each.
+
+Every layout is compared with one process in fp32 at 1e-5: each token meets the same experts with the same
+weights; what changes is where its rows are computed and the order of sums (the router and expert gradients are
+summed over tp, the balancing statistics over tp before the losses are formed), so the results differ by the
+rounding of reordered sums alone. The reference runs at the same micro-batch size, since the balancing losses
+and the capacity are per micro-batch."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dist_llm.config import ConfigError, load_config
+from dist_llm.parallel.context import ParallelContext
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401 - corpus: fixture
+
+# SwiGLU experts and shared expert, aux loss + z-loss + the aux-free bias: every balancing term at once
+MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__mlp": "swiglu", "model__n_shared_experts": 1,
+       "model__moe_aux_loss_coef": 0.01, "model__moe_z_loss_coef": 0.001, "model__moe_bias_update_rate": 0.01}
+CAPACITY = {"model__moe_capacity_factor": 1.0}  # tight: rows dropped every step, placed as one process orders them
+
+
+@pytest.mark.parametrize("world,layout,variant", [
+    (2, {"parallel__tp": 2}, {}),
+    (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}, CAPACITY),
+    (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 1}, CAPACITY),
+], ids=["tp2", "tp2-sp-capacity", "dp2-tp2-ep2-zero1-capacity"])
+def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
+                                world: int, layout: dict[str, Any], variant: dict[str, Any]) -> None:
+    dp = world // layout["parallel__tp"]
+    extra = {**MOE, **variant, "train__micro_batch_size": 8 // dp // 2}  # two micro-steps per rank
+    results = run_distributed(train, world, tmp_path, corpus, {**extra, **layout}, init_group=False)
+    ref = reference(tmp_path_factory, corpus, **extra)
+    assert_same_run(results[0], ref, rtol=1e-5)
+    for r in results[1:]:  # every rank ends with the same whole model (router and experts summed over tp alike)
+        for name, p in results[0]["params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    for a, b in zip(results[0]["records"], ref["records"], strict=True):
+        for key in ("moe_imbalance", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+    if variant:
+        assert all(r["moe_dropped_fraction"] > 0 for r in ref["records"])  # the capacity did drop rows
+
+
+def _one_step(rank: int, world_size: int, tp: int, ep: int) -> dict[str, Any]:
+    """One forward and backward of a 2-layer MoE GPT at (dp, tp, ep): the all-to-all bytes and calls this rank
+    counted, and the rows per global expert it sent into the dispatch, per layer."""
+    from dist_llm.model.moe import moe_layers
+    from dist_llm.parallel.parallelize import materialize, meta_model
+
+    cfg = load_config(None, [*tiny_overrides(Path("unused"), **MOE, train__micro_batch_size=2),
+                             f"parallel.tp={tp}", f"parallel.ep={ep}"])
+    ctx = ParallelContext.from_config(cfg)
+    model = meta_model(cfg, ctx)
+    materialize(model, cfg, ctx)
+    sent: list[list[int]] = []
+    for m in moe_layers(model):
+        def record(experts, x, counts, expert_of_row, inner=m.dispatch):  # type: ignore[no-untyped-def]
+            sent.append(counts.tolist())
+            return inner(experts, x, counts, expert_of_row)
+        m.dispatch = record
+    torch.manual_seed(ctx.dp_rank)  # the tp ranks of a dp row see the same batch
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size))
+    model.train()
+    model(x, x, reduction="sum").backward()
+    return {"bytes": ctx.comm.snapshot().get("all_to_all", 0), "calls": ctx.comm.calls.get("all_to_all", 0),
+            "sent": sent, "n_embd": cfg.model.n_embd, "ep_rank": ctx.ep_rank, "tp_rank": ctx.tp_rank}
+
+
+def test_all_to_all_bytes_are_what_routing_implies() -> None:
+    """dp2 x tp2 x ep2: each rank dispatches only its tp slice of the tokens, through the ep group of its tp
+    position (global ranks {0, 2} and {1, 3}); the bytes are those rows' exactly."""
+    got = run_distributed(_one_step, 4, 2, 2)
+    n_experts, row, n_local = MOE["model__n_experts"], got[0]["n_embd"] * 4, MOE["model__n_experts"] // 2
+    for rank, r in enumerate(got):
+        peer = got[rank ^ 2]  # the other member of this rank's ep group (same tp position, other dp rank)
+        assert (peer["tp_rank"], peer["ep_rank"]) == (r["tp_rank"], 1 - r["ep_rank"])
+        mine = range(r["ep_rank"] * n_local, (r["ep_rank"] + 1) * n_local)
+        expected = 0
+        for layer, counts in enumerate(r["sent"]):
+            out = sum(n for e, n in enumerate(counts) if e not in mine)
+            back = sum(peer["sent"][layer][e] for e in mine)
+            # rows out and results back, forward and backward; the counts exchange (int64, the peer's E/ep) once
+            expected += 2 * (out + back) * row + n_local * 8
+        assert sum(sum(c) for c in r["sent"]) == 2 * 2 * 32 // 2 * 2  # (layers x B x T/tp x top-k) rows routed
+        assert r["bytes"] == expected
+        assert r["calls"] == 5 * len(r["sent"])
+    assert n_experts == 4
+
+
+def test_checkpoint_at_tp2_resumes_at_tp1_and_ep2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                  corpus: Path) -> None:
+    """Saved at tp=2 (every tp rank holds the whole experts: each is written once), resumed at one process and at
+    dp2 x ep2: the next losses and the final parameters are the uninterrupted run's."""
+    import torch.distributed.checkpoint as dcp
+
+    extra = {**MOE, "train__micro_batch_size": 2}
+    first = tmp_path / "first"
+    run_distributed(train, 2, first, corpus, {**extra, "parallel__tp": 2, "train__stop_after_step": 4,
+                                              "train__ckpt_interval": 4}, init_group=False)
+    saved = next(p for p in first.rglob(".metadata")).parent
+    meta = dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    expert = next(k for k in meta if k.endswith("moe.experts.w_up"))
+    assert len(meta[expert].chunks) == 1  # one chunk, not one per tp rank
+    ref = reference(tmp_path_factory, corpus, **extra)
+    for world, layout in ((1, {}), (2, {"parallel__ep": 2})):
+        out = tmp_path / f"resume{world}"
+        shutil.copytree(first, out)
+        got = run_distributed(train, world, out, corpus, {**extra, **layout}, init_group=False)[0]
+        assert len(got["losses"]) == STEPS  # steps 1-4 from the first run, then 5-8 after the resume
+        for a, b in zip(got["losses"][4:], ref["losses"][4:], strict=True):
+            assert a == pytest.approx(b, rel=1e-5)
+        for name, p in ref["params"].items():
+            torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=3e-5)
+
+
+def _context_of(rank: int, world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    cfg = load_config(None, ["model.n_experts=4", "parallel.tp=2", "parallel.ep=2", "train.global_batch_size=8",
+                             "train.micro_batch_size=1"])
+    ctx = ParallelContext.from_config(cfg)
+    return {"ep_group": dist.get_process_group_ranks(ctx.ep_group),
+            "expert_dp_group": dist.get_process_group_ranks(ctx.expert_dp_group), "placement": ctx.placement(),
+            "layout": ctx.layout()}
+
+
+def test_context_groups_and_layout() -> None:
+    got = run_distributed(_context_of, 4)
+    assert [g["ep_group"] for g in got] == [[0, 2], [1, 3], [0, 2], [1, 3]]  # dp ranks 0, 1 at each tp position
+    assert [g["expert_dp_group"] for g in got] == [[0], [1], [2], [3]]  # dp/ep = 1 replica of each expert
+    assert got[0]["placement"][0].startswith("mesh (dp=2, pp=1, tp=2; ep=2 inside dp: expert groups (dp ranks) "
+                                             "[0, 1], at each (pp, tp) position) over 1 host(s)")
+    assert got[0]["layout"] == {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "ep": 2}
+
+
+def test_config_refusal() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["model.n_experts=4", "parallel.tp=4", "model.block_size=66", "model.n_head=4"])
+    assert str(err.value) == ("model.block_size: 66 is not divisible by parallel.tp=4; an MoE layer splits the "
+                              "sequence over the tp ranks")
