@@ -72,6 +72,7 @@ def _one_step(rank: int, world_size: int, tp: int, ep: int) -> dict[str, Any]:
     model.train()
     model(x, x, reduction="sum").backward()
     return {"bytes": ctx.comm.snapshot().get("all_to_all", 0), "calls": ctx.comm.calls.get("all_to_all", 0),
+            "all_gather": ctx.comm.snapshot().get("all_gather", 0),
             "sent": sent, "n_embd": cfg.model.n_embd, "ep_rank": ctx.ep_rank, "tp_rank": ctx.tp_rank}
 
 
@@ -93,7 +94,9 @@ def test_all_to_all_bytes_are_what_routing_implies() -> None:
         assert sum(sum(c) for c in r["sent"]) == 2 * 2 * 32 // 2 * 2  # (layers x B x T/tp x top-k) rows routed
         assert r["bytes"] == expected
         assert r["calls"] == 5 * len(r["sent"])
-    assert n_experts == 4
+        # tp's own part of an MoE layer (no SP): the (B, E) int64 counts from the other tp rank, its half of the
+        # output (B, T/2, C) in forward and of the input's gradient in backward: nothing else is all-gathered
+        assert r["all_gather"] == len(r["sent"]) * (2 * n_experts * 8 + 2 * (2 * 16 * r["n_embd"] * 4))
 
 
 def test_checkpoint_at_tp2_resumes_at_tp1_and_ep2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,

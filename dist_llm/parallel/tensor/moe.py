@@ -71,9 +71,18 @@ def apply_moe_tensor_parallel(model: nn.Module, ctx: ParallelContext, *, sequenc
     for m in layers:
         m.tokens = TensorParallelTokens(ctx.tp_group, ctx.tp_rank, ctx.tp, ctx.comm,
                                         sequence_parallel=sequence_parallel)
-        for p in m.parameters():
-            mark_sequence_parallel(p)
+    mark_moe_parameters(model, ctx)
     if layers:
         log.info("MoE under tensor parallel (tp=%d): %d MoE layer(s) with whole experts, each tp rank routing 1/%d "
                  "of the tokens%s", ctx.tp, len(layers), ctx.tp,
                  " (its sequence-parallel slice)" if sequence_parallel else "")
+
+
+def mark_moe_parameters(model: nn.Module, ctx: ParallelContext) -> None:
+    """Mark every parameter inside the MoE layers as summed over tp (each tp rank sees 1/tp of their tokens);
+    again after PEFT has added its modules, whose parameters inside an MoE layer are partial sums alike."""
+    if ctx.tp == 1:
+        return
+    for m in moe_layers(model):
+        for p in m.parameters():
+            mark_sequence_parallel(p)
