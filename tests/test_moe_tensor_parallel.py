@@ -150,3 +150,47 @@ def test_config_refusal() -> None:
         load_config(None, ["model.n_experts=4", "parallel.tp=4", "model.block_size=66", "model.n_head=4"])
     assert str(err.value) == ("model.block_size: 66 is not divisible by parallel.tp=4; an MoE layer splits the "
                               "sequence over the tp ranks")
+
+
+def _hf_logits_at_tp(rank: int, world_size: int, hf_dir: Path, out: Path, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """The logits at tp=2 without and with SP (one process group for both builds)."""
+    from dist_llm.config import validate
+    from dist_llm.train.init_from import resolve_architecture
+    from dist_llm.train.trainer import build_model
+
+    logits = []
+    for sp in (False, True):
+        cfg = resolve_architecture(load_config(None, tiny_overrides(
+            out, model__init_from=f"hf:{hf_dir}", train__device="cpu", parallel__tp=2,
+            parallel__sequence_parallel=sp)))
+        validate(cfg)
+        model = build_model(cfg, ParallelContext.from_config(cfg))
+        with torch.no_grad():
+            logits.append(model.eval()(tokens).float())
+    return logits
+
+
+def test_init_from_hf_qwen2_moe_at_tp2(tmp_path: Path) -> None:
+    """A Qwen2-MoE (shared expert and its gate, q/k/v biases) exported by `save_hf` and read by
+    `model.init_from=hf:` into tp=2, without and with SP: every rank's logits equal the one-process model's (the
+    experts and the shared expert read whole; tests/test_hf_moe.py checks the one process against transformers)."""
+    from dist_llm.config import ModelConfig
+    from dist_llm.convert import save_hf
+    from dist_llm.model import GPT
+
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=32, vocab_size=256, block_size=32, pos_emb="rope",
+                      norm="rmsnorm", mlp="swiglu", tie_embeddings=False, n_experts=4, moe_top_k=2, moe_hidden=24,
+                      bias=False, qkv_bias=True, n_shared_experts=1, moe_shared_hidden=40, moe_shared_gate=True,
+                      moe_router_order="softmax_topk")
+    torch.manual_seed(4)
+    model = GPT(cfg).eval()
+    with torch.no_grad():  # (biases start at zero: made random, so that their slicing shows)
+        for block in model.blocks:
+            block.attn.qkv.bias.normal_(0, 0.1)
+    save_hf(model, tmp_path / "hf")
+    tokens = torch.randint(0, cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = model(tokens)
+    for per_rank in run_distributed(_hf_logits_at_tp, 2, tmp_path / "hf", tmp_path / "run", tokens):
+        for got in per_rank:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
