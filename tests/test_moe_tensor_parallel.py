@@ -194,3 +194,42 @@ def test_init_from_hf_qwen2_moe_at_tp2(tmp_path: Path) -> None:
     for per_rank in run_distributed(_hf_logits_at_tp, 2, tmp_path / "hf", tmp_path / "run", tokens):
         for got in per_rank:
             torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
+def _biased_capacity_step(rank: int, world_size: int, tp: int) -> dict[str, Any]:
+    """One forward and backward with a selection bias that sends every token to experts 0 and 1 and a capacity of
+    16 rows each: one process keeps the first 16 tokens of batch row 0 (all on tp rank 0) and drops the rest, so
+    at tp=2 rank 1 keeps no row at all. The MoE gradients summed over tp, as the trainer sums them."""
+    from dist_llm.model.moe import moe_layers
+    from dist_llm.parallel import comm
+    from dist_llm.parallel.marks import is_sequence_parallel
+    from dist_llm.parallel.parallelize import materialize, meta_model
+
+    cfg = load_config(None, [*tiny_overrides(Path("unused"), **MOE, train__micro_batch_size=2), f"parallel.tp={tp}",
+                             "model.moe_capacity_factor=0.5", "model.bias=false"])
+    ctx = ParallelContext.from_config(cfg)
+    model = meta_model(cfg, ctx)
+    materialize(model, cfg, ctx)
+    for m in moe_layers(model):
+        m.expert_bias.copy_(torch.tensor([9.0, 9.0, 0.0, 0.0]))
+    x = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
+    model.train()
+    loss = model(x, x, reduction="sum")
+    loss.backward()
+    grads = {}
+    for name, p in model.named_parameters():
+        if ".moe." in name:
+            assert is_sequence_parallel(p) == (tp > 1) and p.grad is not None, name
+            comm.all_reduce(p.grad, ctx.tp_group, None)
+            grads[name] = p.grad
+    return {"loss": loss.item(), "grads": grads, "dropped": [m.stats["dropped"].item() for m in moe_layers(model)]}
+
+
+def test_a_tp_rank_whose_rows_are_all_dropped() -> None:
+    ref = run_distributed(_biased_capacity_step, 1, 1)[0]
+    assert ref["dropped"] == [0.75] * 2  # 16 tokens x 2 slots kept of the 64 tokens x 2
+    for got in run_distributed(_biased_capacity_step, 2, 2):
+        assert got["loss"] == pytest.approx(ref["loss"], rel=1e-6)
+        assert got["dropped"] == ref["dropped"]
+        for name, g in ref["grads"].items():
+            torch.testing.assert_close(got["grads"][name], g, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
