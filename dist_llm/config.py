@@ -786,8 +786,11 @@ def _check_moe(cfg: Config) -> None:
         if on and not m.n_shared_experts:
             raise ConfigError(f"model.{key}: set, but there is no shared expert (model.n_shared_experts=0)")
     _check_expert_parallel(cfg)
+    if p.tp > 1 and m.block_size % p.tp:  # each tp rank routes its chunk of the sequence (parallel/tensor/moe.py)
+        raise ConfigError(f"model.block_size: {m.block_size} is not divisible by parallel.tp={p.tp}; an MoE layer "
+                          f"splits the sequence over the tp ranks")
     # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
-    for on, what in ((p.tp > 1, "parallel.tp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+    for on, what in ((p.zero_stage == 3, "parallel.zero_stage=3"),
                      (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
         if on:
             raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
@@ -795,7 +798,7 @@ def _check_moe(cfg: Config) -> None:
 
 def _check_expert_parallel(cfg: Config) -> None:
     """parallel.ep > 1: experts split over ep of the dp ranks (dp itself is checked against WORLD_SIZE at start,
-    parallel/context.py), per pipeline stage under pp. With tp, ZeRO-3 and DeepSpeed it comes later (issue 19)."""
+    parallel/context.py), per (pp, tp) position. With ZeRO-3 and DeepSpeed it comes later (issue 19)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -804,7 +807,7 @@ def _check_expert_parallel(cfg: Config) -> None:
     if p.dp and p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
     # (compile: the dispatch reads its split sizes on the host, a graph break and a recompile per new split)
-    for on, what in ((p.tp > 1, "parallel.tp>1"),
+    for on, what in (
                      (p.zero_stage == 3, "parallel.zero_stage=3"), (p.backend != "native", f"parallel.backend={p.backend}"),
                      (cfg.train.compile, "train.compile=true")):
         if on:

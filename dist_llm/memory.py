@@ -196,7 +196,9 @@ def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, 
     tokens = cfg.train.micro_batch_size * cfg.model.block_size
     dense = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
     mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp)
-    moe = memory_moe.moe_block_bytes(cfg, tokens, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp), worst=worst)
+    # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py)
+    moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp),
+                                     worst=worst)
     return dense - mlp + moe / tokens
 
 
@@ -569,7 +571,7 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
             layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp))
         candidates.append(round(layer * t.micro_batch_size * m.block_size // cp))
     if m.n_experts:  # expert parallelism's dispatch all-to-all: send and receive buffers (balanced load)
-        tokens = t.micro_batch_size * m.block_size
+        tokens = t.micro_batch_size * m.block_size // tp  # (a tp rank routes 1/tp of them)
         candidates.append(memory_moe.a2a_buffer_bytes(cfg, tokens, memory_moe.ep_degree(cfg)))
     return max(candidates)
 
@@ -662,7 +664,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
 def _moe_figures(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int, ep: int) -> None:
     """The routed-token figures `dist-llm memory` prints for an MoE model; the peak keeps the balanced load."""
     m, t = cfg.model, cfg.train
-    tokens = t.micro_batch_size * m.block_size
+    tokens = t.micro_batch_size * m.block_size // tp  # routed on this rank (its 1/tp under tensor parallelism)
     n_moe = sum(1 for i in _blocks(cfg, pp, pp_rank) if m.is_moe_block(i))
     in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
     rows = memory_moe.routed_rows(cfg, tokens, ep)

@@ -116,8 +116,6 @@ def test_checkpoint_reshards_across_ep(tmp_path: Path, tmp_path_factory: pytest.
     (["model.n_experts=6", "parallel.ep=4"], "parallel.ep: model.n_experts=6 is not divisible by parallel.ep=4"),
     (["model.n_experts=4", "parallel.ep=0"], "parallel.ep: must be >= 1, got 0"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.dp=3", "train.global_batch_size=96"], "parallel.ep: 2 does not divide parallel.dp=3"),
-    (["model.n_experts=4", "parallel.ep=2", "parallel.tp=2"],
-     "parallel.ep: expert parallelism with parallel.tp>1 is not yet supported (issue 19); use parallel.ep=1"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.zero_stage=3"],
      "parallel.ep: expert parallelism with parallel.zero_stage=3 is not yet supported (issue 19); use parallel.ep=1"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.backend=deepspeed"],

@@ -28,11 +28,13 @@ CASES = [
     (1, {"train__activation_checkpointing": "full"}, 0.01),
     (2, {"parallel__zero_stage": 2, "train__precision": "bf16", "parallel__bucket_mb": 0.01,
          "model__n_shared_experts": 1}, 0.05),
+    # tp=2: whole experts and shared expert on each rank, which routes half the tokens (parallel/tensor/moe.py)
+    (2, {"parallel__tp": 2, "model__n_shared_experts": 1, "model__mlp": "swiglu"}, 0.01),
 ]
 
 
 @pytest.mark.parametrize(("world", "extra", "rel"), CASES,
-                         ids=["swiglu-every2", "gelu-shared-capacity", "bf16-selective", "full-ckpt", "zero2-bf16"])
+                         ids=["swiglu-every2", "gelu-shared-capacity", "bf16-selective", "full-ckpt", "zero2-bf16", "tp2"])
 def test_moe_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, world: int,  # noqa: F811
                                                   extra: dict[str, Any], rel: float) -> None:
     """Model states to the byte; saved activations (router logits and probabilities in fp32, the sort indices,
@@ -173,7 +175,8 @@ def test_suggest_keeps_to_the_forms_moe_allows_and_counts_active_flops(tmp_path:
     from dist_llm import memory_suggest
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16}))
-    assert {(dp, tp, pp) for dp, tp, pp, _ in memory_suggest.layouts(cfg, 4)} == {(4, 1, 1)}
+    # (tp composes with MoE: whole experts, the tokens split over tp; pp does not yet)
+    assert {(dp, tp, pp) for dp, tp, pp, _ in memory_suggest.layouts(cfg, 4)} == {(4, 1, 1), (2, 2, 1), (1, 4, 1)}
     every = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16,
                                                           "model__moe_top_k": E}))
     tokens = cfg.train.global_batch_size * cfg.model.block_size

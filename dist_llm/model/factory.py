@@ -51,6 +51,11 @@ class LayerFactory:
     def linear(self, in_features: int, out_features: int, *, bias: bool, role: LinearRole) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=bias)
 
+    def moe_layers(self) -> "LayerFactory":
+        """The factory for the layers inside an MoE block (its shared experts). They run on the tokens the MoE
+        layer holds, with whole weights: a tensor-parallel factory hands out a plain one."""
+        return self
+
     def linears(self, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
         """The outputs of several linear layers that read the same input x (SwiGLU's gate and up): each layer
         called in turn here; a tensor-parallel factory gives them one input collective."""

@@ -122,7 +122,8 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layers, rope)
         self.ln_2 = make_norm(cfg, layers)
         if moe:
-            shared = MLP(cfg, layers, hidden=cfg.moe_shared_expert_hidden) if cfg.n_shared_experts else None
+            inner = layers.moe_layers()  # (plain layers under tp: the MoE layer splits its tokens instead)
+            shared = MLP(cfg, inner, hidden=cfg.moe_shared_expert_hidden) if cfg.n_shared_experts else None
             if shared is not None:
                 shared.dropout = nn.Identity()  # (the MoE's output gets one dropout, as the dense MLP's)
             self.moe = MoE(cfg, shared, layers.dropout(cfg.dropout))

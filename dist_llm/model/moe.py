@@ -20,13 +20,16 @@ Load-balancing losses (both over the N tokens of one forward, in fp32):
 
 The model stays plain PyTorch: expert parallelism (parallel/expert/) slices the stacked expert weights along
 dim 0 and sets `dispatch`, which carries the sorted rows to their experts' ranks by all-to-all and back; expert
-e's weights are `w_*[e]` of the whole layer whatever the layout.
+e's weights are `w_*[e]` of the whole layer whatever the layout. Tensor parallelism (parallel/tensor/moe.py) sets
+`tokens`: each tp rank then routes and runs 1/tp of the forward's tokens with whole experts, and the balancing
+statistics (assignments per expert, summed probabilities, summed z) are summed over the tp ranks first, so the
+losses, the load and the capacity are those of the whole micro-batch.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal
+from typing import Callable, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +69,30 @@ def aux_loss(probs: torch.Tensor, experts: torch.Tensor, n_experts: int) -> torc
 def z_loss(logits: torch.Tensor) -> torch.Tensor:
     """Router z-loss: mean over tokens of logsumexp(logits)^2 (keeps the logits small)."""
     return torch.logsumexp(logits, dim=-1).square().mean()
+
+
+class TokenSplit(Protocol):
+    """The tokens of one forward split over a group of ranks (tensor parallelism: parallel/tensor/moe.py)."""
+
+    size: int  # ranks in the group
+    rank: int  # this rank's place in it; its tokens are chunk `rank` of the sequence dim
+
+    def split(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, C) as the layer receives it -> (B, T / size, C), this rank's tokens."""
+        ...
+
+    def gather(self, out: torch.Tensor) -> torch.Tensor:
+        """This rank's outputs (B, T / size, C) -> what the layer returns (the inverse of `split`)."""
+        ...
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` summed over the group; backward hands the gradient of the sum to each rank's `t` (every rank
+        consumes the sum alike)."""
+        ...
+
+    def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        """(B, E) integer counts of every rank -> (size, B, E), in rank order."""
+        ...
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -162,6 +189,8 @@ class MoE(nn.Module):
         #: None: this layer's own experts run the rows; else (experts, rows, counts, expert_of_row) -> outputs
         #: (expert parallelism's all-to-all, set from outside)
         self.dispatch: Callable[[nn.Module, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+        #: None: this rank runs every token of the forward; else their split over the tp ranks (set from outside)
+        self.tokens: TokenSplit | None = None
         # DeepSeek-V3's aux-loss-free balancing: added to the scores for selection only, nudged after each step
         self.register_buffer("expert_bias", torch.zeros(cfg.n_experts))
         self.last_loss: torch.Tensor | None = None  # aux_coef * aux + z_coef * z of the last forward
@@ -181,30 +210,43 @@ class MoE(nn.Module):
         self.stats[name] = value.detach().float() if old is None else old + value.detach().float()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        split = self.tokens
+        if split is not None:
+            x = split.split(x)  # (B, T/tp, C): this rank's tokens
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
         with torch.autocast(x.device.type, enabled=False):  # the router in fp32 whatever the run's precision
             logits = F.linear(flat.float(), self.router.weight.float())  # (N, E)
         weights, experts, probs = route(logits, self.top_k, self.order, self.expert_bias)
-        aux, z = aux_loss(probs, experts, self.n_experts), z_loss(logits)
-        self.last_loss = None
-        if self.aux_coef or self.z_coef:
-            self.last_loss = self.aux_coef * aux + self.z_coef * z
-
         # dispatch: the N*k (token, slot) pairs sorted by expert (stable: earlier tokens first within an expert)
         flat_expert = experts.flatten()  # (N*k,)
         order = torch.argsort(flat_expert, stable=True)
         counts = torch.bincount(flat_expert, minlength=self.n_experts)  # (E,)
+        if split is None:
+            aux, z = aux_loss(probs, experts, self.n_experts), z_loss(logits)
+            load, assignments, offset = counts, flat_expert.numel(), None
+        else:  # the micro-batch's statistics, over every rank's tokens
+            aux, z, load, offset = self._split_statistics(split, logits, probs, experts, B)
+            assignments = flat_expert.numel() * split.size
+        self.last_loss = None
+        if self.aux_coef or self.z_coef:
+            self.last_loss = self.aux_coef * aux + self.z_coef * z
+
         expert_sorted = flat_expert[order]
         token_sorted = order // self.top_k
         weight_sorted = weights.flatten()[order]
-        load = counts
+        kept = load
         if self.capacity_factor > 0:  # keep each expert's first `capacity` assignments, drop the rest
-            capacity = math.ceil(self.capacity_factor * flat_expert.numel() / self.n_experts)
+            capacity = math.ceil(self.capacity_factor * assignments / self.n_experts)
             starts = counts.cumsum(0) - counts
-            keep = torch.arange(order.numel(), device=x.device) - starts[expert_sorted] < capacity
+            position = torch.arange(order.numel(), device=x.device) - starts[expert_sorted]
+            if offset is not None:  # this rank's place among the micro-batch's assignments to each expert
+                position = position + offset[token_sorted // T, expert_sorted]
+            keep = position < capacity
             expert_sorted, token_sorted, weight_sorted = expert_sorted[keep], token_sorted[keep], weight_sorted[keep]
-            counts = counts.clamp(max=capacity)
+            kept = load.clamp(max=capacity)
+            counts = counts.clamp(max=capacity) if offset is None else torch.bincount(expert_sorted,
+                                                                                      minlength=self.n_experts)
         if self.dispatch is None:
             rows = self.experts(flat[token_sorted], counts, expert_sorted)  # (M, C)
         else:
@@ -218,14 +260,36 @@ class MoE(nn.Module):
             self._record("aux", aux)
             self._record("z", z)
             self._record("load", load)
-            self._record("dropped", (load - counts).sum() / flat_expert.numel())
+            self._record("dropped", (load - kept).sum() / assignments)
             self._record("forwards", torch.ones((), device=x.device))
             self.step_load = load.detach().float() if self.step_load is None else self.step_load + load
         out = out.view(B, T, C)
         if self.shared is not None:
             shared = self.shared(x)
             out = out + (shared if self.shared_gate is None else torch.sigmoid(self.shared_gate(x)) * shared)
+        if split is not None:
+            out = split.gather(out)
         return self.dropout(out)
+
+    def _split_statistics(self, split: TokenSplit, logits: torch.Tensor, probs: torch.Tensor, experts: torch.Tensor,
+                          batch: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """With the tokens split over ranks: (aux, z, load, offset) of the whole micro-batch. aux and z are formed
+        from the group's sums (their gradients reach each rank's own tokens); load (E,) counts every rank's
+        assignments; offset[b, e] is the number of the micro-batch's assignments to expert e that come before this
+        rank's of batch row b in one process's order (rows first, then positions: rank by rank), for the capacity."""
+        E, n = self.n_experts, experts.shape[0]
+        row = torch.arange(n, device=experts.device) // (n // batch)  # (N,) batch row of each local token
+        per_row = torch.bincount((row[:, None] * E + experts).flatten(), minlength=batch * E).view(batch, E)
+        every = split.gather_counts(per_row)  # (tp, B, E)
+        load = every.sum((0, 1))  # (E,)
+        tokens = n * split.size
+        sums = split.sum(torch.cat([probs.sum(0), torch.logsumexp(logits, dim=-1).square().sum()[None]]))  # (E+1,)
+        f = load.to(probs.dtype) / (tokens * self.top_k)  # fraction of assignments, no gradient
+        aux = E * (f * sums[:E] / tokens).sum()
+        z = sums[E] / tokens
+        rows_all, mine = every.sum(0), every[split.rank]  # (B, E) each
+        offset = (rows_all.cumsum(0) - rows_all) - (mine.cumsum(0) - mine) + every[: split.rank].sum(0)
+        return aux, z, load, offset
 
 
 def _in_backward() -> bool:

@@ -231,8 +231,10 @@ class ParallelContext:
         by_host: dict[str, list[int]] = {}
         for rank, host in enumerate(self.hosts):
             by_host.setdefault(host, []).append(rank)
+        where = ", at each (pp, tp) position" if self.world_size > self.dp * self.cp else ""
         ep = (f"; ep={self.ep} inside dp: expert groups (dp ranks) "
-              + ", ".join(str(list(range(d, d + self.ep))) for d in range(0, self.dp, self.ep))) if self.ep > 1 else ""
+              + ", ".join(str(list(range(d, d + self.ep))) for d in range(0, self.dp, self.ep)) + where
+              ) if self.ep > 1 else ""
         if self.cp > 1:
             lines = [f"mesh (dp={self.dp}, cp={self.cp}, pp={self.pp}, tp={self.tp}{ep}) over {len(by_host)} host(s), "
                      "ranks as (dp, cp, pp, tp):"]

@@ -6,7 +6,8 @@ needs a special case per layer. They are plain attributes on the Parameter (they
 
 - partition dim: the parameter is this tp rank's slice of the full tensor along that dim;
 - sequence parallel: replicated over tp but each rank sees only its slice of the sequence, so its gradient is
-  partial and summed over tp;
+  partial and summed over tp (the norms under sequence parallelism; everything inside an MoE layer under tp,
+  which routes 1/tp of the tokens on each rank: parallel/tensor/moe.py);
 - replicated rows (first, end, factor): rows [first, end) of a tp slice are held by `factor` tp ranks (grouped
   KV heads when tp exceeds the KV heads): the norm counts them once;
 - pipeline duplicate: the tied embedding held by the last stage as the head, also held by the first stage: the

@@ -39,6 +39,7 @@ from dist_llm.parallel.data.deepspeed_shards import Fill
 from dist_llm.parallel.expert import apply_expert_parallel
 from dist_llm.parallel.pipeline.stage import Blocks, cut_to_stage, describe_blocks
 from dist_llm.parallel.tensor import TensorParallelFactory
+from dist_llm.parallel.tensor.moe import apply_moe_tensor_parallel, mark_moe_parameters
 from dist_llm.peft import apply_peft, parameter_counts, peft_parameter_names, qlora, reset_peft_parameters
 
 log = logging.getLogger("dist_llm")
@@ -67,6 +68,7 @@ def meta_model(cfg: Config, ctx: ParallelContext) -> GPT:
         layers = TensorParallelFactory(cfg, ctx) if ctx.tp > 1 else LayerFactory(vocab_size=cfg.model.vocab_size)
         model = GPT(cfg.model, layers)
         apply_expert_parallel(model, ctx)
+        apply_moe_tensor_parallel(model, ctx, sequence_parallel=cfg.parallel.sequence_parallel)
     if layers.summary():
         log.info(layers.summary())
     if ctx.cp > 1:  # each rank holds a part of every sequence: global positions, attention by ring
@@ -172,6 +174,7 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     def adapt_and_compile() -> None:
         if cfg.peft.method != "none":
             apply_peft(model, cfg.peft, seed=t.seed, sequence_parallel=cfg.parallel.sequence_parallel)
+            mark_moe_parameters(model, ctx)  # (adapters inside MoE layers see 1/tp of the tokens under tp)
             counts = parameter_counts(model)  # (a QLoRA base weight by its elements, not its packed bytes)
             nf4 = sum(o * i for o, i in counts.nf4_shapes)
             log.info("peft %s: %d trainable parameters of %d (%.3f%%), the base frozen%s", cfg.peft.method,

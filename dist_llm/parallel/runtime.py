@@ -82,7 +82,8 @@ class ParallelRuntime:
                 and self.module.wte.weight.requires_grad):  # (frozen under PEFT)
             # the first stage's embedding and the last stage's head are one weight: sum their gradients
             comm.all_reduce(self.dp.tied_embedding_grad(), self.ctx.embedding_group, self.ctx.comm)
-        if self.cfg.parallel.sequence_parallel:
+        if self.cfg.parallel.sequence_parallel or (self.ctx.tp > 1 and self.cfg.model.n_experts):
+            # (MoE layers under tp see 1/tp of the tokens with or without SP: parallel/tensor/moe.py)
             sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
 
     def mark_step_end(self) -> None:

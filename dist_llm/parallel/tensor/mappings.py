@@ -10,6 +10,9 @@ unchanged when the group has one rank, and is the dual of another: its backward 
   scatter_to_sequence   fwd: keep my chunk of dim 1 (T)    bwd: all-gather dim 1
   gather_from_sequence  fwd: all-gather dim 1              bwd: reduce-scatter dim 1
   reduce_scatter_to_sequence  fwd: reduce-scatter dim 1    bwd: all-gather dim 1
+  gather_sequence_replicated  fwd: all-gather dim 1        bwd: keep my chunk of dim 1 (the dual of
+                        scatter_to_sequence: the gathered tensor is consumed alike on every rank, as the residual
+                        stream outside sequence parallelism, so each rank's gradient of it is already the whole one)
 """
 
 from __future__ import annotations
@@ -138,6 +141,17 @@ class _ReduceScatterToSequence(Function):
         return all_gather_dim(grad, 1, ctx.group, ctx.stats), None, None
 
 
+class _GatherSequenceReplicated(Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, stats: Stats) -> torch.Tensor:
+        ctx.group = group
+        return all_gather_dim(x, 1, group, stats)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return split_dim(grad, 1, ctx.group), None, None
+
+
 def _wrap(fn: type[Function]):  # type: ignore[no-untyped-def]
     def apply(x: torch.Tensor, group: Group, stats: Stats = None) -> torch.Tensor:
         if comm.group_size(group) == 1:
@@ -155,3 +169,4 @@ gather_from_tp = _wrap(_GatherFromTP)
 scatter_to_sequence = _wrap(_ScatterToSequence)
 gather_from_sequence = _wrap(_GatherFromSequence)
 reduce_scatter_to_sequence = _wrap(_ReduceScatterToSequence)
+gather_sequence_replicated = _wrap(_GatherSequenceReplicated)

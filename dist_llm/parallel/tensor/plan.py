@@ -86,6 +86,11 @@ class TensorParallelFactory(LayerFactory):
                     for m in layers)
         return column_parallel_linears(x, *layers) if plain else super().linears(x, *layers)  # type: ignore[arg-type]
 
+    def moe_layers(self) -> LayerFactory:
+        """An MoE layer splits its tokens over tp and holds whole weights (parallel/tensor/moe.py): its shared
+        experts are plain layers."""
+        return LayerFactory(vocab_size=self.vocab_size)
+
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         self.applied["vocab"] += 1
         return VocabParallelEmbedding(num_embeddings, dim, group=self.group, stats=self.stats,
