@@ -766,7 +766,7 @@ def _check_moe(cfg: Config) -> None:
             raise ConfigError(f"model.{key}: set, but there is no shared expert (model.n_shared_experts=0)")
     _check_expert_parallel(cfg)
     # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
-    for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"), (p.zero_stage == 3, "parallel.zero_stage=3"),
+    for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"),
                      (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
         if on:
             raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
@@ -774,7 +774,8 @@ def _check_moe(cfg: Config) -> None:
 
 def _check_expert_parallel(cfg: Config) -> None:
     """parallel.ep > 1: experts split over ep of the dp ranks (dp itself is checked against WORLD_SIZE at start,
-    parallel/context.py). With tp, pp, ZeRO-3 and DeepSpeed it comes later (issue 19)."""
+    parallel/context.py). With tp, pp and DeepSpeed it comes later (issue 19); ZeRO-3 shards the experts over the
+    expert-dp ranks (parallel/expert/fsdp.py)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -784,8 +785,7 @@ def _check_expert_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
     # (compile: the dispatch reads its split sizes on the host, a graph break and a recompile per new split)
     for on, what in ((p.tp > 1, "parallel.tp>1"), (p.pp > 1, "parallel.pp>1"),
-                     (p.zero_stage == 3, "parallel.zero_stage=3"), (p.backend != "native", f"parallel.backend={p.backend}"),
-                     (cfg.train.compile, "train.compile=true")):
+                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.train.compile, "train.compile=true")):
         if on:
             raise ConfigError(f"parallel.ep: expert parallelism with {what} is not yet supported (issue 19); "
                               f"use parallel.ep=1")

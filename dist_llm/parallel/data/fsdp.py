@@ -23,6 +23,7 @@ from dist_llm.config import Config
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
+from dist_llm.parallel.expert.fsdp import shard_moe_units
 from dist_llm.optim import build_optimizer
 from dist_llm.precision import DTYPES
 from dist_llm.parallel.marks import marks_of, set_marks
@@ -120,6 +121,10 @@ class FSDPDataParallel(DataParallel):
         # fully_shard swaps every parameter for a new DTensor one: carry the tensor-parallel marks across
         marks = {name: marks_of(p) for name, p in model.named_parameters()}
         vocab = _vocab_units(model)
+        # MoE: each router a unit gathered in fp32, at ep > 1 each layer's experts a unit over expert-dp (first:
+        # the blocks' units then leave their parameters to them)
+        moe_units = shard_moe_units(model, ctx, mp=mp, mesh=ctx.dp_mesh, offload_policy=offload,
+                                    reshard_after_forward=p.reshard_after_forward)
         units = [*model.blocks, *vocab]
         for unit in units:
             fully_shard(unit, reshard_after_forward=p.reshard_after_forward, **kwargs)
@@ -131,7 +136,7 @@ class FSDPDataParallel(DataParallel):
             # whole beside the whole head; the block gathers itself once the head is resharded. (An empty list
             # means FSDP2's default prefetch; the head itself, whole when this runs, is a prefetch that does nothing.)
             vocab[1].set_modules_to_backward_prefetch([vocab[1]])
-        units.append(model)
+        units = [*moe_units, *units, model]
         if ctx.device.type == "cpu":
             # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that
             # copy with the next all-gather on a GPU's side streams): two gathered buffers live at once, the head's
