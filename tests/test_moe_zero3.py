@@ -148,15 +148,15 @@ def test_bf16_routers_gather_in_fp32(tmp_path: Path, tmp_path_factory: pytest.Te
 def test_a_zero3_ep2_checkpoint_resumes_at_other_layouts(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                          corpus: Path) -> None:  # noqa: F811
     """Saved at step 4 at dp=2 ZeRO-3 ep=2 (each rank's experts at their global ids, its FSDP2 rows of them),
-    resumed at dp=2 ZeRO-3 ep=1, at dp=2 ZeRO-2 ep=2 and in one process: steps 5-8 and the final parameters are
-    the uninterrupted run's. Micro-batches of 2 everywhere, so every layout runs the same forwards."""
+    resumed at dp=2 ZeRO-3 ep=1, at dp=2 ZeRO-2 ep=2, in one process, and at dp=4 ZeRO-3 ep=2 (each rank reading
+    only its rows of its experts): steps 5-8 and the final parameters are the uninterrupted run's. Micro-batches of 2 everywhere, so every layout runs the same forwards."""
     extra = {"train__micro_batch_size": 2}
     first = tmp_path / "first"
     run_distributed(_train, 2, first, corpus, {**extra, **ZERO3, "parallel__ep": 2, "train__stop_after_step": 4,
                                                "train__ckpt_interval": 4}, init_group=False)
     ref = _reference(tmp_path_factory, corpus, **extra)
     for world, layout in [(2, {**ZERO3, "parallel__ep": 1}), (2, {"parallel__zero_stage": 2, "parallel__ep": 2}),
-                          (1, {})]:
+                          (1, {}), (4, {**ZERO3, "parallel__ep": 2})]:
         out = tmp_path / f"resume{len(list(tmp_path.iterdir()))}"
         shutil.copytree(first, out)
         got = run_distributed(_train, world, out, corpus, {**extra, **layout}, init_group=False)[0]
