@@ -23,6 +23,7 @@ skips the collective and divides the copy by the factor, and with the option on 
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -50,6 +51,11 @@ def shard_moe_units(model: nn.Module, ctx: ParallelContext, *, mp: MixedPrecisio
         return units
     fp32 = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     experts_mesh = expert_dp_mesh(ctx) if ctx.ep > 1 else None
+    if experts_mesh is not None:
+        # Without biases the experts return the grouped matmul's output as a view (model/moe.py `_ContiguousGrad`),
+        # and FSDP2 warns that an in-place op on it would skip its pre-backward hook. The dispatch only reads it
+        # (into a new tensor by index_copy, or a slice added out of place): nothing is written in place.
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPLocalExperts\) returned a view")
     for layer in layers:
         units.append(fully_shard(layer.router, mp_policy=fp32, **kwargs))
         if experts_mesh is not None:
