@@ -149,7 +149,9 @@ def test_a_zero3_ep2_checkpoint_resumes_at_other_layouts(tmp_path: Path, tmp_pat
                                                          corpus: Path) -> None:  # noqa: F811
     """Saved at step 4 at dp=2 ZeRO-3 ep=2 (each rank's experts at their global ids, its FSDP2 rows of them),
     resumed at dp=2 ZeRO-3 ep=1, at dp=2 ZeRO-2 ep=2, in one process, and at dp=4 ZeRO-3 ep=2 (each rank reading
-    only its rows of its experts): steps 5-8 and the final parameters are the uninterrupted run's. Micro-batches of 2 everywhere, so every layout runs the same forwards."""
+    only its rows of its experts): steps 5-8 and the final parameters are the uninterrupted run's. The checkpoint
+    also starts a fresh ZeRO-3 ep=2 run (model.init_from=ckpt:) as it starts one process. Micro-batches of 2
+    everywhere, so every layout runs the same forwards."""
     extra = {"train__micro_batch_size": 2}
     first = tmp_path / "first"
     run_distributed(_train, 2, first, corpus, {**extra, **ZERO3, "parallel__ep": 2, "train__stop_after_step": 4,
@@ -165,3 +167,11 @@ def test_a_zero3_ep2_checkpoint_resumes_at_other_layouts(tmp_path: Path, tmp_pat
             assert a == pytest.approx(b, rel=1e-5), layout
         for name, p in ref["params"].items():
             torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=3e-5, msg=lambda m: f"{layout} {name}: {m}")
+    # model.init_from=ckpt: the same checkpoint's weights into a fresh ZeRO-3 ep=2 run, each rank reading its rows of
+    # its experts (before: refused, "weight blocks.0.moe.experts.w_up has shape (4, ...), this model wants (2, ...)":
+    # the expert-slice marks were put back on FSDP2's parameters only after the load), as one process starts
+    start = {**extra, "model__init_from": f"ckpt:{first / 'checkpoints' / 'step_000004'}", "train__max_steps": 2}
+    got = run_distributed(_train, 2, tmp_path / "init_zero3", corpus, {**start, **ZERO3, "parallel__ep": 2},
+                          init_group=False)[0]
+    one = _train(0, 1, tmp_path / "init_one", corpus, start)
+    assert got["losses"] == pytest.approx(one["losses"], rel=1e-5) and len(one["losses"]) == 2

@@ -150,6 +150,8 @@ class FSDPDataParallel(DataParallel):
             unit.set_custom_reduce_scatter(CountedReduceScatter(ctx.comm))
         self.fsdp_units = units
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
+            for name, p in model.named_parameters():  # (model.init_from places each shard by them: expert slices)
+                set_marks(p, marks[name])
             materialize(model)
         for name, p in model.named_parameters():
             set_marks(p, marks[name])
