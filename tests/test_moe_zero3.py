@@ -25,7 +25,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.train.trainer import Trainer
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
-from tests.test_data_parallel import STEPS, _full, assert_same_run, corpus  # noqa: F401 - corpus: fixture
+from tests.test_data_parallel import PARAM_ATOL, STEPS, _full, assert_same_run, corpus  # noqa: F401 - corpus: fixture
 
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_z_loss_coef": 0.001,
        "model__n_shared_experts": 1, "model__moe_bias_update_rate": 0.01, "model__bias": False}
@@ -175,3 +175,23 @@ def test_a_zero3_ep2_checkpoint_resumes_at_other_layouts(tmp_path: Path, tmp_pat
                           init_group=False)[0]
     one = _train(0, 1, tmp_path / "init_one", corpus, start)
     assert got["losses"] == pytest.approx(one["losses"], rel=1e-5) and len(one["losses"]) == 2
+
+
+def test_init_from_hf_mixtral_at_zero3_ep2(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """model.init_from=hf: of a tiny random Mixtral at dp=2 ZeRO-3 ep=2: each rank reads its rows of its own
+    experts, and two steps' losses and the parameters after them equal one process (1e-5 and PARAM_ATOL, as
+    above). Before, the expert-slice marks came back only after the load, so each ep rank read the first E/ep
+    experts (rank 1 held experts 0-1's weights as its 2-3), with no error: the losses moved by 1e-5 only, the
+    parameters of experts 2-3 by the whole weights."""
+    from tests.test_hf_moe import hf_moe
+
+    torch.manual_seed(3)
+    hf_moe("mixtral").save_pretrained(tmp_path / "hf")
+    start = {"model__init_from": f"hf:{tmp_path / 'hf'}", "model__n_shared_experts": 0, "train__max_steps": 2,
+             "train__micro_batch_size": 4}
+    got = run_distributed(_train, 2, tmp_path / "zero3", corpus, {**start, **ZERO3, "parallel__ep": 2},
+                          init_group=False)[0]
+    one = _train(0, 1, tmp_path / "one", corpus, start)
+    assert len(one["losses"]) == 2 and got["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    for name, p in one["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m: f"{name}: {m}")
