@@ -89,13 +89,17 @@ def _expected_rows(n_experts: int, dp: int, ep: int, expert_dp_rank: int) -> int
     return max(0, min(chunk, local - expert_dp_rank * chunk))
 
 
-@pytest.mark.parametrize("world,ep", [(2, 1), (2, 2), (4, 2)])
+@pytest.mark.parametrize("world,ep,recompute", [(2, 1, "none"), (2, 2, "none"), (4, 2, "full")])
 def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
-                                world: int, ep: int) -> None:
+                                world: int, ep: int, recompute: str) -> None:
     """ZeRO-3 with a shared expert and the aux-free bias: 8 steps' losses, grad norms (each expert counted once)
-    and final parameters equal one process; each rank holds exactly its (E/ep)/(dp/ep) experts' rows."""
+    and final parameters equal one process; each rank holds exactly its (E/ep)/(dp/ep) experts' rows. At dp=4
+    with full recompute too (backward runs each block's forward again: its all-to-alls and the experts' gather),
+    against the same one-process run without it (recomputing changes no value)."""
     extra = {"train__micro_batch_size": 8 // world}
-    ranks = run_distributed(_train, world, tmp_path, corpus, {**extra, **ZERO3, "parallel__ep": ep}, init_group=False)
+    ranks = run_distributed(_train, world, tmp_path, corpus, {**extra, **ZERO3, "parallel__ep": ep,
+                                                              "train__activation_checkpointing": recompute},
+                            init_group=False)
     ref = _reference(tmp_path_factory, corpus, **extra)
     assert ranks[0]["dp"] == "fsdp2"
     assert_same_run(ranks[0], ref, rtol=1e-5)
