@@ -790,15 +790,16 @@ def _check_moe(cfg: Config) -> None:
         raise ConfigError(f"model.block_size: {m.block_size} is not divisible by parallel.tp={p.tp}; an MoE layer "
                           f"splits the sequence over the tp ranks")
     # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
-    for on, what in ((p.zero_stage == 3, "parallel.zero_stage=3"),
-                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
+    for on, what in ((p.backend != "native", f"parallel.backend={p.backend}"),
+                     (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
         if on:
             raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
 
 
 def _check_expert_parallel(cfg: Config) -> None:
     """parallel.ep > 1: experts split over ep of the dp ranks (dp itself is checked against WORLD_SIZE at start,
-    parallel/context.py), per (pp, tp) position. With ZeRO-3 and DeepSpeed it comes later (issue 19)."""
+    parallel/context.py), per (pp, tp) position. With DeepSpeed it comes later (issue 19); ZeRO-3 shards the experts
+    over the expert-dp ranks (parallel/expert/fsdp.py)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -807,9 +808,7 @@ def _check_expert_parallel(cfg: Config) -> None:
     if p.dp and p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
     # (compile: the dispatch reads its split sizes on the host, a graph break and a recompile per new split)
-    for on, what in (
-                     (p.zero_stage == 3, "parallel.zero_stage=3"), (p.backend != "native", f"parallel.backend={p.backend}"),
-                     (cfg.train.compile, "train.compile=true")):
+    for on, what in ((p.backend != "native", f"parallel.backend={p.backend}"), (cfg.train.compile, "train.compile=true")):
         if on:
             raise ConfigError(f"parallel.ep: expert parallelism with {what} is not yet supported (issue 19); "
                               f"use parallel.ep=1")

@@ -99,8 +99,8 @@ TENSORS = 1 + L * 8 + 1
 
 
 def _ep_config(tmp_path: Path, ep: int, *, zero_stage: int = 0, **extra: Any):  # type: ignore[no-untyped-def]
-    """The config at `ep`, the ZeRO stage set after loading: the config refuses MoE at ZeRO-3 until FSDP2 learns
-    the expert group, which the calculator plans for already."""
+    """The config at `ep` and ZeRO `zero_stage` (tests/test_moe_zero3.py checks the ZeRO-3 prediction against
+    what training ranks hold)."""
     cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, **extra}))
     cfg.parallel.ep = ep
     cfg.parallel.zero_stage = zero_stage

@@ -236,7 +236,6 @@ def test_dense_fingerprint_unchanged() -> None:
     (["model.moe_top_k=5"], "model.moe_top_k: must be in [1, model.n_experts=4], got 5"),
     (["model.moe_every=9"], "model.moe_every: must be in [1, model.n_layer=4], got 9"),
     (["model.moe_capacity_factor=-1"], "model.moe_capacity_factor: must be >= 0, got -1"),
-    (["parallel.zero_stage=3"], "model.n_experts: MoE with parallel.zero_stage=3 is not yet supported (issue 19)"),
     (["model.moe_router_order=sorted"], "model.moe_router_order"),
 ])
 def test_config_errors(override: list[str], message: str) -> None:

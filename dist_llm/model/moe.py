@@ -136,6 +136,16 @@ def pick_impl(x: torch.Tensor) -> GroupedImpl:
     return "loop"
 
 
+class Router(nn.Linear):
+    """The router's linear map (no bias), always in fp32: autocast off, input and weight cast up. A module of its
+    own (not a bare F.linear on its weight), so that whatever wraps modules sees it called: FSDP2 gathers its
+    weight in fp32 as a unit of its own while the rest of the block gathers in the 16-bit compute dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.linear(x.float(), self.weight.float())  # (N, E)
+
+
 class Experts(nn.Module):
     """n_experts MLPs of the model's kind with weights stacked along dim 0: w_up/w_gate (E, C, H), w_down (E, H, C)."""
 
@@ -179,7 +189,7 @@ class MoE(nn.Module):
         self.n_experts, self.top_k, self.order = cfg.n_experts, cfg.moe_top_k, cfg.moe_router_order
         self.capacity_factor = cfg.moe_capacity_factor
         self.aux_coef, self.z_coef = cfg.moe_aux_loss_coef, cfg.moe_z_loss_coef
-        self.router = nn.Linear(cfg.n_embd, cfg.n_experts, bias=False)
+        self.router = Router(cfg.n_embd, cfg.n_experts, bias=False)
         self.experts = Experts(cfg.n_experts, cfg.n_embd, cfg.moe_expert_hidden, swiglu=cfg.mlp == "swiglu",
                                bias=cfg.bias)
         self.shared = shared
@@ -215,8 +225,7 @@ class MoE(nn.Module):
             x = split.split(x)  # (B, T/tp, C): this rank's tokens
         B, T, C = x.shape
         flat = x.reshape(B * T, C)  # (N, C)
-        with torch.autocast(x.device.type, enabled=False):  # the router in fp32 whatever the run's precision
-            logits = F.linear(flat.float(), self.router.weight.float())  # (N, E)
+        logits = self.router(flat)  # (N, E) in fp32 whatever the run's precision
         weights, experts, probs = route(logits, self.top_k, self.order, self.expert_bias)
         # dispatch: the N*k (token, slot) pairs sorted by expert (stable: earlier tokens first within an expert)
         flat_expert = experts.flatten()  # (N*k,)

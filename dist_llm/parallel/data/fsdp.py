@@ -39,6 +39,7 @@ from dist_llm.config import Config, reshard_after_forward
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
+from dist_llm.parallel.expert.fsdp import shard_moe_units
 from dist_llm.optim import build_optimizer
 from dist_llm.precision import DTYPES
 from dist_llm.parallel.marks import marks_of, set_marks
@@ -138,6 +139,10 @@ class FSDPDataParallel(DataParallel):
         marks = {name: marks_of(p) for name, p in model.named_parameters()}
         vocab = _vocab_units(model)
         held = [b for b in model.blocks if any(True for _ in b.parameters())]  # (not another stage's placeholder)
+        # MoE: each router a unit gathered in fp32, at ep > 1 each layer's experts a unit over expert-dp (first:
+        # the blocks' units then leave their parameters to them)
+        moe_units = shard_moe_units(model, ctx, mp=mp, mesh=ctx.dp_cp_mesh, offload_policy=offload,
+                                    reshard_after_forward=reshard)
         units = [*held, *vocab]
         for unit in units:
             fully_shard(unit, reshard_after_forward=reshard, **kwargs)
@@ -149,7 +154,7 @@ class FSDPDataParallel(DataParallel):
             # whole beside the whole head; the block gathers itself once the head is resharded. (An empty list
             # means FSDP2's default prefetch; the head itself, whole when this runs, is a prefetch that does nothing.)
             vocab[1].set_modules_to_backward_prefetch([vocab[1]])
-        units.append(model)
+        units = [*moe_units, *units, model]
         if ctx.device.type == "cpu":
             # In forward FSDP2 keeps each unit's gathered buffer until the next unit's copy-out (to overlap that
             # copy with the next all-gather on a GPU's side streams): two gathered buffers live at once, the head's
@@ -168,6 +173,8 @@ class FSDPDataParallel(DataParallel):
         if ctx.pp > 1:
             self._pipeline_flags(last=False)
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
+            for name, p in model.named_parameters():  # (model.init_from places each shard by them: expert slices)
+                set_marks(p, marks[name])
             materialize(model)
         for name, p in model.named_parameters():
             set_marks(p, marks[name])

@@ -78,9 +78,13 @@ class AllToAllDispatch:
             # order on every rank of the expert-dp group) and runs both reverse all-to-alls its peers wait in.
             one = torch.zeros_like(counts[:n_local])
             one[0] = 1
-            none = experts(rows.new_zeros(1, rows.shape[1]), one, one[:1] * 0)[:0]
+            # The zero row hangs off the received (empty) rows, so it is in the graph: FSDP2 (ZeRO-3 at ep > 1) starts
+            # the experts' reduce-scatter from a hook on their inputs' gradient, which a detached input never gets
+            # (it would then reduce at the end of backward, out of order with the peers' collectives).
+            zero_row = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])
+            none = experts(zero_row, one, one[:1] * 0)[:0]
             out = none + rows.to(none.dtype)  # (the dtype the peers' experts return: what comes back to them)
-        
+
         # restored[order[i]] = out[i], by gathering at the inverse permutation: index_copy's backward keeps its
         # source (the experts' outputs, R x C) alive until backward, index_select's only the (R,) index
         inverse = torch.empty_like(order)
