@@ -52,7 +52,8 @@ def test_pp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPa
     (1, "1f1b", {"model__moe_every": 2}),  # stage 0 holds a dense block alone: no experts, stand-in metric rows
     (2, "zb1", {}),  # the attached term inside the split backward; expert reduce-scatters from the W passes
     (1, "interleaved", {"model__n_layer": 4, "parallel__pp_virtual": 2}),  # two chunks a rank, each its own term
-], ids=["ddp-flat-gpipe", "zero1-1f1b-dense-stage0", "zero2-zb1", "zero1-interleaved"])
+    (3, "1f1b", {}),  # FSDP2 per stage: routers and experts units of their own, one reduce-scatter a step
+], ids=["ddp-flat-gpipe", "zero1-1f1b-dense-stage0", "zero2-zb1", "zero1-interleaved", "zero3-1f1b"])
 def test_dp2_pp2_ep2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                          zero_stage: int, schedule: str, layers: dict[str, Any]) -> None:
     """World 4: dp=2 x pp=2, ep=2 inside each stage's dp pair (experts 0-1 on dp rank 0, 2-3 on dp rank 1), with
@@ -66,7 +67,7 @@ def test_dp2_pp2_ep2_matches_one_process(tmp_path: Path, tmp_path_factory: pytes
                                                            "parallel__pp_schedule": schedule,
                                                            "parallel__bucket_mb": 0.01}, init_group=False)
     assert_same(results, reference(tmp_path_factory, corpus, **extra), atol=3e-6)
-    assert {r["dp"] for r in results} == {f"zero{zero_stage}+ep" if zero_stage else "ddp-flat"}
+    assert {r["dp"] for r in results} == {{0: "ddp-flat", 3: "fsdp2"}.get(zero_stage, f"zero{zero_stage}+ep")}
 
 
 def test_pp2_checkpoint_resumes_at_pp1_and_ep2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,

@@ -33,7 +33,8 @@ CAPACITY = {"model__moe_capacity_factor": 1.0}  # tight: rows dropped every step
     (4, {"parallel__tp": 2, "parallel__ep": 2}, CAPACITY),  # DDP; experts reduced over their expert-dp group
     (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 2, "parallel__sequence_parallel": True,
          "parallel__bucket_mb": 0.01}, {}),
-], ids=["tp2-recompute", "tp2-sp-capacity", "dp2-tp2-ep2-capacity", "dp2-tp2-ep2-sp-zero2"])
+    (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 3, "parallel__sequence_parallel": True}, {}),
+], ids=["tp2-recompute", "tp2-sp-capacity", "dp2-tp2-ep2-capacity", "dp2-tp2-ep2-sp-zero2", "dp2-tp2-ep2-sp-zero3"])
 def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                 world: int, layout: dict[str, Any], variant: dict[str, Any]) -> None:
     extra = {**MOE, **variant, "train__micro_batch_size": 2}  # (one reference for the layouts of each variant)
