@@ -16,7 +16,7 @@ from torch import nn
 
 from dist_llm.config import Config
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.data.base import DataParallel
+from dist_llm.parallel.data.base import DataParallel, tensor_bytes
 from dist_llm.parallel.data.zero import ZeroDataParallel, ZeroPart
 from dist_llm.parallel.expert.grads import expert_parameters
 
@@ -73,5 +73,7 @@ class ExpertZeroDataParallel(DataParallel):
 
     def model_state_bytes(self) -> dict[str, int]:
         a, b = self.dense.model_state_bytes(), self.experts.model_state_bytes()
-        return {k: a[k] + b[k] for k in a}  # (each holds its own buffers; PEFT, whose frozen base both would
-        # count, is refused with MoE)
+        total = {k: a[k] + b[k] for k in a}  # (each holds its own buffers)
+        total["params"] -= tensor_bytes(p for p in self.module.parameters() if not p.requires_grad)  # a PEFT
+        # run's frozen base, outside both forms' buffers: each counts it, the rank holds it once
+        return total
