@@ -123,6 +123,20 @@ def test_expert_parallel_lora_matches_one_process(tmp_path: Path, tmp_path_facto
     torch.testing.assert_close(merged(_idx()), lora_model(_idx()), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("peft", [
+    {"peft__method": "adapter", "peft__rank": 8},  # no expert tensor trains: the expert ZeRO form has nothing
+    {"peft__method": "lora", "peft__targets": "[experts_down]", "peft__rank": 4},  # only expert tensors train
+], ids=["adapter", "experts-only"])
+def test_expert_parallel_zero1_with_one_side_frozen(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                    corpus: Path, peft: dict[str, Any]) -> None:  # noqa: F811
+    """dp=2 ep=2 ZeRO-1 when all that trains is dense, or all is expert: equal to one process (a ZeRO form over
+    no parameters failed the first step before)."""
+    extra = {**MOE, **peft, "optim__lr": 1e-2, "train__micro_batch_size": 4}
+    results = run_distributed(train, 2, tmp_path, corpus, {**extra, "parallel__ep": 2, "parallel__zero_stage": 1},
+                              init_group=False)
+    assert_same_run(results[0], reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
+
+
 @pytest.mark.parametrize("override,message", [
     (["peft.method=lora", "peft.targets=[qkv, experts_up]"],
      "peft.targets: experts_up needs an MoE model (model.n_experts > 0); a dense model has no experts"),
