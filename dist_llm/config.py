@@ -792,6 +792,14 @@ def _check_expert_parallel(cfg: Config) -> None:
                               f"use parallel.ep=1")
 
 
+def check_expert_targets(f: PeftConfig, m: ModelConfig) -> None:
+    """peft.targets experts_* only where there are experts."""
+    experts = [t for t in f.targets if t.startswith("experts_")] if f.method in ("lora", "qlora") else []
+    if experts and not m.n_experts:
+        raise ConfigError(f"peft.targets: {experts[0]} needs an MoE model (model.n_experts > 0); a dense model has "
+                          f"no experts")
+
+
 def _check_finetuning(cfg: Config) -> None:
     m, f = cfg.model, cfg.peft
     if m.init_from:
@@ -812,9 +820,8 @@ def _check_finetuning(cfg: Config) -> None:
         raise ConfigError(f"peft.targets: expected distinct names among qkv, attn_out, mlp_up, mlp_down, experts_up, "
                           f"experts_down, got {f.targets}")
     experts = [t for t in f.targets if t.startswith("experts_")] if f.method in ("lora", "qlora") else []
-    if experts and not m.n_experts:
-        raise ConfigError(f"peft.targets: {experts[0]} needs an MoE model (model.n_experts > 0); a dense model has "
-                          f"no experts")
+    if not m.init_from.startswith("hf:"):  # (an hf: start's architecture is known once resolved: peft checks then)
+        check_expert_targets(f, m)
     # (how tensor parallelism would split the experts, and so their LoRA pairs, is not settled yet: issue 19)
     if experts and cfg.parallel.tp > 1:
         raise ConfigError(f"peft.targets: {experts[0]} with parallel.tp>1 is not yet supported; use LoRA on "

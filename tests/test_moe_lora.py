@@ -17,7 +17,7 @@ import torch
 from dist_llm.config import ConfigError, load_config
 from dist_llm.model import GPT
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.peft import expert_loras, merge, merge_into_base, parameter_counts, trainable_names, unmerge
+from dist_llm.peft import apply_peft, expert_loras, merge, merge_into_base, parameter_counts, trainable_names, unmerge
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401 - corpus: fixture
@@ -155,3 +155,34 @@ def test_refusals(override: list[str], message: str | None) -> None:
         assert "router" in str(err.value) and "experts_up" in str(err.value)
     else:
         assert str(err.value) == message
+
+
+def test_expert_targets_on_a_dense_model_refused_at_build(tmp_path: Path) -> None:
+    """An hf: start's architecture is known only once resolved, after the config checks: apply_peft refuses."""
+    from dist_llm.config import PeftConfig
+
+    model = GPT(load_config(None, tiny_overrides(tmp_path)).model)
+    with pytest.raises(ConfigError, match=r"^peft.targets: experts_down needs an MoE model \(model.n_experts > 0\)"):
+        apply_peft(model, PeftConfig(method="lora", targets=["qkv", "experts_down"]), seed=0)
+
+
+def test_lora_on_an_hf_mixtral_exports_merged_to_transformers(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """LoRA on attention and experts of a Mixtral read with `model.init_from=hf:`, 8 steps, `convert --to-hf`:
+    transformers' logits of the export equal the LoRA model's (each base tensor read from the Hugging Face
+    files, each expert's own update folded in); ATOL as tests/test_hf_moe.py."""
+    pytest.importorskip("transformers")
+    from dist_llm.convert import convert_checkpoint_to_hf, load_checkpoint_model
+    from tests.test_hf import ATOL, VOCAB, hf_logits, max_diff, our_logits
+    from tests.test_hf_moe import hf_moe
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(3)
+    hf_moe("mixtral").save_pretrained(tmp_path / "hf")
+    got = train(0, 1, tmp_path / "run", corpus, {"model__init_from": f"hf:{tmp_path / 'hf'}", "peft__method": "lora",
+                                                 "peft__targets": "[qkv, experts_up, experts_down]", "peft__rank": 4,
+                                                 "optim__lr": 1e-2})
+    assert got["losses"][-1] < got["losses"][0]
+    convert_checkpoint_to_hf(tmp_path / "run", tmp_path / "out")
+    tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
+    assert max_diff(hf_logits(tuned, tokens), our_logits(load_checkpoint_model(tmp_path / "run"), tokens)) < ATOL

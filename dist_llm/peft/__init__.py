@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dist_llm.config import ConfigError, ModelConfig, PeftConfig
+from dist_llm.config import ConfigError, ModelConfig, PeftConfig, check_expert_targets
 from dist_llm.fileio import atomic_path, atomic_write_text
 from dist_llm.model.init import parameter_name
 from dist_llm.peft.adapter import Adapter, add_adapter
@@ -55,6 +55,7 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
     drawn from (seed + 1, its name): the same at every parallel layout, whichever blocks this rank holds."""
     if cfg.method == "none":
         return
+    check_expert_targets(cfg, model.cfg)  # (again here: validate cannot know an hf: start's architecture)
     for p in model.parameters():
         p.requires_grad_(False)
     if cfg.method == "qlora":
