@@ -67,8 +67,8 @@ class ExpertLoRA(nn.Module):
         """x (M, in) sorted by expert, `counts` (E_local,) -> the update (M, out); None once merged."""
         if self.merged:
             return None
-        if impl == "grouped_mm" and x.device.type == "cuda" and (self.rank * x.element_size()) % 16:
-            impl = "loop"  # (CUDA's grouped kernel wants 16-byte aligned rows: r a multiple of 8 in bf16)
+        if impl == "grouped_mm" and (self.rank * x.element_size()) % 16:
+            impl = "loop"  # (torch._grouped_mm wants rows of 16 bytes, on the CPU too: r a multiple of 8 in bf16)
         h = grouped_matmul(self.dropout(x), self.A, counts, impl=impl)  # (M, r)
         return grouped_matmul(h, self.B, counts, impl=impl) * self.scale  # (M, out)
 
