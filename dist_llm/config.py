@@ -270,7 +270,7 @@ class TrainConfig:
     """Also log to a Weights & Biases run (offline: files under out_dir/wandb, synced later; needs wandb)."""
 
 
-PeftTarget = Literal["qkv", "attn_out", "mlp_up", "mlp_down"]
+PeftTarget = Literal["qkv", "attn_out", "mlp_up", "mlp_down", "experts_up", "experts_down"]
 
 
 @dataclass
@@ -285,7 +285,8 @@ class PeftConfig:
     dropout: float = 0.0
     """Dropout on the LoRA branch's input."""
     targets: list[PeftTarget] = field(default_factory=lambda: ["qkv"])
-    """Linear layers that get LoRA: any of qkv, attn_out, mlp_up, mlp_down."""
+    """Linear layers that get LoRA: any of qkv, attn_out, mlp_up, mlp_down (in an MoE block: its shared expert),
+    experts_up, experts_down (an MoE block's routed experts, one pair per expert; the router is never one)."""
 
 
 @dataclass
@@ -789,11 +790,9 @@ def _check_moe(cfg: Config) -> None:
     if p.tp > 1 and m.block_size % p.tp:  # each tp rank routes its chunk of the sequence (parallel/tensor/moe.py)
         raise ConfigError(f"model.block_size: {m.block_size} is not divisible by parallel.tp={p.tp}; an MoE layer "
                           f"splits the sequence over the tp ranks")
-    # the parallel forms learn MoE one by one (issue 19); until then they refuse it rather than break it
-    for on, what in ((p.backend != "native", f"parallel.backend={p.backend}"),
-                     (cfg.peft.method != "none", f"peft.method={cfg.peft.method}")):
-        if on:
-            raise ConfigError(f"model.n_experts: MoE with {what} is not yet supported (issue 19)")
+    # DeepSpeed's engine: untested with MoE at ep=1, and it knows nothing of our expert groups at ep>1
+    if p.backend != "native":
+        raise ConfigError(f"model.n_experts: MoE with parallel.backend={p.backend} is not yet supported (issue 19)")
 
 
 def _check_expert_parallel(cfg: Config) -> None:
@@ -814,6 +813,14 @@ def _check_expert_parallel(cfg: Config) -> None:
                               f"use parallel.ep=1")
 
 
+def check_expert_targets(f: PeftConfig, m: ModelConfig) -> None:
+    """peft.targets experts_* only where there are experts."""
+    experts = [t for t in f.targets if t.startswith("experts_")] if f.method in ("lora", "qlora") else []
+    if experts and not m.n_experts:
+        raise ConfigError(f"peft.targets: {experts[0]} needs an MoE model (model.n_experts > 0); a dense model has "
+                          f"no experts")
+
+
 def _check_finetuning(cfg: Config) -> None:
     m, f = cfg.model, cfg.peft
     if m.init_from:
@@ -831,6 +838,17 @@ def _check_finetuning(cfg: Config) -> None:
     if not 0.0 <= f.dropout < 1.0:
         raise ConfigError(f"peft.dropout: must be in [0, 1), got {f.dropout}")
     if f.method in ("lora", "qlora") and (not f.targets or len(set(f.targets)) != len(f.targets)):
-        raise ConfigError(f"peft.targets: expected distinct names among qkv, attn_out, mlp_up, mlp_down, got {f.targets}")
+        raise ConfigError(f"peft.targets: expected distinct names among qkv, attn_out, mlp_up, mlp_down, experts_up, "
+                          f"experts_down, got {f.targets}")
+    experts = [t for t in f.targets if t.startswith("experts_")] if f.method in ("lora", "qlora") else []
+    if not m.init_from.startswith("hf:"):  # (an hf: start's architecture is known once resolved: peft checks then)
+        check_expert_targets(f, m)
+    # (how tensor parallelism would split the experts, and so their LoRA pairs, is not settled yet: issue 19)
+    if experts and cfg.parallel.tp > 1:
+        raise ConfigError(f"peft.targets: {experts[0]} with parallel.tp>1 is not yet supported; use LoRA on "
+                          f"attention (qkv, attn_out) there")
+    if m.n_experts and f.method == "qlora":
+        raise ConfigError("peft.method: qlora has no 4-bit form for an MoE model's stacked experts "
+                          "(model.n_experts > 0); use peft.method=lora")
     if f.method == "qlora" and cfg.parallel.tp > 1:
         raise ConfigError("peft.method: qlora is not supported with parallel.tp>1 (its 4-bit weights are not sharded)")

@@ -53,6 +53,7 @@ from dist_llm.hf import (
 from dist_llm.hf_tokenizer import write_hf_tokenizer
 from dist_llm.host_malloc import map_large_allocations
 from dist_llm.model import GPT
+from dist_llm.peft.expert_lora import LORA_OF
 from dist_llm.safetensors_shards import (
     DEFAULT_MAX_SHARD_SIZE,
     SAFETENSORS_FILE,
@@ -137,7 +138,8 @@ _BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.up|mlp\.ga
 
 class MergedPeft:
     """A LoRA/QLoRA checkpoint's merged weights: each base tensor (NF4 and back for QLoRA's block linears, as
-    training saw it) plus its LoRA update, as `dist_llm.peft.merge_into_base` folds them."""
+    training saw it) plus its LoRA update (a stacked expert weight: each expert's own), as
+    `dist_llm.peft.merge_into_base` folds them."""
 
     def __init__(self, adapters: CheckpointWeights, cfg: Config) -> None:
         if cfg.peft.method not in ("lora", "qlora"):
@@ -169,6 +171,11 @@ class MergedPeft:
         if name.endswith(".weight") and self.adapters.has(f"{module}.lora.A"):
             a, b = self.adapters.get(f"{module}.lora.A"), self.adapters.get(f"{module}.lora.B")
             w = w + ((b @ a) * (self.cfg.peft.alpha / self.cfg.peft.rank)).to(w.dtype)  # LoRA.delta()
+        owner, _, pname = name.rpartition(".")
+        child = f"{owner}.{LORA_OF[pname]}" if owner.endswith(".moe.experts") and pname in LORA_OF else None
+        if child is not None and self.adapters.has(f"{child}.A"):  # per expert: W_e + scale A_e B_e
+            a, b = self.adapters.get(f"{child}.A"), self.adapters.get(f"{child}.B")  # (E, in, r), (E, r, out)
+            w = torch.baddbmm(w, a.to(w.dtype), b.to(w.dtype), alpha=self.cfg.peft.alpha / self.cfg.peft.rank)
         return w
 
 

@@ -22,6 +22,9 @@ experts, C = n_embd, H = the expert hidden size, s = the compute dtype's bytes:
     per layer      in mixed precision with fp32 parameters the 16-bit copies of the rank's expert weights
                    (autocast's casts are saved by the grouped matmul); with 16-bit parameters the router's
                    fp32 weight copy; the aux loss's per-expert fractions and the groups' offsets
+    PEFT           the frozen router keeps no input; a linear keeps its input only where its weight or LoRA
+                   trains (the shared expert's under mlp_up, the routed experts' under experts_up), the down
+                   projection likewise (mlp_down, experts_down); each LoRA adds its rank-r A x per row
 
 Routed load. A rank routes M assignments. At the balanced load every expert gets M*ep/E (the tokens of its
 ep group's ranks), so a rank receives M rows whatever ep; at the worst case every ep rank sends all its rows
@@ -95,16 +98,42 @@ def _hidden_per_row(cfg: Config, hidden: int) -> int:
     return (4 if cfg.model.mlp == "swiglu" else 2) * hidden
 
 
+def _trained(cfg: Config) -> set[str] | None:
+    """The peft.targets whose weights a PEFT run adapts (LoRA); None when every weight trains (no PEFT)."""
+    f = cfg.peft
+    if f.method == "none":
+        return None
+    return set(f.targets) if f.method in ("lora", "qlora") else set()
+
+
+def _mlp_values(cfg: Config, hidden: int, up: str, down: str) -> int:
+    """Values per row of an MLP `hidden` wide that PEFT trains through targets `up`/`down` (all when None): the
+    activation's (SwiGLU: gate, silu, up; GELU: its input), the down projection's input when its weight or
+    LoRA trains, each LoRA's rank-r A x (the input of B)."""
+    trained, f = _trained(cfg), cfg.peft
+    gated = cfg.model.mlp == "swiglu"
+    if trained is None:
+        return _hidden_per_row(cfg, hidden)
+    lora = (2 if gated else 1) * f.rank * (up in trained) + f.rank * (down in trained)
+    return (3 if gated else 1) * hidden + hidden * (down in trained) + lora
+
+
 def token_side_bytes(cfg: Config) -> float:
     """Bytes per token of an MoE block's router and shared experts (the attention and norms are the dense
     block's): see the module docstring."""
     m = cfg.model
     s = _compute_size(cfg)
     k, E = m.moe_top_k, m.n_experts
-    out = 4 * m.n_embd + 8 * E + 8 * k + 4 + (4 * k if m.moe_router_order == "topk_softmax" else 0)
+    trained = _trained(cfg)
+    out = 8 * E + 8 * k + 4 + (4 * k if m.moe_router_order == "topk_softmax" else 0)
+    if trained is None:
+        out += 4 * m.n_embd  # the router's fp32 input (a frozen router, under PEFT, keeps none)
+        out += 0 if s == 4 or not m.n_shared_experts else 2 * m.n_embd  # autocast's 16-bit copy for the shared
+        # experts (or the 16-bit input itself)
+    elif m.n_shared_experts and "mlp_up" in trained:
+        out += s * m.n_embd  # the shared expert's LoRA input, in the compute dtype
     if m.n_shared_experts:
-        out += s * _hidden_per_row(cfg, m.n_shared_experts * m.moe_expert_hidden)
-        out += 0 if s == 4 else 2 * m.n_embd  # autocast's 16-bit copy of the input (or the 16-bit input itself)
+        out += s * _mlp_values(cfg, m.moe_shared_expert_hidden, "mlp_up", "mlp_down")
     return out
 
 
@@ -115,24 +144,30 @@ def kept_row_bytes(cfg: Config) -> int:
 
 
 def received_row_bytes(cfg: Config, ep: int) -> int:
-    """Bytes per row the rank's experts compute: their input and hidden values (and at ep>1 the two int64
-    permutations parallel/expert/dispatch.py saves)."""
+    """Bytes per row the rank's experts compute: their input (kept when w_up or its LoRA trains) and hidden
+    values (with PEFT: as `_mlp_values`), and at ep>1 the two int64 permutations parallel/expert/dispatch.py saves."""
+    trained = _trained(cfg)
+    inputs = cfg.model.n_embd if trained is None or "experts_up" in trained else 0
     regroup = 16 if ep > 1 else 0
-    return _compute_size(cfg) * (cfg.model.n_embd + _hidden_per_row(cfg, cfg.model.moe_expert_hidden)) + regroup
+    return (_compute_size(cfg) * (inputs + _mlp_values(cfg, cfg.model.moe_expert_hidden, "experts_up", "experts_down"))
+            + regroup)
 
 
 def layer_constant_bytes(cfg: Config, ep: int, *, params16: bool) -> int:
     """Per MoE layer, whatever the tokens: 16-bit expert weight copies (mixed precision, fp32 parameters), the
     router's fp32 copy (16-bit parameters), the aux loss's fractions and the grouped matmul's offsets."""
-    m = cfg.model
+    m, r = cfg.model, cfg.peft.rank
     local = m.n_experts // ep
     projections = 3 if m.mlp == "swiglu" else 2
-    out = 4 * m.n_experts + 4 * local * projections
+    trained = _trained(cfg) or set()
+    adapted = (projections - 1) * ("experts_up" in trained) + ("experts_down" in trained)  # expert LoRA pairs
+    out = 4 * m.n_experts + 4 * local * (projections + 2 * adapted)  # (each LoRA: two more grouped matmuls)
     if cfg.train.precision != "fp32":
         if params16:
             out += 4 * m.n_experts * m.n_embd
-        else:
-            out += 2 * local * projections * m.n_embd * m.moe_expert_hidden
+        else:  # (and of each expert LoRA's A and B)
+            out += 2 * local * (projections * m.n_embd * m.moe_expert_hidden
+                                + adapted * r * (m.n_embd + m.moe_expert_hidden))
     return out
 
 

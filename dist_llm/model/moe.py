@@ -150,7 +150,9 @@ class Router(nn.Linear):
 
 
 class Experts(nn.Module):
-    """n_experts MLPs of the model's kind with weights stacked along dim 0: w_up/w_gate (E, C, H), w_down (E, H, C)."""
+    """n_experts MLPs of the model's kind with weights stacked along dim 0: w_up/w_gate (E, C, H), w_down (E, H, C).
+    A child `lora_up` / `lora_gate` / `lora_down`, where PEFT adds one, is called as (rows, counts) -> a per-expert
+    low-rank update of that projection's output (peft/expert_lora.py)."""
 
     def __init__(self, n_experts: int, n_embd: int, hidden: int, *, swiglu: bool, bias: bool) -> None:
         super().__init__()
@@ -172,16 +174,18 @@ class Experts(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         impl = pick_impl(x) if self.impl == "auto" else self.impl
 
-        def proj(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+        def proj(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: nn.Module | None) -> torch.Tensor:
             out = grouped_matmul(inp, w, counts, impl=impl)
+            update = None if lora is None else lora(inp, counts, impl=impl)  # (peft/expert_lora.py: per expert)
+            out = out if update is None else out + update.to(out.dtype)
             return out if b is None else out + b.to(out.dtype)[expert_of_row]
 
-        up = proj(x, self.w_up, self.b_up)  # (M, H)
+        up = proj(x, self.w_up, self.b_up, getattr(self, "lora_up", None))  # (M, H)
         if self.w_gate is not None:
-            h = F.silu(proj(x, self.w_gate, self.b_gate)) * up
+            h = F.silu(proj(x, self.w_gate, self.b_gate, getattr(self, "lora_gate", None))) * up
         else:
             h = F.gelu(up, approximate="tanh")  # GPT-2's GELU, as the dense MLP
-        return proj(h, self.w_down, self.b_down)
+        return proj(h, self.w_down, self.b_down, getattr(self, "lora_down", None))
 
 
 class MoE(nn.Module):

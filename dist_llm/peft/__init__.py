@@ -16,16 +16,23 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from dist_llm.config import ConfigError, ModelConfig, PeftConfig
+from dist_llm.config import ConfigError, ModelConfig, PeftConfig, check_expert_targets
 from dist_llm.fileio import atomic_path, atomic_write_text
 from dist_llm.model.init import parameter_name
 from dist_llm.peft.adapter import Adapter, add_adapter
+from dist_llm.peft.expert_lora import LORA_OF, ExpertLoRA, add_expert_lora, expert_loras, merge_experts
 from dist_llm.peft.lora import LoRA, add_lora, lora_modules, merge, unmerge
 from dist_llm.peft.qlora import BLOCK_LINEARS
 
-#: peft.targets name -> the linear layers of a block it means (SwiGLU's gate is an up projection too)
+#: peft.targets name -> the linear layers of a block it means (SwiGLU's gate is an up projection too; in an MoE
+#: block the mlp names mean its shared expert, a dense MLP)
 TARGETS: dict[str, tuple[str, ...]] = {"qkv": ("attn.qkv",), "attn_out": ("attn.proj",),
-                                       "mlp_up": ("mlp.up", "mlp.gate"), "mlp_down": ("mlp.down",)}
+                                       "mlp_up": ("mlp.up", "mlp.gate", "moe.shared.up", "moe.shared.gate"),
+                                       "mlp_down": ("mlp.down", "moe.shared.down"),
+                                       "experts_up": (), "experts_down": ()}
+#: peft.targets name -> the stacked weights of an MoE block's routed experts it means (per-expert LoRA,
+#: peft/expert_lora.py). The router (and Qwen2-MoE's shared-expert gate) is never a target: it stays frozen.
+EXPERT_TARGETS: dict[str, tuple[str, ...]] = {"experts_up": ("w_up", "w_gate"), "experts_down": ("w_down",)}
 
 
 def _get(block: nn.Module, path: str) -> nn.Module | None:
@@ -48,6 +55,7 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
     drawn from (seed + 1, its name): the same at every parallel layout, whichever blocks this rank holds."""
     if cfg.method == "none":
         return
+    check_expert_targets(cfg, model.cfg)  # (again here: validate cannot know an hf: start's architecture)
     for p in model.parameters():
         p.requires_grad_(False)
     if cfg.method == "qlora":
@@ -66,7 +74,7 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
             if cfg.method == "adapter":
                 if hasattr(block, "attn"):  # (not a block another pipeline stage holds)
                     width = model.cfg.n_embd
-                    for part in ("attn", "mlp"):
+                    for part in ("attn", "moe" if hasattr(block, "moe") else "mlp"):  # (on an MoE's whole output)
                         add_adapter(getattr(block, part), width, cfg.rank, sequence_parallel=sequence_parallel,
                                     seed=seed + 1, name=f"blocks.{i}.{part}")
                 continue
@@ -75,13 +83,18 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
                     layer = _get(block, path)
                     if layer is not None:
                         add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1, name=f"blocks.{i}.{path}")
+                experts = _get(block, "moe.experts")
+                for pname in EXPERT_TARGETS.get(target, ()) if experts is not None else ():
+                    if getattr(experts, pname, None) is not None:  # (w_gate: SwiGLU experts only)
+                        add_expert_lora(experts, pname, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1,
+                                        name=f"blocks.{i}.moe.experts")
 
 
 def peft_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(name in the whole model, as `model/init.parameter_name` spells it, module) of every LoRA and adapter
-    module of `model`."""
+    """(name in the whole model, as `model/init.parameter_name` spells it, module) of every LoRA (expert LoRAs
+    included) and adapter module of `model`."""
     return [(parameter_name(name, ""), m) for name, m in model.named_modules()
-            if isinstance(m, (LoRA, Adapter))]
+            if isinstance(m, (LoRA, ExpertLoRA, Adapter))]
 
 
 def peft_parameter_names(model: nn.Module) -> set[str]:
@@ -113,7 +126,7 @@ def merge_into_base(model: nn.Module) -> None:
         raise ConfigError("peft.method: adapter layers cannot be folded into the base model; "
                           "export needs LoRA or QLoRA (or no PEFT)")
     for block in model.blocks:
-        for path in BLOCK_LINEARS:
+        for path in dict.fromkeys([*BLOCK_LINEARS, *(p for paths in TARGETS.values() for p in paths)]):
             layer = _get(block, path)
             if layer is None:
                 continue
@@ -131,6 +144,9 @@ def merge_into_base(model: nn.Module) -> None:
                 lora.hook.remove()
                 if hasattr(layer, "lora"):
                     del layer.lora
+    merge_experts(model)  # each expert's W_e += scale A_e B_e, then the expert LoRAs dropped
+    for experts, pname, _ in expert_loras(model):
+        delattr(experts, LORA_OF[pname])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,7 +222,7 @@ def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
     return json.loads((path / "adapter.json").read_text())
 
 
-__all__ = ["BLOCK_LINEARS", "TARGETS", "Adapter", "LoRA", "ParameterCounts", "adapter_state", "add_adapter", "add_lora",
-           "apply_peft", "load_adapter", "lora_modules", "merge", "merge_into_base", "parameter_counts", "peft_modules",
+__all__ = ["BLOCK_LINEARS", "EXPERT_TARGETS", "TARGETS", "Adapter", "ExpertLoRA", "LoRA", "ParameterCounts", "adapter_state", "add_adapter", "add_expert_lora", "add_lora",
+           "apply_peft", "expert_loras", "load_adapter", "lora_modules", "merge", "merge_into_base", "parameter_counts", "peft_modules",
            "peft_parameter_names", "planned_counts",
            "reset_peft_parameters", "save_adapter", "trainable_names", "unmerge"]

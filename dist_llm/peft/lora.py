@@ -27,6 +27,7 @@ from dist_llm.model import init as model_init
 from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel, replicated_rows
 from dist_llm.parallel.tensor import mappings as tpc
 from dist_llm.parallel.tensor.layers import ColumnParallelLinear, RankLocalDropout, RowParallelLinear
+from dist_llm.peft.expert_lora import merge_experts
 
 
 def _linear_kind(layer: nn.Module) -> str:
@@ -151,13 +152,15 @@ def lora_modules(model: nn.Module) -> list[tuple[nn.Module, LoRA]]:
 
 @torch.no_grad()
 def merge(model: nn.Module) -> None:
-    """Fold every LoRA update into its base weight (W += scale B A): inference then costs nothing extra."""
+    """Fold every LoRA update into its base weight (W += scale B A; an expert LoRA into each expert's W_e):
+    inference then costs nothing extra."""
     for layer, lora in lora_modules(model):
         if not lora.merged:
             if not isinstance(getattr(layer, "weight", None), torch.Tensor):
                 raise ValueError(f"cannot merge LoRA into a {type(layer).__name__}: its weight is quantised")
             layer.weight += lora.delta().to(layer.weight.dtype)
             lora.merged = True
+    merge_experts(model)  # each expert's W_e += scale A_e B_e
 
 
 @torch.no_grad()
@@ -167,3 +170,4 @@ def unmerge(model: nn.Module) -> None:
         if lora.merged:
             layer.weight -= lora.delta().to(layer.weight.dtype)
             lora.merged = False
+    merge_experts(model, sign=-1.0)

@@ -12,6 +12,7 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
 from dist_llm.parallel.expert.grads import expert_parameters, reduce_expert_grads
+from dist_llm.parallel.marks import expert_slice
 
 
 # No annotations on `bucket` and the return: DDP compares them with the real classes, and this module's
@@ -35,11 +36,13 @@ class DDPDataParallel(DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext) -> None:
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # expert-parallel slices differ across the dp group: DDP leaves them, finish_grads reduces them over
-        # the ranks that hold the same experts
+        # the ranks that hold the same experts. The frozen ones too (a PEFT run's base experts): DDP would
+        # broadcast dp rank 0's slice over every rank's own at construction.
         experts = expert_parameters(model)
         self.expert_params = [p for _, p in experts]
-        if experts:
-            DDP._set_params_and_buffers_to_ignore_for_model(model, [n for n, _ in experts])
+        sliced = [n for n, p in model.named_parameters() if expert_slice(p) is not None]
+        if sliced:
+            DDP._set_params_and_buffers_to_ignore_for_model(model, sliced)
         # gradient_as_bucket_view: grads live in DDP's buckets, not in a second copy
         # (the parameters are replicated over dp x cp: context-parallel ranks reduce their gradients too)
         wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_cp_group, gradient_as_bucket_view=True,

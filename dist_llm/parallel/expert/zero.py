@@ -16,7 +16,7 @@ from torch import nn
 
 from dist_llm.config import Config
 from dist_llm.parallel.context import ParallelContext
-from dist_llm.parallel.data.base import DataParallel
+from dist_llm.parallel.data.base import DataParallel, tensor_bytes
 from dist_llm.parallel.data.zero import ZeroDataParallel, ZeroPart
 from dist_llm.parallel.expert.grads import expert_parameters
 
@@ -30,14 +30,16 @@ class ExpertZeroDataParallel(DataParallel):
         self.module = self.model = model
         experts = frozenset(n for n, _ in expert_parameters(model))
         dense = frozenset(n for n, p in model.named_parameters() if p.requires_grad and n not in experts)
-        self.dense = ZeroDataParallel(model, cfg, ctx, stage=stage,
-                                      part=ZeroPart(dense, ctx.dp_group, ctx.dp, ctx.dp_rank, ctx.dp))
-        # a pipeline stage of dense blocks alone holds no experts (nor do its expert-dp peers, the same stage's)
-        self.experts = ZeroDataParallel(model, cfg, ctx, stage=stage, part=ZeroPart(
-            experts, ctx.expert_dp_group, ctx.expert_dp, ctx.dp_rank // ctx.ep, ctx.dp)) if experts else None
-        self.expert_names = experts
-        self.optimizer = self.dense.optimizer  # (the learning rate the trainer reads; both step alike)
-        self.forms = (self.dense, self.experts) if self.experts is not None else (self.dense,)
+        parts = [ZeroPart(dense, ctx.dp_group, ctx.dp, ctx.dp_rank, ctx.dp),
+                 ZeroPart(experts, ctx.expert_dp_group, ctx.expert_dp, ctx.dp_rank // ctx.ep, ctx.dp)]
+        # A PEFT run may train no expert tensors (LoRA on attention alone, adapters) or nothing but them
+        # (experts_* targets alone): a part with nothing to train gets no form (a ZeRO form needs parameters)
+        self.owned = [(part.names, ZeroDataParallel(model, cfg, ctx, stage=stage, part=part)) for part in parts
+                      if part.names]
+        self.forms = tuple(form for _, form in self.owned)
+        # (a pipeline stage of dense blocks alone holds no experts, nor do its expert-dp peers: no expert form)
+        self.dense = self.owned[0][1] if dense else None
+        self.optimizer = self.forms[0].optimizer  # (the learning rate the trainer reads; all step alike)
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         stack = contextlib.ExitStack()
@@ -66,20 +68,22 @@ class ExpertZeroDataParallel(DataParallel):
             form.zero_grad()
 
     def checkpoint_state(self) -> dict[str, Any]:
-        dense = self.dense.checkpoint_state()
-        if self.experts is None:
-            return dense
-        experts = self.experts.checkpoint_state()
-        model = {k: experts["model"][k] if k in self.expert_names else v for k, v in dense["model"].items()}
-        return {"model": model, "optim": {"state": {**dense["optim"]["state"], **experts["optim"]["state"]}}}
+        states = [(names, form.checkpoint_state()) for names, form in self.owned]
+        model = dict(states[0][1]["model"])  # (every form's dict holds the frozen tensors as the module's own)
+        for names, state in states[1:]:  # each trained tensor from the form that holds it
+            model.update({k: v for k, v in state["model"].items() if k in names})
+        optim = {k: v for _, state in states for k, v in state["optim"]["state"].items()}
+        return {"model": model, "optim": {"state": optim}}
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         optim = state["optim"]["state"]
-        for form, experts in zip(self.forms, (False, True)):
-            mine = {k: v for k, v in optim.items() if (k in self.expert_names) == experts}
-            form.load_checkpoint_state({"model": state["model"], "optim": {"state": mine}})
+        for names, form in self.owned:
+            form.load_checkpoint_state({"model": state["model"],
+                                        "optim": {"state": {k: v for k, v in optim.items() if k in names}}})
 
     def model_state_bytes(self) -> dict[str, int]:
-        # each form holds its own buffers (PEFT, whose frozen base both would count, is refused with MoE)
-        counts = [form.model_state_bytes() for form in self.forms]
-        return {k: sum(c[k] for c in counts) for k in counts[0]}
+        each = [form.model_state_bytes() for form in self.forms]
+        total = {k: sum(b[k] for b in each) for k in each[0]}  # (each holds its own buffers)
+        total["params"] -= (len(each) - 1) * tensor_bytes(p for p in self.module.parameters() if not p.requires_grad)
+        # (a PEFT run's frozen base, outside the forms' buffers: each counts it, the rank holds it once)
+        return total
