@@ -183,8 +183,9 @@ def test_suggest_keeps_to_the_forms_moe_allows_and_counts_active_flops(tmp_path:
     from dist_llm import memory_suggest
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16}))
-    # (tp composes with MoE: whole experts, the tokens split over tp; pp does not yet)
-    assert {(dp, tp, pp) for dp, tp, pp, _ in memory_suggest.layouts(cfg, 4)} == {(4, 1, 1), (2, 2, 1), (1, 4, 1)}
+    # (tp and pp compose with MoE: whole experts, the tokens split over tp; stages of whole blocks)
+    assert {(dp, tp, pp) for dp, tp, pp, _ in memory_suggest.layouts(cfg, 4)} == {
+        (4, 1, 1), (2, 2, 1), (1, 4, 1), (2, 1, 2), (1, 2, 2)}
     every = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16,
                                                           "model__moe_top_k": E}))
     tokens = cfg.train.global_batch_size * cfg.model.block_size
