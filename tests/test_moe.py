@@ -293,3 +293,21 @@ def test_hf_export_family_of_moe() -> None:
                                           r"Qwen2-MoE \(Mixtral needs model.n_shared_experts=0; Qwen2-MoE needs "
                                           r"model.moe_shared_gate=true\)$"):
         export_family(dataclasses.replace(cfg, n_shared_experts=1))
+
+
+def test_an_fp32_moe_layer_compiles() -> None:
+    """train.compile with an fp32 MoE model crashed in Dynamo: torch 2.13's fake-tensor rule for torch._grouped_mm
+    takes bf16 alone, so under compilation fp32 experts take the per-expert loop (model/moe.py `pick_impl`).
+    The eager backend runs the traced graph with the same kernels, so the results agree to the last bit or two."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_embd=32, n_experts=4, moe_top_k=2, moe_hidden=64, mlp="swiglu", bias=False)
+    layer = MoE(cfg, None, torch.nn.Identity())
+    for p in layer.parameters():  # (the experts' stacks are made empty: the GPT's init fills them)
+        torch.nn.init.normal_(p, std=0.2)
+    x = torch.randn(2, 8, 32, requires_grad=True)
+    eager = layer(x)
+    (g_eager,) = torch.autograd.grad(eager.square().sum(), x)
+    compiled = torch.compile(layer, backend="eager")(x)
+    (g_compiled,) = torch.autograd.grad(compiled.square().sum(), x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_compiled, g_eager, rtol=1e-6, atol=1e-6)
