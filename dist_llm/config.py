@@ -843,10 +843,6 @@ def _check_finetuning(cfg: Config) -> None:
     experts = [t for t in f.targets if t.startswith("experts_")] if f.method in ("lora", "qlora") else []
     if not m.init_from.startswith("hf:"):  # (an hf: start's architecture is known once resolved: peft checks then)
         check_expert_targets(f, m)
-    # (how tensor parallelism would split the experts, and so their LoRA pairs, is not settled yet: issue 19)
-    if experts and cfg.parallel.tp > 1:
-        raise ConfigError(f"peft.targets: {experts[0]} with parallel.tp>1 is not yet supported; use LoRA on "
-                          f"attention (qkv, attn_out) there")
     if m.n_experts and f.method == "qlora":
         raise ConfigError("peft.method: qlora has no 4-bit form for an MoE model's stacked experts "
                           "(model.n_experts > 0); use peft.method=lora")
