@@ -138,7 +138,7 @@ class DataParallel:
         if self.ctx.ep > 1:
             if not self.dp_sharded_grads:  # replicas over dp/ep, disjoint experts over ep
                 comm.all_reduce(expert_sum, self.ctx.ep_group, self.ctx.comm)
-            sums = torch.cat([sums[:1], sums[1:] + expert_sum])  # (tp = pp = 1 under ep for now)
+            sums = torch.cat([sums[:1], sums[1:] + expert_sum])  # (whole experts on each tp rank: tp-replicated)
         if self.dp_sharded_grads:
             comm.all_reduce(sums, self.ctx.dp_cp_group, self.ctx.comm)
         comm.all_reduce(sums, self.ctx.pp_group, self.ctx.comm)  # stages hold disjoint parameters
