@@ -28,9 +28,12 @@ from datetime import timedelta
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT_S = 180.0
-# imported once by the fork server, so that no rank pays for them (torch._dynamo: torch.optim's first use)
+# imported once by the fork server, so that no rank pays for them (torch._dynamo: torch.optim's first use;
+# DeepSpeed's engine imports its Muon optimizer, whose torch.compile at import loads torch._inductor: seconds in
+# every rank of the many DeepSpeed tests). A module that does not import is skipped by the fork server.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "matplotlib.pyplot",
-           "dist_llm.train.trainer", "tests.test_data_parallel"]
+           "dist_llm.train.trainer", "tests.test_data_parallel", "deepspeed",
+           "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 class RankFailed(AssertionError):
