@@ -37,3 +37,51 @@ def corpus_file(tmp_path: Path) -> Path:
     path = tmp_path / "corpus.txt"
     path.write_text("\n".join((stdlib / name).read_text() for name in names))
     return path
+
+
+# Tests that take many seconds, with about how many (CI, 2 workers; a parametrized test's every case). pytest-xdist
+# (--dist loadgroup) hands each worker the next test as it runs dry, in collection order: the long ones go first,
+# so that the run does not end with one worker on a long test while the other idles.
+SLOW_S: dict[str, float] = {
+    "test_reliability.py::test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint": 53,
+    "test_deepspeed.py::test_deepspeed_zero2_matches_ours": 36,
+    "test_deepspeed.py::test_deepspeed_skipped_steps_come_from_the_engine": 35,
+    "test_reliability.py::test_a_real_write_error_stops_with_one_line_and_keeps_the_checkpoint": 32,
+    "test_launch.py::test_two_torchrun_nodes_dp2_tp2": 25,
+    "test_finetune.py::test_shipped_finetune_configs_lower_the_loss": 23,
+    "test_reliability.py::test_sigterm_saves_and_exits_0_then_resume_goes_on": 22,
+    "test_trainer.py::test_compile_matches_eager": 20,
+    "test_launch.py::test_deepspeed_launcher": 19,
+    "test_launch.py::test_accelerate_launch_multi_cpu": 19,
+    "test_cli.py::test_stop_at_checkpoint_and_resume_equals_uninterrupted": 19,
+    "test_launch.py::test_slurm_sbatch_with_fake_srun": 18,
+    "test_resume_safety.py::test_the_only_checkpoint_damaged_stops_resume_and_never_deletes_it": 17,
+    "test_console.py::test_two_ranks_print_one_bar_val_loss_once_a_summary_and_log_every_step": 17,
+    "test_cli.py::test_nproc_per_node_relaunches_under_torchrun": 16,
+    "test_cli.py::test_train_then_sample": 16,
+    "test_stop_during_build.py::test_a_sigterm_after_the_last_save_lets_the_complete_run_exit_0": 15,
+    "test_deepspeed.py::test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses": 15,
+    "test_readme.py::test_every_readme_command_runs_as_written": 12,
+    "test_deepspeed_qlora.py::test_qlora_at_zero3_trains_to_the_one_process_losses": 12,
+    "test_reliability.py::test_a_stuck_rank_becomes_an_error_naming_the_collective_and_rank": 12,
+    "test_qlora_zero3.py::test_a_zero3_checkpoint_resumes_at_zero3_and_in_one_process": 12,
+    "test_launch.py::test_single_node_script": 12,
+    "test_reliability.py::test_consolidated_file_of_any_layout": 11,
+    "test_reliability.py::test_3d_checkpoint_resumes_at_other_layouts": 11,
+    "test_stop_during_build.py::test_a_sigterm_to_the_launcher_during_the_build_of_two_ranks": 10,
+    "test_reliability.py::test_loading_a_checkpoint_runs_no_code_from_it": 8,
+    "test_cli.py::test_bad_layout_exits_2": 8,
+    "test_launch.py::test_3d_config_fits_its_32_ranks": 8,
+    "test_deepspeed.py::test_deepspeed_resume_keeps_the_configs_optimizer_hyperparameters": 8,
+    "test_reliability.py::test_async_checkpoint_equals_the_synchronous_one": 8,
+}
+
+
+def _expected_s(nodeid: str) -> float:
+    name = nodeid.split("[", 1)[0].removeprefix("tests/")
+    return SLOW_S.get(name, 0.0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # stable: the rest keep their order; every xdist worker computes the same order, as it must
+    items.sort(key=lambda item: -_expected_s(item.nodeid))

@@ -28,9 +28,12 @@ from datetime import timedelta
 from typing import Any, Callable
 
 DEFAULT_TIMEOUT_S = 180.0
-# imported once by the fork server, so that no rank pays for them (torch._dynamo: torch.optim's first use)
+# imported once by the fork server, so that no rank pays for them (torch._dynamo: torch.optim's first use;
+# DeepSpeed's engine imports its Muon optimizer, whose torch.compile at import loads torch._inductor: seconds in
+# every rank of the many DeepSpeed tests). A module that does not import is skipped by the fork server.
 PRELOAD = ["torch", "torch.distributed", "torch.distributed.checkpoint", "torch._dynamo", "matplotlib.pyplot",
-           "dist_llm.train.trainer", "tests.test_data_parallel"]
+           "dist_llm.train.trainer", "tests.test_data_parallel", "deepspeed",
+           "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 class RankFailed(AssertionError):
@@ -109,6 +112,7 @@ def _run(fn: Callable[..., Any] | tuple[str, str], world_size: int, args: tuple,
         p.start()
     results: dict[int, Any] = {}
     failures: list[str] = []
+    timed_out = False
     try:
         import queue as queue_mod
 
@@ -116,6 +120,7 @@ def _run(fn: Callable[..., Any] | tuple[str, str], world_size: int, args: tuple,
             try:
                 rank, ok, payload = queue.get(timeout=timeout)
             except queue_mod.Empty:
+                timed_out = True
                 dead = [r for r, p in enumerate(procs) if not p.is_alive() and p.exitcode not in (0, None)]
                 raise RankFailed(f"timed out after {timeout:.0f}s waiting for ranks "
                                  f"{sorted(set(range(world_size)) - set(results))}"
@@ -129,7 +134,8 @@ def _run(fn: Callable[..., Any] | tuple[str, str], world_size: int, args: tuple,
             raise RankFailed("a rank failed:\n" + "\n".join(failures))
     finally:
         for p in procs:
-            p.join(timeout=5 if not failures else 0.5)
+            # a rank that failed or hung is not waited for: its peers are stuck with it (or it is the one stuck)
+            p.join(timeout=0.5 if failures or timed_out else 5)
             if p.is_alive():
                 p.kill()
                 p.join()

@@ -40,8 +40,9 @@ def test_a_rank_exception_fails_the_test_with_its_traceback() -> None:
 
 def test_a_hang_times_out() -> None:
     start = time.monotonic()
-    with pytest.raises(RankFailed, match="timed out"):
-        run_distributed(_hang_on_rank_0, 2, timeout=8)
+    with pytest.raises(RankFailed, match="timed out after 2s"):
+        run_distributed(_hang_on_rank_0, 2, timeout=2)
+    # the hung rank is killed, not waited for (its sleep is 60 s)
     assert time.monotonic() - start < 30
 
 

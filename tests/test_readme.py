@@ -1,12 +1,13 @@
 """Every command in README.md's ```bash blocks runs as written (issue 18, item 10), so the README cannot drift.
 
-They run in order, as a user would, in a scratch folder that holds the checkout's configs/, launch/ and scripts/
-and a `.venv` that is the interpreter running the tests (CI's .venv): `dist-llm`, `torchrun`, `accelerate` and
-`python` are that venv's, as after `source .venv/bin/activate`. A command that trains gets a few overrides
-appended (2 steps, a short block, its own `train.out_dir`), nothing else changes; the `make` commands are read
-with `make -n` and the recipe `make train` would run is run. A command that cannot run here is listed in
-NOT_RUN with the reason, and the list must match the README. `dist-llm` commands that do not train run in one
-process per stretch of them (`dist_llm.cli.main`, each argv as written): a Python start costs seconds here."""
+Each runs in a scratch folder that holds the checkout's configs/, launch/ and scripts/ and a `.venv` that is the
+interpreter running the tests (CI's .venv): `dist-llm`, `torchrun`, `accelerate` and `python` are that venv's, as
+after `source .venv/bin/activate`. A command that trains gets a few overrides appended (2 steps, a short block,
+its own `train.out_dir`), nothing else changes; the `make` commands are read with `make -n` and the recipe
+`make train` would run is run. A command that cannot run here is listed in NOT_RUN with the reason, and the list
+must match the README. `dist-llm` commands that do not train run in one process (`dist_llm.cli.main`, each argv
+as written: a Python start costs seconds here), after the default run in the same folder, since some read it.
+Each job is a test case of its own, so that pytest-xdist spreads them over its workers."""
 
 from __future__ import annotations
 
@@ -16,7 +17,6 @@ import re
 import shlex
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -231,27 +231,40 @@ def run_job(job: Job, tmp: Path, env: dict[str, str]) -> list[str]:
     return failures
 
 
-def run_all(tmp: Path) -> list[str]:
-    """Runs the README's commands: the default run, then the others two at a time (each trains into an
-    out_dir of its own, so they are independent; two lanes keep 2 cores busy while one process starts)."""
-    env = sandbox(tmp)
-    first, *rest = plan()
-    failures = run_job(first, tmp, env)
-    if failures:  # everything after reads its run
-        return failures
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        for found in pool.map(lambda job: run_job(job, tmp, env), rest):
-            failures += found
-    return failures
+def _job_ids() -> list[str]:
+    """One test id per job, fixed at collection (every xdist worker must collect the same ids). A README or
+    Makefile that breaks the plan gives one case, "plan", which fails with plan()'s own error."""
+    try:
+        jobs = plan()
+    except Exception:  # noqa: BLE001 - reported by the test, not as a collection error
+        return ["plan"]
+    ids = ["default-run-then-cli"]
+    for job in jobs[2:]:
+        tokens, k = program(job.commands[0])
+        ids.append(f"L{job.commands[0].line}-{tokens[k].rsplit('/', 1)[-1]}")
+    return ids
 
 
-@pytest.mark.timeout(900)  # each command has its own 300 s; this bounds the whole under a loaded machine
-def test_every_readme_command_runs_as_written(tmp_path: Path) -> None:
-    failures = run_all(tmp_path)
+JOB_IDS = _job_ids()
+
+
+# each command has its own 300 s; this bounds a case (the first runs two jobs) under a loaded machine
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("job_id", JOB_IDS)
+def test_every_readme_command_runs_as_written(tmp_path: Path, job_id: str) -> None:
+    jobs = plan()
+    assert job_id != "plan", "plan() passed here but failed at collection"
+    env = sandbox(tmp_path)
+    index = JOB_IDS.index(job_id)
+    if index == 0:  # the default run, then the dist-llm commands that read it (sample, convert, report runs/tiny)
+        failures = run_job(jobs[0], tmp_path, env)
+        failures = failures or run_job(jobs[1], tmp_path, env)
+    else:
+        failures = run_job(jobs[index + 1], tmp_path, env)
     assert not failures, f"{len(failures)} README command(s) failed:\n\n" + "\n\n".join(failures)
-    # the commands that read the default run found it, and the export loads its tokenizer files
-    assert (tmp_path / "runs/tiny/report.md").is_file()
-    assert (tmp_path / "hf/tiny/tokenizer.json").is_file()
+    if index == 0:  # the commands that read the default run found it, and the export loads its tokenizer files
+        assert (tmp_path / "runs/tiny/report.md").is_file()
+        assert (tmp_path / "hf/tiny/tokenizer.json").is_file()
 
 
 def test_the_commands_not_run_are_still_in_the_readme() -> None:
