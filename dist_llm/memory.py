@@ -238,6 +238,27 @@ def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> float:
     return min(micro, pp - pp_rank)
 
 
+def _frozen_first_norm_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
+    """Bytes per token the first block's first norm does not save under LoRA/QLoRA on qkv: PEFT freezes the
+    embeddings, so the residual stream entering block 0 needs no gradient, and with frozen norm weights neither
+    does ln_1's output; autograd records no backward for it and keeps neither its input nor its statistics. The
+    first tensor that needs a gradient is qkv's LoRA update, which keeps its input (ln_1's output, counted in
+    `our_layer_values`). Other PEFT targets leave more of block 0 without a gradient (the attention too when qkv
+    is frozen); that is not taken off, so the figure is an upper bound there. Under pipeline parallelism only the
+    first stage holds block 0; full activation checkpointing keeps block inputs instead (not taken off either)."""
+    f = cfg.peft
+    if f.method not in ("lora", "qlora") or "qkv" not in f.targets:
+        return 0.0
+    m = cfg.model
+    seq = tp if sequence_parallel else 1
+    rms = m.norm == "rmsnorm"
+    norm_in = m.n_embd / seq * (2 if rms else 1)  # (as `our_layer_values`: input, and RMSNorm's normalised output)
+    stats = (1 if rms else 2) / seq  # (fp32 whatever the precision)
+    if cfg.train.precision == "fp32":
+        return 4 * (norm_in + stats)
+    return (2 if _params16(cfg, dp) else 4) * norm_in + 4 * stats
+
+
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
                      cp: int = 1) -> int:
     """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight (MoE
@@ -259,6 +280,8 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * m.n_head / tp * 4
     else:
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer
+    if pp_rank == 0 and mode != "full":
+        per_micro -= _frozen_first_norm_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
     if pp_rank == pp - 1:
         per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
     elif pp_rank == 0:

@@ -145,7 +145,13 @@ def kept_row_bytes(cfg: Config) -> int:
 
 def received_row_bytes(cfg: Config, ep: int) -> int:
     """Bytes per row the rank's experts compute: their input (kept when w_up or its LoRA trains) and hidden
-    values (with PEFT: as `_mlp_values`), and at ep>1 the two int64 permutations parallel/expert/dispatch.py saves."""
+    values (with PEFT: as `_mlp_values`), and at ep>1 the two int64 permutations parallel/expert/dispatch.py saves.
+
+    With LoRA on experts_up and experts_down (fp32, GELU, r = 4, C = 32, H = 48), what autograd keeps per received
+    row, read with saved_tensors_hooks: the rows x (C; w_up's grouped matmul and lora_up's A share them: dropout 0
+    hands x itself on), up's output (H, GELU's input), GELU's output (H, w_down's and lora_down's A input), each
+    A's output (r, its B's input); at ep>1 also the regrouping index (8) and its inverse (8), int64. That is
+    4 * (32 + 48 + 48 + 4 + 4) + 16 = 560 bytes, the same at ep=1 (less the 16) and ep=2 (258 rows: 144,480)."""
     trained = _trained(cfg)
     inputs = cfg.model.n_embd if trained is None or "experts_up" in trained else 0
     regroup = 16 if ep > 1 else 0
