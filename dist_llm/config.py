@@ -840,7 +840,6 @@ def _check_finetuning(cfg: Config) -> None:
     if f.method in ("lora", "qlora") and (not f.targets or len(set(f.targets)) != len(f.targets)):
         raise ConfigError(f"peft.targets: expected distinct names among qkv, attn_out, mlp_up, mlp_down, experts_up, "
                           f"experts_down, got {f.targets}")
-    experts = [t for t in f.targets if t.startswith("experts_")] if f.method in ("lora", "qlora") else []
     if not m.init_from.startswith("hf:"):  # (an hf: start's architecture is known once resolved: peft checks then)
         check_expert_targets(f, m)
     if m.n_experts and f.method == "qlora":
