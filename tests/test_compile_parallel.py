@@ -4,10 +4,10 @@ cp=2 (the ring) and ep=2 (the all-to-all dispatch). Each collective is kept out 
 around it. Before, tp2+SP failed inside Dynamo (a fake-tensor call in comm.all_gather's gloo path) and cp and ep
 were refused.
 
-Each layout trains 4 compiled steps at world 2 and is compared with one eager process in fp32 at rel 1e-5: the
-layouts themselves equal one process at 1e-5 (test_tensor_parallel.py, test_context_parallel.py,
-test_expert_parallel.py), and compiling changes only the rounding of fused elementwise kernels (Inductor keeps
-the matmuls as they are and fuses norms, activations and residual adds, ~1e-7 relative; measured 9e-8). All
+Each layout trains 4 compiled steps at world 2 and is compared with one eager process in fp32 at rel 1e-6: the
+collectives and the matmuls run as in an eager run (the same kernels, the same reduction order over the ranks),
+and compiling changes only the rounding of the elementwise kernels Inductor fuses (norms, activations, residual
+adds: a few ulps), which 4 Adam steps carry into the losses at ~1e-7 (measured 9e-8 for each layout). All
 three layouts share one spawned world (one process pays Inductor's cold start); Dynamo is reset between them so
 that no layout meets another's recompile limit."""
 
@@ -54,4 +54,4 @@ def test_compiled_layouts_equal_eager(tmp_path: Path, tmp_path_factory: pytest.T
         got = runs[0][name]["losses"]
         assert len(got) == STEPS
         for a, b in zip(got, ref["losses"], strict=True):
-            assert a == pytest.approx(b, rel=1e-5), name
+            assert a == pytest.approx(b, rel=1e-6), name
