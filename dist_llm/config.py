@@ -761,9 +761,8 @@ def _check_context_parallel(cfg: Config) -> None:
     if p.sequence_parallel and m.block_size % (2 * p.cp * p.tp):
         raise ConfigError(f"parallel.sequence_parallel: model.block_size={m.block_size} is not divisible by "
                           f"2*cp*tp = {2 * p.cp * p.tp} (each cp rank's part of a sequence splits over tp)")
-    # (compile: the ring's point-to-point calls inside a compiled block are untested: graph breaks at best)
-    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"),
-                     (p.backend != "native", f"parallel.backend={p.backend}"), (cfg.train.compile, "train.compile=true")):
+    # (compile: the ring runs outside the compiled graphs, ring.py ring_attention)
+    for on, what in ((m.n_experts > 0, "MoE (model.n_experts>0)"), (p.backend != "native", f"parallel.backend={p.backend}")):
         if on:
             raise ConfigError(f"parallel.cp: context parallelism with {what} is not yet supported; use parallel.cp=1")
 
@@ -806,11 +805,10 @@ def _check_expert_parallel(cfg: Config) -> None:
         raise ConfigError(f"parallel.ep: model.n_experts={m.n_experts} is not divisible by parallel.ep={p.ep}")
     if p.dp and p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
-    # (compile: the dispatch reads its split sizes on the host, a graph break and a recompile per new split)
-    for on, what in ((p.backend != "native", f"parallel.backend={p.backend}"), (cfg.train.compile, "train.compile=true")):
-        if on:
-            raise ConfigError(f"parallel.ep: expert parallelism with {what} is not yet supported (issue 19); "
-                              f"use parallel.ep=1")
+    # (compile: the dispatch runs outside the compiled graphs, expert/dispatch.py AllToAllDispatch)
+    if p.backend != "native":
+        raise ConfigError(f"parallel.ep: expert parallelism with parallel.backend={p.backend} is not yet supported "
+                          f"(issue 19); use parallel.ep=1")
 
 
 def check_expert_targets(f: PeftConfig, m: ModelConfig) -> None:

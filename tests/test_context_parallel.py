@@ -132,7 +132,6 @@ def test_sampler_slices_are_the_zigzag_parts() -> None:
     ({"parallel.tp": 2, "parallel.sequence_parallel": True, "model.block_size": 72},
      "parallel.sequence_parallel: model.block_size=72 is not divisible by 2*cp*tp = 16"),
     ({"parallel.backend": "deepspeed"}, "parallel.cp: context parallelism with parallel.backend=deepspeed"),
-    ({"train.compile": True}, "parallel.cp: context parallelism with train.compile=true is not yet supported"),
 ])
 def test_refusals_name_the_key(tmp_path: Path, keys: dict[str, Any], culprit: str) -> None:
     overrides = tiny_overrides(tmp_path, parallel__cp=4, model__block_size=BLOCK) + [f"{k}={v}" for k, v in keys.items()]

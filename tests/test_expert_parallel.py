@@ -118,8 +118,6 @@ def test_checkpoint_reshards_across_ep(tmp_path: Path, tmp_path_factory: pytest.
     (["model.n_experts=4", "parallel.ep=2", "parallel.dp=3", "train.global_batch_size=96"], "parallel.ep: 2 does not divide parallel.dp=3"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.backend=deepspeed"],
      "parallel.ep: expert parallelism with parallel.backend=deepspeed is not yet supported (issue 19); use parallel.ep=1"),
-    (["model.n_experts=4", "parallel.ep=2", "train.compile=true"],
-     "parallel.ep: expert parallelism with train.compile=true is not yet supported (issue 19); use parallel.ep=1"),
 ])
 def test_config_refusals(override: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:

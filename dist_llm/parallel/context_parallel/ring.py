@@ -202,6 +202,10 @@ class _RingAttention(torch.autograd.Function):
             return (*_backward(ctx.ring, q, k, v, out, lse, dout), None)
 
 
+# Kept out of torch.compile's graphs (train.compile compiles each block): the ring's sends and receives and its
+# Python loop over blocks are not traceable, so a compiled block breaks its graph here and the ring, forward and
+# backward, runs eagerly between the compiled pieces, the same operations as in an eager run.
+@torch.compiler.disable
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
                    stats: comm.CommStats | None, causal: bool = True, layout: str = "zigzag",
                    alibi_slopes: torch.Tensor | None = None, scale: float | None = None,

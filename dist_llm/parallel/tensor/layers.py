@@ -100,6 +100,12 @@ class _SumReplicatedRows(Function):
         return grad, None, None, None, None, None, None
 
 
+@torch.compiler.disable  # the all-reduce stays out of train.compile's graphs (see tensor/mappings.py `_wrap`)
+def _sum_replicated_rows(w: torch.Tensor, first: int, end: int, index: int, groups: int,
+                         group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> torch.Tensor:
+    return _SumReplicatedRows.apply(w, first, end, index, groups, group, stats)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x W^T + b with W split by output rows: this rank holds rows `rows` of the full weight.
 
@@ -152,7 +158,7 @@ class ColumnParallelLinear(nn.Module):
     def _synced(self, p: torch.Tensor | None) -> torch.Tensor | None:
         if p is None or self.replicated is None:
             return p
-        return _SumReplicatedRows.apply(p, *self.replicated, self.group, self.stats)
+        return _sum_replicated_rows(p, *self.replicated, self.group, self.stats)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         (y,) = column_parallel_linears(x, self)  # (B, T, out/tp)
@@ -170,7 +176,7 @@ def column_parallel_linears(x: torch.Tensor, *layers: ColumnParallelLinear) -> t
         raise ValueError("column_parallel_linears: the layers must share their tp group and sequence parallelism")
     params = [(m._synced(m.weight), m._synced(m.bias)) for m in layers]
     if first.sequence_parallel and comm.group_size(first.group) > 1:
-        return _SequenceParallelLinears.apply(x, first.group, first.stats, *(t for wb in params for t in wb))
+        return _sequence_parallel_linears(x, first.group, first.stats, *(t for wb in params for t in wb))
     x = tpc.copy_to_tp(x, first.group, first.stats)
     return tuple(F.linear(x, w, b) for w, b in params)
 
@@ -250,6 +256,12 @@ class _SequenceParallelLinears(Function):
                 handle.wait()  # type: ignore[attr-defined]
             grad_local = scattered.transpose(0, 1).contiguous()  # (B, T/tp, C)
         return (grad_local, None, None, *param_grads)
+
+
+@torch.compiler.disable  # the collectives stay out of train.compile's graphs (see tensor/mappings.py `_wrap`)
+def _sequence_parallel_linears(x: torch.Tensor, group: dist.ProcessGroup | None, stats: comm.CommStats | None,
+                               *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    return _SequenceParallelLinears.apply(x, group, stats, *params)
 
 
 class RowParallelLinear(nn.Module):
