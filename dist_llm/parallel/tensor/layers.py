@@ -22,6 +22,7 @@ from torch.autograd import Function
 from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.parallel.tensor import overlap
 from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
 
 Init = Callable[[torch.Tensor], torch.Tensor]
@@ -203,15 +204,18 @@ class _SequenceParallelLinears(Function):
         device = x.device.type
         if torch.is_autocast_enabled(device) and x.is_floating_point():
             x = x.to(torch.get_autocast_dtype(device))
-        out, work = _all_gather_seq(x, group, stats)
-        if work is not None:
-            work.wait()
-        x_full = out.transpose(0, 1)  # (B, T, C), a view
         weights, biases = params[0::2], params[1::2]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
+        cast = [(w.to(x.dtype), None if b is None else b.to(x.dtype)) for w, b in zip(weights, biases)]
         with torch.autocast(device, enabled=False):  # (cast by hand as autocast would: same values)
-            ys = tuple(F.linear(x_full, w.to(x.dtype), None if b is None else b.to(x.dtype))
-                       for w, b in zip(weights, biases))
+            if overlap.ENABLED:  # the gather piece by piece under the matmuls (parallel/tensor/overlap.py)
+                ys = overlap.ring_gather_linears(x, cast, group, stats)
+            else:
+                out, work = _all_gather_seq(x, group, stats)
+                if work is not None:
+                    work.wait()
+                x_full = out.transpose(0, 1)  # (B, T, C), a view
+                ys = tuple(F.linear(x_full, w, b) for w, b in cast)
         trains = any(ctx.needs_input_grad[3:])  # a frozen base (PEFT) needs no input for a weight gradient
         ctx.save_for_backward(x if trains else None, *weights)
         return ys
@@ -287,6 +291,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = tpc.scatter_to_tp(x, self.group, self.stats)
+        if self.sequence_parallel and overlap.ENABLED and comm.group_size(self.group) > 1:
+            # each piece's reduce-scatter under the next piece's matmul (parallel/tensor/overlap.py)
+            y = overlap.RowSequenceParallelLinear.apply(x, self.weight, self.group, self.stats)  # (B, T/tp, out)
+            return y if self.bias is None else y + self.bias
         partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
         if self.sequence_parallel:
             y = tpc.reduce_scatter_to_sequence(partial, self.group, self.stats)  # (B, T/tp, out)
