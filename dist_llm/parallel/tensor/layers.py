@@ -189,8 +189,9 @@ class _SequenceParallelLinears(Function):
     """fwd: all-gather x along the sequence, y_i = x W_i^T + b_i / bwd: all-gather x again, reduce-scatter the
     summed input gradient along the sequence.
 
-    Only this rank's slice of x (1/tp of the tokens) is saved for backward, as Megatron-Core does: the gathered
-    input lives only while the matmuls read it. In backward the re-gather runs while the input gradient is
+    The forward gathers x piece by piece around the tp ring, each piece multiplied while the next is passed on
+    (parallel/tensor/overlap.py), so no (B, T, C) input is ever whole on a rank.
+    Only this rank's slice of x (1/tp of the tokens) is saved for backward, as Megatron-Core does. In backward the re-gather runs while the input gradient is
     computed, and the reduce-scatter of that gradient while the weight gradients are. Under autocast x is cast
     to the compute dtype before the gather (what the matmuls read; the cast commutes with the gather), so the
     gather moves and the slice keeps 16-bit values; the input gradient is reduced in x's own dtype, as autograd
@@ -258,7 +259,8 @@ class _SequenceParallelLinears(Function):
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; the partial products are all-reduced (or, with sequence
-    parallelism, reduce-scattered along the sequence) and the bias, held whole, is added once after."""
+    parallelism, reduce-scattered along the sequence, piece by piece under the next piece's matmul:
+    parallel/tensor/overlap.py) and the bias, held whole, is added once after."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group: dist.ProcessGroup | None,
                  stats: comm.CommStats | None = None, input_is_parallel: bool = True,
