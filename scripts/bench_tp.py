@@ -71,6 +71,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tp1-1thread", action=argparse.BooleanOptionalAction, default=True,
                    help="also time tp=1 as one process with ONE thread (a reference: on a loaded 2-core machine "
                         "two OpenMP threads can be slower than one)")
+    p.add_argument("--tp-overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="sequence-parallel layers overlap their forward collectives with the matmuls by the ring "
+                        "(parallel/tensor/overlap.py); --no-tp-overlap times the plain path beside it")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--order", default="", help=argparse.SUPPRESS)  # the worker's scenarios, comma-separated
@@ -217,7 +220,10 @@ def worker(args: argparse.Namespace) -> int:
     from dist_llm.config import load_config
     from dist_llm.model import GPT
     from dist_llm.parallel.context import ParallelContext
+    from dist_llm.parallel.tensor import overlap
     from dist_llm.train.trainer import Trainer, build_model
+
+    overlap.ENABLED = args.tp_overlap
 
     logging.getLogger("dist_llm").setLevel(logging.WARNING)
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))

@@ -22,6 +22,7 @@ from torch.autograd import Function
 from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.parallel.tensor import overlap
 from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
 
 Init = Callable[[torch.Tensor], torch.Tensor]
@@ -194,8 +195,9 @@ class _SequenceParallelLinears(Function):
     """fwd: all-gather x along the sequence, y_i = x W_i^T + b_i / bwd: all-gather x again, reduce-scatter the
     summed input gradient along the sequence.
 
-    Only this rank's slice of x (1/tp of the tokens) is saved for backward, as Megatron-Core does: the gathered
-    input lives only while the matmuls read it. In backward the re-gather runs while the input gradient is
+    The forward gathers x piece by piece around the tp ring, each piece multiplied while the next is passed on
+    (parallel/tensor/overlap.py), so no (B, T, C) input is ever whole on a rank.
+    Only this rank's slice of x (1/tp of the tokens) is saved for backward, as Megatron-Core does. In backward the re-gather runs while the input gradient is
     computed, and the reduce-scatter of that gradient while the weight gradients are. Under autocast x is cast
     to the compute dtype before the gather (what the matmuls read; the cast commutes with the gather), so the
     gather moves and the slice keeps 16-bit values; the input gradient is reduced in x's own dtype, as autograd
@@ -209,15 +211,18 @@ class _SequenceParallelLinears(Function):
         device = x.device.type
         if torch.is_autocast_enabled(device) and x.is_floating_point():
             x = x.to(torch.get_autocast_dtype(device))
-        out, work = _all_gather_seq(x, group, stats)
-        if work is not None:
-            work.wait()
-        x_full = out.transpose(0, 1)  # (B, T, C), a view
         weights, biases = params[0::2], params[1::2]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
+        cast = [(w.to(x.dtype), None if b is None else b.to(x.dtype)) for w, b in zip(weights, biases)]
         with torch.autocast(device, enabled=False):  # (cast by hand as autocast would: same values)
-            ys = tuple(F.linear(x_full, w.to(x.dtype), None if b is None else b.to(x.dtype))
-                       for w, b in zip(weights, biases))
+            if overlap.ENABLED:  # the gather piece by piece under the matmuls (parallel/tensor/overlap.py)
+                ys = overlap.ring_gather_linears(x, cast, group, stats)
+            else:
+                out, work = _all_gather_seq(x, group, stats)
+                if work is not None:
+                    work.wait()
+                x_full = out.transpose(0, 1)  # (B, T, C), a view
+                ys = tuple(F.linear(x_full, w, b) for w, b in cast)
         trains = any(ctx.needs_input_grad[3:])  # a frozen base (PEFT) needs no input for a weight gradient
         ctx.save_for_backward(x if trains else None, *weights)
         return ys
@@ -266,7 +271,8 @@ def _sequence_parallel_linears(x: torch.Tensor, group: dist.ProcessGroup | None,
 
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; the partial products are all-reduced (or, with sequence
-    parallelism, reduce-scattered along the sequence) and the bias, held whole, is added once after."""
+    parallelism, reduce-scattered along the sequence, piece by piece under the next piece's matmul:
+    parallel/tensor/overlap.py) and the bias, held whole, is added once after."""
 
     def __init__(self, in_features: int, out_features: int, *, bias: bool, group: dist.ProcessGroup | None,
                  stats: comm.CommStats | None = None, input_is_parallel: bool = True,
@@ -299,6 +305,10 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = tpc.scatter_to_tp(x, self.group, self.stats)
+        if self.sequence_parallel and overlap.ENABLED and comm.group_size(self.group) > 1:
+            # each piece's reduce-scatter under the next piece's matmul (parallel/tensor/overlap.py)
+            y = overlap.RowSequenceParallelLinear.apply(x, self.weight, self.group, self.stats)  # (B, T/tp, out)
+            return y if self.bias is None else y + self.bias
         partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
         if self.sequence_parallel:
             y = tpc.reduce_scatter_to_sequence(partial, self.group, self.stats)  # (B, T/tp, out)
