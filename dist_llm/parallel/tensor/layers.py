@@ -269,6 +269,12 @@ def _sequence_parallel_linears(x: torch.Tensor, group: dist.ProcessGroup | None,
     return _SequenceParallelLinears.apply(x, group, stats, *params)
 
 
+@torch.compiler.disable  # the ring's sends and receives stay out of train.compile's graphs, as above
+def _row_sequence_parallel(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None,
+                           stats: comm.CommStats | None) -> torch.Tensor:
+    return overlap.RowSequenceParallelLinear.apply(x, weight, group, stats)
+
+
 class RowParallelLinear(nn.Module):
     """y = x W^T + b with W split by input columns; the partial products are all-reduced (or, with sequence
     parallelism, reduce-scattered along the sequence, piece by piece under the next piece's matmul:
@@ -307,7 +313,7 @@ class RowParallelLinear(nn.Module):
             x = tpc.scatter_to_tp(x, self.group, self.stats)
         if self.sequence_parallel and overlap.ENABLED and comm.group_size(self.group) > 1:
             # each piece's reduce-scatter under the next piece's matmul (parallel/tensor/overlap.py)
-            y = overlap.RowSequenceParallelLinear.apply(x, self.weight, self.group, self.stats)  # (B, T/tp, out)
+            y = _row_sequence_parallel(x, self.weight, self.group, self.stats)  # (B, T/tp, out)
             return y if self.bias is None else y + self.bias
         partial = F.linear(x, self.weight)  # (B, T, out), this rank's share of the sum
         if self.sequence_parallel:
