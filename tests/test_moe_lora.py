@@ -171,6 +171,19 @@ def test_expert_lora_with_the_other_layouts(tmp_path: Path, tmp_path_factory: py
     assert_same_run(got, reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", [{"parallel__tp": 2}, {"parallel__tp": 2, "parallel__sequence_parallel": True}],
+                         ids=["tp2", "tp2-sp"])
+def test_adapters_on_an_moe_model_at_tp(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
+                                        layout: dict[str, Any]) -> None:  # noqa: F811
+    """Adapters on the attention and MoE outputs at tp=2: without SP the MoE's adapter sees the gathered,
+    replicated output (its gradient whole on each rank, not summed over tp: it was, giving tp times it), with SP
+    the rank's slice (summed). 8 steps equal one process (fp32, 1e-5: the order of the gradient sums)."""
+    extra = {**MOE, "peft__method": "adapter", "peft__rank": 8, "optim__lr": 1e-2, "train__micro_batch_size": 4}
+    results = run_distributed(train, 2, tmp_path, corpus, {**extra, **layout}, init_group=False)
+    assert_same_run({**results[0], "params": merged(results)}, reference(tmp_path_factory, corpus, **extra),
+                    rtol=1e-5)
+
+
 @pytest.mark.parametrize("override,message", [
     (["peft.method=lora", "peft.targets=[qkv, experts_up]"],
      "peft.targets: experts_up needs an MoE model (model.n_experts > 0); a dense model has no experts"),

@@ -80,10 +80,15 @@ def apply_moe_tensor_parallel(model: nn.Module, ctx: ParallelContext, *, sequenc
 
 
 def mark_moe_parameters(model: nn.Module, ctx: ParallelContext) -> None:
-    """Mark every parameter inside the MoE layers as summed over tp (each tp rank sees 1/tp of their tokens);
-    again after PEFT has added its modules, whose parameters inside an MoE layer are partial sums alike."""
+    """Mark the parameters that see this rank's 1/tp of an MoE layer's tokens (router, experts and their LoRA
+    pairs, shared expert and its LoRAs, shared gate) as summed over tp; again after PEFT has added its modules.
+
+    Not an adapter on the layer's output (`moe.adapter`): it acts after the gather, on the whole replicated
+    output without sequence parallelism (each rank already holds its full gradient: a sum would give tp times
+    it), and on the rank's slice with it, where `add_adapter` has marked it already, as a dense block's."""
     if ctx.tp == 1:
         return
     for m in moe_layers(model):
-        for p in m.parameters():
-            mark_sequence_parallel(p)
+        for part in (m.router, m.experts, m.shared, m.shared_gate):
+            for p in part.parameters() if part is not None else ():
+                mark_sequence_parallel(p)
