@@ -171,6 +171,44 @@ def test_expert_lora_with_the_other_layouts(tmp_path: Path, tmp_path_factory: py
     assert_same_run(got, reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
 
 
+@pytest.mark.parametrize("layout", [{"parallel__tp": 2}, {"parallel__tp": 2, "parallel__sequence_parallel": True}],
+                         ids=["tp2", "tp2-sp"])
+def test_adapters_on_an_moe_model_at_tp(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
+                                        layout: dict[str, Any]) -> None:  # noqa: F811
+    """Adapters on the attention and MoE outputs at tp=2: without SP the MoE's adapter sees the gathered,
+    replicated output (its gradient whole on each rank, not summed over tp: it was, giving tp times it), with SP
+    the rank's slice (summed). 8 steps equal one process (fp32, 1e-5: the order of the gradient sums)."""
+    extra = {**MOE, "peft__method": "adapter", "peft__rank": 8, "optim__lr": 1e-2, "train__micro_batch_size": 4}
+    results = run_distributed(train, 2, tmp_path, corpus, {**extra, **layout}, init_group=False)
+    assert_same_run({**results[0], "params": merged(results)}, reference(tmp_path_factory, corpus, **extra),
+                    rtol=1e-5)
+
+
+def _replicated_after_dropout(rank: int, world_size: int, out: Path) -> dict[str, torch.Tensor]:
+    """A training forward at tp=2 (no SP) with dropout in the model and in the LoRAs: the MoE block's output
+    (replicated over tp) and the next draws of the shared stream."""
+    from dist_llm.train.trainer import build_model
+
+    # (a capacity: the rows each rank drops, and so the rows it keeps, differ from rank to rank)
+    cfg = load_config(None, tiny_overrides(out, **LORA, model__dropout=0.1, peft__dropout=0.1, parallel__tp=2,
+                                           model__moe_capacity_factor=1.0))
+    model = build_model(cfg, ParallelContext.from_config(cfg))
+    seen: dict[str, torch.Tensor] = {}
+    model.blocks[1].register_forward_hook(lambda m, i, o: seen.update(block=o.detach()))
+    torch.manual_seed(0)  # (the trainer keeps the tp ranks' streams in step; so does this)
+    model.train()(_idx())
+    return {"block": seen["block"], "next": torch.rand(8)}
+
+
+def test_expert_lora_dropout_at_tp_keeps_the_shared_stream_in_step(tmp_path: Path) -> None:
+    """Each tp rank routes its own tokens (with a capacity, a row count of its own): the expert LoRA's dropout drew from
+    the stream the tp ranks share and put it out of step, so every later "replicated" mask differed (here the
+    MoE's output dropout). Now it draws from the rank's own stream: what is replicated stays equal."""
+    first, second = run_distributed(_replicated_after_dropout, 2, tmp_path)
+    torch.testing.assert_close(first["next"], second["next"], rtol=0, atol=0)
+    torch.testing.assert_close(first["block"], second["block"], rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("override,message", [
     (["peft.method=lora", "peft.targets=[qkv, experts_up]"],
      "peft.targets: experts_up needs an MoE model (model.n_experts > 0); a dense model has no experts"),

@@ -146,6 +146,34 @@ def test_context_groups_and_layout() -> None:
     assert got[0]["layout"] == {"world_size": 4, "dp": 2, "tp": 2, "pp": 1, "ep": 2}
 
 
+def _sync_in_buckets(rank: int, world_size: int) -> list[tuple[int, list[float]]]:
+    """Three marked 4 KiB gradients (and one unmarked) summed over tp=2 at three bucket sizes: the all-reduce
+    count and the values after."""
+    from dist_llm.parallel.marks import mark_sequence_parallel
+    from dist_llm.parallel.tensor import sync_sequence_parallel_grads
+
+    ctx = ParallelContext.from_config(load_config(None, ["parallel.tp=2", "train.global_batch_size=8",
+                                                         "train.micro_batch_size=1"]))
+    params = [torch.nn.Parameter(torch.zeros(1024)) for _ in range(4)]
+    for p in params[:3]:
+        mark_sequence_parallel(p)
+    out = []
+    for bucket_mb in (None, 8192 / 2**20, 4096 / 2**20):  # (one bucket; two tensors a bucket; one each)
+        shards = [(p, torch.full((1024,), 10.0 * i + rank), 0) for i, p in enumerate(params)]
+        ctx.comm.calls.clear()
+        sync_sequence_parallel_grads(shards, ctx, bucket_mb=bucket_mb)
+        out.append((ctx.comm.calls["all_reduce"], [g.unique().item() for _, g, _ in shards]))
+    return out
+
+
+def test_sequence_parallel_grads_summed_in_buckets() -> None:
+    """parallel.bucket_mb bounds the flat copy of the tp-summed gradients (with MoE, every local expert's)."""
+    for rank, got in enumerate(run_distributed(_sync_in_buckets, 2)):
+        assert [calls for calls, _ in got] == [1, 2, 3]
+        # the marked ones: 10 i + 0 plus 10 i + 1; the unmarked one as this rank left it
+        assert all(values == [1.0, 21.0, 41.0, 30.0 + rank] for _, values in got)
+
+
 def test_config_refusal() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.n_experts=4", "parallel.tp=4", "model.block_size=66", "model.n_head=4"])

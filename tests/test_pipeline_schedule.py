@@ -253,6 +253,36 @@ def test_partition_counts_moe_blocks_by_active_experts() -> None:
     assert [len(r) for r in partition_layers(4, 2, block_weight=[3, 3, 1, 1])] == [1, 3]
 
 
+def test_split_at_tp4_with_fewer_kv_heads_than_ranks_is_the_whole_models() -> None:
+    """GQA with 2 KV heads at tp=4: each rank's fused QKV holds its 2 query heads and the one KV head they read
+    (replicated over 2 ranks), so 4x its rows (16 heads) is not the whole layer's 12. The cut reads each sliced
+    layer's whole shapes instead: the tp=4 slice splits 7 | 1 as the whole model (4x its rows gave 6 | 2). Built on
+    the meta device over a fake 4-rank group (no processes: the layers only read its size and rank)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dist_llm.parallel.pipeline.stage import whole_shapes
+    from dist_llm.parallel.tensor.plan import TensorParallelFactory
+
+    cfg = load_config(None, ["model.n_layer=8", "model.n_head=8", "model.n_kv_head=2", "model.n_embd=128",
+                             "model.vocab_size=8192", "parallel.tp=4", "parallel.pp=2"])
+    with torch.device("meta"):
+        whole = GPT(cfg.model)
+    shapes = [(n, tuple(p.shape)) for n, p in whole.named_parameters()]
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    try:
+        ctx = SimpleNamespace(tp_group=dist.group.WORLD, comm=None, tp=4, tp_rank=1, device=torch.device("meta"))
+        with torch.device("meta"):
+            sliced = GPT(cfg.model, TensorParallelFactory(cfg, ctx))  # type: ignore[arg-type]
+    finally:
+        dist.destroy_process_group()
+    assert tuple(sliced.blocks[0].attn.qkv.weight.shape) == (4 * 16, 128)  # (2 + 1 + 1 heads of 16)
+    assert whole_shapes(sliced, tp=4) == shapes
+    assert stage_ranges(cfg.model, 2, whole_shapes(sliced, tp=4)) == [range(0, 7), range(7, 8)]
+
+
 @pytest.mark.parametrize(("args", "message"), [
     ((2, 4), "parallel.pp: 4 stages need at least as many blocks, model.n_layer=2"),
     ((6, 2, [2, 2]), "parallel.pp_layers: [2, 2] must be 2 positive counts summing to model.n_layer=6"),

@@ -84,7 +84,7 @@ class ParallelRuntime:
             comm.all_reduce(self.dp.tied_embedding_grad(), self.ctx.embedding_group, self.ctx.comm)
         if self.cfg.parallel.sequence_parallel or (self.ctx.tp > 1 and self.cfg.model.n_experts):
             # (MoE layers under tp see 1/tp of the tokens with or without SP: parallel/tensor/moe.py)
-            sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx)
+            sync_sequence_parallel_grads(self.dp.grad_shards(), self.ctx, bucket_mb=self.cfg.parallel.bucket_mb)
 
     def mark_step_end(self) -> None:
         """Under pp: the step's common end (the grad norm's all-reduce over the stages) for the stage clock. A

@@ -78,16 +78,19 @@ def apply_peft(model: nn.Module, cfg: PeftConfig, *, seed: int, sequence_paralle
                         add_adapter(getattr(block, part), width, cfg.rank, sequence_parallel=sequence_parallel,
                                     seed=seed + 1, name=f"blocks.{i}.{part}")
                 continue
+            split = getattr(getattr(block, "moe", None), "tokens", None)  # (an MoE layer's tokens split over tp)
+            tp_rank = split.rank if split is not None else None
             for target in cfg.targets:
                 for path in TARGETS[target]:
                     layer = _get(block, path)
                     if layer is not None:
-                        add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1, name=f"blocks.{i}.{path}")
+                        add_lora(layer, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1, name=f"blocks.{i}.{path}",
+                                 tp_rank=tp_rank if path.startswith("moe.") else None)
                 experts = _get(block, "moe.experts")
                 for pname in EXPERT_TARGETS.get(target, ()) if experts is not None else ():
                     if getattr(experts, pname, None) is not None:  # (w_gate: SwiGLU experts only)
                         add_expert_lora(experts, pname, cfg.rank, cfg.alpha, cfg.dropout, seed=seed + 1,
-                                        name=f"blocks.{i}.moe.experts")
+                                        name=f"blocks.{i}.moe.experts", tp_rank=tp_rank)
 
 
 def peft_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:

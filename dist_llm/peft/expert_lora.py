@@ -25,6 +25,7 @@ from torch import nn
 from dist_llm.model import init as model_init
 from dist_llm.model.moe import GroupedImpl, grouped_matmul
 from dist_llm.parallel.marks import expert_slice, mark_expert_slice
+from dist_llm.parallel.tensor.layers import RankLocalDropout
 
 #: base weight of the experts -> the name of its LoRA child
 LORA_OF = {"w_up": "lora_up", "w_gate": "lora_gate", "w_down": "lora_down"}
@@ -33,13 +34,16 @@ LORA_OF = {"w_up": "lora_up", "w_gate": "lora_gate", "w_down": "lora_down"}
 class ExpertLoRA(nn.Module):
     """The per-expert low-rank update of one stacked expert weight (this rank's experts)."""
 
-    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, dropout: float) -> None:
+    def __init__(self, weight: torch.Tensor, rank: int, alpha: float, dropout: float, *,
+                 tp_rank: int | None = None) -> None:
         super().__init__()
         n_local, self.in_features, self.out_features = weight.shape
         self.rank, self.scale = rank, alpha / rank
         self.first, self.n_total = expert_slice(weight) or (0, n_local)  # (the whole stack without ep)
         self.n_local = n_local
-        self.dropout = nn.Dropout(dropout)
+        # Under tp each rank routes its own tokens (a row count of its own): a mask from the shared stream would
+        # put the tp ranks' streams out of step for every later replicated dropout; the rank's own stream instead.
+        self.dropout = nn.Dropout(dropout) if tp_rank is None else RankLocalDropout(dropout, rank=tp_rank)
         self.A = nn.Parameter(torch.zeros(n_local, self.in_features, rank, device=weight.device))
         self.B = nn.Parameter(torch.zeros(n_local, rank, self.out_features, device=weight.device))
         if expert_slice(weight) is not None:
@@ -81,10 +85,11 @@ class ExpertLoRA(nn.Module):
 
 
 def add_expert_lora(experts: nn.Module, pname: str, rank: int, alpha: float, dropout: float, *, seed: int = 0,
-                    name: str = "") -> ExpertLoRA:
+                    name: str = "", tp_rank: int | None = None) -> ExpertLoRA:
     """Attach a per-expert LoRA to the stacked weight `pname` of `experts` (called `name` in the whole model);
-    its A is drawn from (seed, name), the same at every expert-parallel layout."""
-    lora = ExpertLoRA(getattr(experts, pname), rank, alpha, dropout)
+    its A is drawn from (seed, name), the same at every expert-parallel layout. `tp_rank`: this rank's place in
+    the tp group that splits the MoE layer's tokens (None: the layer runs every token)."""
+    lora = ExpertLoRA(getattr(experts, pname), rank, alpha, dropout, tp_rank=tp_rank)
     setattr(experts, LORA_OF[pname], lora)
     lora.reset_parameters(seed, f"{name}.{LORA_OF[pname]}" if name else LORA_OF[pname])
     return lora

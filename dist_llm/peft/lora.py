@@ -41,7 +41,8 @@ def _linear_kind(layer: nn.Module) -> str:
 class LoRA(nn.Module):
     """The low-rank update of one linear layer: `A` (rank, in) and `B` (out, rank), this rank's slices."""
 
-    def __init__(self, layer: nn.Module, rank: int, alpha: float, dropout: float) -> None:
+    def __init__(self, layer: nn.Module, rank: int, alpha: float, dropout: float, *,
+                 tp_rank: int | None = None) -> None:
         super().__init__()
         self.kind = _linear_kind(layer)
         self.rank, self.scale = rank, alpha / rank
@@ -51,9 +52,12 @@ class LoRA(nn.Module):
         self.sequence_parallel = getattr(layer, "sequence_parallel", False)
         # Each tp rank holds a different part of the input of a row-parallel layer (its columns), and of a
         # column-parallel one under sequence parallelism (its slice of the sequence): masks from a stream of
-        # the rank's own. Otherwise the input is the same on every rank, and so must its mask be.
+        # the rank's own; as of a plain layer inside an MoE layer under tp (the shared expert, `tp_rank` given),
+        # which sees the rank's own tokens. Otherwise the input is the same on every rank, and so must its mask be.
         own_part = self.kind == "row" or (self.kind == "column" and self.sequence_parallel)
-        self.dropout = RankLocalDropout(dropout, rank=tpc._rank(self.group)) if own_part else nn.Dropout(dropout)
+        if tp_rank is None and own_part:
+            tp_rank = tpc._rank(self.group)
+        self.dropout = nn.Dropout(dropout) if tp_rank is None else RankLocalDropout(dropout, rank=tp_rank)
         device = next(iter([*layer.parameters(), *layer.buffers()])).device
         weight_shape = _weight_shape(layer)
         a_cols = weight_shape[1]  # the rank's input columns (all of them unless row-parallel)
@@ -137,10 +141,12 @@ def _add_update(layer: nn.Module, inputs: tuple[Any, ...], output: torch.Tensor)
     return output + lora(inputs[0]).to(output.dtype)
 
 
-def add_lora(layer: nn.Module, rank: int, alpha: float, dropout: float, *, seed: int = 0, name: str = "") -> LoRA:
+def add_lora(layer: nn.Module, rank: int, alpha: float, dropout: float, *, seed: int = 0, name: str = "",
+             tp_rank: int | None = None) -> LoRA:
     """Attach a LoRA update to `layer` (nn.Linear, a tensor-parallel linear or a 4-bit one) called `name` in the
-    whole model; its A is drawn from (seed, name), the same at every parallel layout."""
-    layer.lora = LoRA(layer, rank, alpha, dropout)
+    whole model; its A is drawn from (seed, name), the same at every parallel layout. `tp_rank`: a plain layer
+    that sees this tp rank's own tokens (inside an MoE layer under tp): dropout from the rank's own stream."""
+    layer.lora = LoRA(layer, rank, alpha, dropout, tp_rank=tp_rank)
     layer.lora.reset_parameters(seed, f"{name}.lora" if name else "lora")
     layer.lora.hook = layer.register_forward_hook(_add_update)
     return layer.lora

@@ -110,17 +110,28 @@ def describe_stages(m: ModelConfig, ranges: list[range], named_shapes: Iterable[
 
 
 def whole_shapes(model: nn.Module, tp: int) -> list[tuple[str, tuple[int, ...]]]:
-    """(name, shape) of every parameter of the whole model from this rank's slices (an expert-parallel slice holds
-    E/ep of the stacked experts, a tensor-parallel one 1/tp along its partition dim): the split must not depend
-    on the layout, and `dist-llm memory` splits the whole model's shapes."""
-    out = []
-    for name, p in model.named_parameters():
-        shape = list(p.shape)
-        if (experts := expert_slice(p)) is not None:
-            shape[0] = experts[1]
-        if (dim := partition_dim(p)) is not None:
-            shape[dim] *= tp
-        out.append((name, tuple(shape)))
+    """(name, shape) of every parameter of the whole model from this rank's slices: the split must not depend on
+    the layout, and `dist-llm memory` splits the whole model's shapes. A sliced layer says its whole shapes itself
+    (`full_shape`: tensor-parallel linears and embeddings, expert slices, LoRAs); `shape[dim] * tp` would be wrong
+    for a fused QKV whose KV rows are replicated (tp > n_kv_head). Otherwise an expert slice holds E/ep of the
+    stacked experts and a tensor-parallel slice 1/tp along its partition dim."""
+    out, seen = [], set()
+    for module_name, module in model.named_modules():
+        full_shape = getattr(module, "full_shape", None)
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen:  # (a tied weight once, as named_parameters lists it)
+                continue
+            seen.add(id(p))
+            name = f"{module_name}.{pname}" if module_name else pname
+            if full_shape is not None:
+                out.append((name, tuple(full_shape(pname))))
+                continue
+            shape = list(p.shape)
+            if (experts := expert_slice(p)) is not None:
+                shape[0] = experts[1]
+            if (dim := partition_dim(p)) is not None:
+                shape[dim] *= tp
+            out.append((name, tuple(shape)))
     return out
 
 

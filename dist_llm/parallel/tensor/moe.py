@@ -3,18 +3,20 @@
 Experts are not tensor-sharded (each tp rank holds whole experts, or under expert parallelism whole experts of
 its ep slice); there is no key that asks for the other choice. Attention and the dense MLPs stay tensor-parallel.
 What an MoE layer holds (router, experts, shared experts and their gate) is replicated over tp, and each tp rank
-works on 1/tp of the layer's tokens, the way Megatron-Core runs MoE under tp:
+works on 1/tp of the layer's tokens:
 
-  without sequence parallelism  the input (B, T, C) is replicated: rank r keeps chunk r of the sequence
-                                (`scatter_to_sequence`, no communication; backward all-gathers the gradient
-                                slices), routes and runs it, and the outputs are all-gathered along the sequence
-                                (`gather_sequence_replicated`; backward keeps this rank's slice)
   with sequence parallelism     the input is already this rank's chunk of the sequence: routed directly, the
-                                output stays sequence-sharded (no collective of its own)
+                                output stays sequence-sharded (no collective of its own). Megatron-Core's way
+                                (it requires sequence parallelism for MoE under tp)
+  without sequence parallelism  this project's own: the input (B, T, C) is replicated, rank r keeps chunk r of
+                                the sequence (`scatter_to_sequence`, no communication; backward all-gathers the
+                                gradient slices), routes and runs it, and the outputs are all-gathered along the
+                                sequence (`gather_sequence_replicated`; backward keeps this rank's slice)
 
 Since each rank's router and experts see only its tokens, their gradients are partial sums: the parameters
 carry the sequence-parallel mark, and `sync_sequence_parallel_grads` sums them over tp (as the norms' under
-sequence parallelism), so every tp rank keeps the same expert and router parameters.
+sequence parallelism), so every tp rank keeps the same expert and router parameters (an adapter on the layer's
+output is not among them: `mark_moe_parameters`).
 
 The balancing terms are the micro-batch's: the assignments per (batch row, expert) are all-gathered over tp (the
 load, the imbalance and the aux-free bias's load count every token once; the capacity places each rank's rows
@@ -80,10 +82,15 @@ def apply_moe_tensor_parallel(model: nn.Module, ctx: ParallelContext, *, sequenc
 
 
 def mark_moe_parameters(model: nn.Module, ctx: ParallelContext) -> None:
-    """Mark every parameter inside the MoE layers as summed over tp (each tp rank sees 1/tp of their tokens);
-    again after PEFT has added its modules, whose parameters inside an MoE layer are partial sums alike."""
+    """Mark the parameters that see this rank's 1/tp of an MoE layer's tokens (router, experts and their LoRA
+    pairs, shared expert and its LoRAs, shared gate) as summed over tp; again after PEFT has added its modules.
+
+    Not an adapter on the layer's output (`moe.adapter`): it acts after the gather, on the whole replicated
+    output without sequence parallelism (each rank already holds its full gradient: a sum would give tp times
+    it), and on the rank's slice with it, where `add_adapter` has marked it already, as a dense block's."""
     if ctx.tp == 1:
         return
     for m in moe_layers(model):
-        for p in m.parameters():
-            mark_sequence_parallel(p)
+        for part in (m.router, m.experts, m.shared, m.shared_gate):
+            for p in part.parameters() if part is not None else ():
+                mark_sequence_parallel(p)

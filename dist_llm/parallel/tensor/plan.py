@@ -139,12 +139,34 @@ class TensorParallelFactory(LayerFactory):
 
 
 def sync_sequence_parallel_grads(grad_shards: list[tuple[nn.Parameter, torch.Tensor, int]],
-                                 ctx: ParallelContext) -> None:
+                                 ctx: ParallelContext, *, bucket_mb: float | None = None) -> None:
     """All-reduce over tp the gradients of replicated parameters that saw only a slice of the sequence
-    (norms and row-parallel biases under sequence parallelism), in one collective."""
+    (norms and row-parallel biases under sequence parallelism, MoE layers under tp), in flat all-reduces of up
+    to `bucket_mb` MiB (`parallel.bucket_mb`; None: one): with MoE these are every local expert's gradients,
+    and one flat copy of them all would be a second copy of the stage's experts. Every tp rank forms the same
+    buckets (the same parameters in the same order), so the collectives pair up."""
     grads = [g for p, g, _ in grad_shards if is_sequence_parallel(p) and g.numel()]
     if not grads or ctx.tp == 1:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    comm.all_reduce(flat, ctx.tp_group, ctx.comm)
-    torch._foreach_copy_(grads, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in grads]), grads)])
+    cap = None if bucket_mb is None else max(1, int(bucket_mb * 2**20))
+    for bucket in _buckets(grads, cap):
+        if len(bucket) == 1 and bucket[0].is_contiguous():  # (one tensor, a large one: in place, no copy)
+            comm.all_reduce(bucket[0], ctx.tp_group, ctx.comm)
+            continue
+        flat = torch.cat([g.reshape(-1) for g in bucket])
+        comm.all_reduce(flat, ctx.tp_group, ctx.comm)
+        torch._foreach_copy_(bucket, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
+
+
+def _buckets(grads: list[torch.Tensor], cap_bytes: int | None) -> list[list[torch.Tensor]]:
+    """`grads` in order, cut into runs of at most `cap_bytes` (a tensor larger than that alone)."""
+    out: list[list[torch.Tensor]] = [[]]
+    size = 0
+    for g in grads:
+        nbytes = g.numel() * g.element_size()
+        if out[-1] and cap_bytes is not None and size + nbytes > cap_bytes:
+            out.append([])
+            size = 0
+        out[-1].append(g)
+        size += nbytes
+    return out
