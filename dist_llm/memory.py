@@ -632,6 +632,13 @@ def transient_bytes(cfg: Config) -> tuple[int, int, int]:
     return 4 * largest, largest * (_source_bytes(cfg) + 4), 8 * largest
 
 
+def _rank_shape(name: str, shape: tuple[int, ...], cfg: Config, tp: int, ep: int) -> tuple[int, ...]:
+    """The shape of `name` this rank holds before ZeRO: its tp piece, and of a stacked expert tensor E/ep
+    experts."""
+    local = _local_shape(name, shape, cfg, tp)
+    return memory_moe.local_expert_shape(local, ep) if ep > 1 and memory_moe.is_expert(name) else local
+
+
 def pipelined_zero3_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> int:
     """What ZeRO-3 (FSDP2) under a pipeline holds whole through a step (parallel/data/fsdp.py): the stage's
     gradients accumulated unsharded in fp32 over its micro-batches (reduce-scattered once, in its last backward),
@@ -640,7 +647,8 @@ def pipelined_zero3_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> int
     p, t = cfg.parallel, cfg.train
     if pp == 1 or p.zero_stage != 3 or p.backend != "native":
         return 0
-    local = [(math.prod(_local_shape(n, s, cfg, tp)), g) for n, s, g in _stage_params(cfg, pp, pp_rank)]
+    ep = memory_moe.ep_degree(cfg)
+    local = [(math.prod(_rank_shape(n, s, cfg, tp, ep)), g) for n, s, g in _stage_params(cfg, pp, pp_rank)]
     grads = 4 * sum(n for n, g in local if g)
     size = 4 if t.precision == "fp32" else 2
     return grads + (0 if reshard_after_forward(cfg) else size * sum(n for n, _ in local))

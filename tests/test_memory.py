@@ -362,3 +362,19 @@ def test_transients_are_the_largest_whole_tensor(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)  # tiny.yaml: vocabulary 256 x 128 wide, tied; the SwiGLU MLP 384 x 128
     assert got["init_transient_bytes"] == 384 * 128 * 4 and got["export_transient_bytes"] == 384 * 128 * 8
+
+
+def test_pipelined_zero3_counts_this_ranks_experts_only() -> None:
+    """ZeRO-3 x pp2 x ep2 (dp 2): a stage holds its E/ep experts whole through the step (fp32 gradients, and the
+    fp32 parameters gathered at its first forward), not all E (they were counted ep x). By hand: the ep=1 and
+    ep=2 terms differ by half of each MoE block's stacked expert tensors (GELU: w_up E x C x H, w_down E x H x C
+    and their biases E x H, E x C), at 4 + 4 bytes an element."""
+    e, c, h = 4, 32, 64
+    base = ["model.n_layer=2", f"model.n_embd={c}", "model.n_head=2", "model.block_size=32", "model.vocab_size=256",
+            f"model.n_experts={e}", "model.moe_top_k=2", f"model.moe_hidden={h}", "model.mlp=gelu",
+            "parallel.dp=2", "parallel.pp=2", "parallel.zero_stage=3", "train.micro_batch_size=2",
+            "train.global_batch_size=8"]
+    for stage in (0, 1):  # one MoE block on each stage
+        one = memory.pipelined_zero3_bytes(load_config(None, base), tp=1, pp=2, pp_rank=stage)
+        two = memory.pipelined_zero3_bytes(load_config(None, [*base, "parallel.ep=2"]), tp=1, pp=2, pp_rank=stage)
+        assert one - two == (e // 2) * (c * h + h * c + h + c) * (4 + 4)

@@ -311,3 +311,30 @@ def test_an_fp32_moe_layer_compiles() -> None:
     (g_compiled,) = torch.autograd.grad(compiled.square().sum(), x)
     torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(g_compiled, g_eager, rtol=1e-6, atol=1e-6)
+
+
+def test_the_per_expert_loop_runs_eagerly_under_compile() -> None:
+    """Under torch.compile fp32 experts take the per-expert loop, which reads the counts on the host: traced, it
+    specialised the graph on each routing's sizes (a recompile per new routing up to Dynamo's limit, then
+    silently eager). Now it runs outside the graph: after two warm-up calls (the first fills `stats`, a guard
+    of its own) new routings compile nothing, and the outputs equal eager's."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(n_embd=32, n_experts=4, moe_top_k=2, moe_hidden=64, mlp="swiglu", bias=False)
+    layer = MoE(cfg, None, torch.nn.Identity())
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(layer, backend="eager")
+    loads, graphs, seen = set(), [], torch.zeros(4)
+    for seed in range(6):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(compiled(x), layer(x), rtol=1e-6, atol=1e-6)  # (the same kernels: 1e-6)
+        graphs.append(counters["stats"]["unique_graphs"])
+        loads.add(tuple((layer.stats["load"] - seen).tolist()))  # (this input's tokens per expert, twice)
+        seen = layer.stats["load"].clone()
+    torch._dynamo.reset()
+    assert len(loads) >= 4  # new routings, not one repeated
+    assert graphs[1] == graphs[-1], graphs  # (it grew to the 4th call before: 14, 16, 18)

@@ -140,17 +140,22 @@ def test_expert_parallel_lora_matches_one_process(tmp_path: Path, tmp_path_facto
     torch.testing.assert_close(merged(_idx()), lora_model(_idx()), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("peft", [
-    {"peft__method": "adapter", "peft__rank": 8},  # no expert tensor trains: the expert ZeRO form has nothing
-    {"peft__method": "lora", "peft__targets": "[experts_down]", "peft__rank": 4},  # only expert tensors train
-], ids=["adapter", "experts-only"])
+EXPERTS_ONLY = {"peft__method": "lora", "peft__targets": "[experts_down]", "peft__rank": 4}
+
+
+@pytest.mark.parametrize("peft,zero_stage", [
+    ({"peft__method": "adapter", "peft__rank": 8}, 1),  # no expert tensor trains: the expert ZeRO form has nothing
+    (EXPERTS_ONLY, 1),  # only expert tensors train
+    (EXPERTS_ONLY, 0),  # DDP has nothing to reduce (it refused to wrap such a model before)
+], ids=["adapter", "experts-only", "experts-only-ddp"])
 def test_expert_parallel_zero1_with_one_side_frozen(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                    corpus: Path, peft: dict[str, Any]) -> None:  # noqa: F811
-    """dp=2 ep=2 ZeRO-1 when all that trains is dense, or all is expert: equal to one process (a ZeRO form over
-    no parameters failed the first step before)."""
+                                                    corpus: Path, peft: dict[str, Any],
+                                                    zero_stage: int) -> None:  # noqa: F811
+    """dp=2 ep=2 ZeRO-1 (or DDP) when all that trains is dense, or all is expert: equal to one process (a ZeRO
+    form over no parameters failed the first step before; DDP raised at its build)."""
     extra = {**MOE, **peft, "optim__lr": 1e-2, "train__micro_batch_size": 4}
-    results = run_distributed(train, 2, tmp_path, corpus, {**extra, "parallel__ep": 2, "parallel__zero_stage": 1},
-                              init_group=False)
+    results = run_distributed(train, 2, tmp_path, corpus, {**extra, "parallel__ep": 2,
+                                                           "parallel__zero_stage": zero_stage}, init_group=False)
     assert_same_run(results[0], reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
 
 
@@ -255,3 +260,33 @@ def test_lora_on_an_hf_mixtral_exports_merged_to_transformers(tmp_path: Path, co
     tuned = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     tokens = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(0))
     assert max_diff(hf_logits(tuned, tokens), our_logits(load_checkpoint_model(tmp_path / "run"), tokens)) < ATOL
+
+
+def test_a_pipeline_stage_with_nothing_to_train_refused_in_one_line(tmp_path: Path) -> None:
+    """LoRA on the experts alone at pp=2 with block 0 dense: stage 0 trains nothing (its optimizer and gradient
+    buffers had no tensor: a traceback at build). Every rank refuses alike, from the config (none waits)."""
+    from types import SimpleNamespace
+
+    from dist_llm.parallel.data import _check_every_stage_trains
+
+    cfg = load_config(None, tiny_overrides(tmp_path, model__bias=False, **MOE, **EXPERTS_ONLY, parallel__pp=2))
+    with pytest.raises(ConfigError) as err:  # (the check reads no rank: each stage's ranks see the same)
+        _check_every_stage_trains(cfg, SimpleNamespace(pp=2))  # type: ignore[arg-type]
+    assert str(err.value) == ("peft.targets=['experts_down']: pipeline stage 0 of parallel.pp=2 holds no tensor "
+                              "they name, so it has nothing to train; add a target its blocks have, or cut the "
+                              "stages (parallel.pp, model.moe_every) so that each holds one")
+    every = load_config(None, tiny_overrides(tmp_path, model__bias=False, **{**MOE, "model__moe_every": 1},
+                                             **EXPERTS_ONLY, parallel__pp=2))
+    _check_every_stage_trains(every, SimpleNamespace(pp=2))  # type: ignore[arg-type]  # (an MoE block on each)
+
+
+def test_experts_only_lora_under_a_pipeline_at_zero0(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                     corpus: Path) -> None:  # noqa: F811
+    """dp=2 pp=2 ep=2 at ZeRO-0 with LoRA on the experts alone (an MoE block on each stage): no dense tensor
+    trains, so the flat all-reduce buffer is empty (its dtype read the first of no tensors before); 8 steps
+    equal one process."""
+    extra = {**MOE, "model__moe_every": 1, **EXPERTS_ONLY, "optim__lr": 1e-2, "train__micro_batch_size": 2}
+    results = run_distributed(train, 4, tmp_path, corpus, {**extra, "parallel__pp": 2, "parallel__ep": 2},
+                              init_group=False)
+    got = {**results[0], "params": merged(results)}
+    assert_same_run(got, reference(tmp_path_factory, corpus, **extra), rtol=1e-5)

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from dist_llm.config import ConfigError, load_config
 from dist_llm.parallel.context import ParallelContext
@@ -42,23 +43,37 @@ def test_budget_ends_the_run_evaluated_and_saved(tmp_path: Path, corpus: Path) -
     assert Trainer(cfg, ParallelContext.from_config(cfg)).fit()["step"] == 3
 
 
-def _one_rank_out_of_time(rank: int, world_size: int, out: Path, corpus: Path) -> int:  # noqa: F811
+def _one_rank_out_of_time(rank: int, world_size: int, out: Path, corpus: Path) -> tuple[int, int]:  # noqa: F811
     """Rank 0's budget is spent at once, rank 1's never: both must stop after step 1 (the one that stops alone
-    would leave the other waiting in the next step's collectives)."""
+    would leave the other waiting in the next step's collectives). Also the host all-reduces a step: one (the
+    stop signal and the budget's flag together; they were two)."""
+    from dist_llm.parallel import comm
+
     budget = 1e-6 if rank == 0 else 1e6
     cfg = load_config(None, tiny_overrides(out, data__source=str(corpus), train__max_steps=8, train__eval_interval=0,
                                            train__max_time_s=budget))
     ctx = ParallelContext.from_config(cfg)
+    host_reduces = 0
+    reduce = comm.all_reduce
+
+    def counted(t: torch.Tensor, group: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal host_reduces
+        # (on gloo the host group is the world's, which the metrics' sums use too: the flags are its MAX ones)
+        host_reduces += group is ctx.cpu_group and kwargs.get("op") == torch.distributed.ReduceOp.MAX
+        return reduce(t, group, *args, **kwargs)
+
+    comm.all_reduce = counted
     try:
         trainer = Trainer(cfg, ctx)
         trainer.fit()
-        return trainer.step
+        return trainer.step, host_reduces
     finally:
+        comm.all_reduce = reduce
         ctx.destroy()
 
 
 def test_every_rank_stops_at_the_same_step(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    assert run_distributed(_one_rank_out_of_time, 2, tmp_path, corpus, init_group=False) == [1, 1]
+    assert run_distributed(_one_rank_out_of_time, 2, tmp_path, corpus, init_group=False) == [(1, 1), (1, 1)]
 
 
 @pytest.mark.parametrize("value", ["-1", "nan"])

@@ -173,19 +173,36 @@ class Experts(nn.Module):
         if torch.is_autocast_enabled(x.device.type):  # (the grouped matmul is not on autocast's lists)
             x = x.to(torch.get_autocast_dtype(x.device.type))
         impl = pick_impl(x) if self.impl == "auto" else self.impl
+        loras = [getattr(self, f"lora_{n}", None) for n in ("up", "gate", "down")]
+        # (peft/expert_lora.py takes the loop where r * itemsize is not a multiple of 16 bytes)
+        grouped = impl == "grouped_mm" and all(m is None or m.rank * x.element_size() % 16 == 0 for m in loras)
+        if not grouped and torch.compiler.is_compiling():
+            # the loop and bmm read the per-expert counts on the host: traced, that breaks the graph and
+            # specialises it on this routing's sizes (a recompile per new routing up to the limit, then silent
+            # eager). Run eagerly instead: one graph break, no recompiles.
+            return _experts_eager(self, x, counts, expert_of_row, impl)
+        return _experts(self, x, counts, expert_of_row, impl)
 
-        def proj(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: nn.Module | None) -> torch.Tensor:
-            out = grouped_matmul(inp, w, counts, impl=impl)
-            update = None if lora is None else lora(inp, counts, impl=impl)  # (peft/expert_lora.py: per expert)
-            out = out if update is None else out + update.to(out.dtype)
-            return out if b is None else out + b.to(out.dtype)[expert_of_row]
 
-        up = proj(x, self.w_up, self.b_up, getattr(self, "lora_up", None))  # (M, H)
-        if self.w_gate is not None:
-            h = F.silu(proj(x, self.w_gate, self.b_gate, getattr(self, "lora_gate", None))) * up
-        else:
-            h = F.gelu(up, approximate="tanh")  # GPT-2's GELU, as the dense MLP
-        return proj(h, self.w_down, self.b_down, getattr(self, "lora_down", None))
+def _experts(experts: Experts, x: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor,
+             impl: GroupedImpl) -> torch.Tensor:
+    """Experts.forward's computation once x is in the compute dtype and the grouped-matmul kind chosen."""
+
+    def proj(inp: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, lora: nn.Module | None) -> torch.Tensor:
+        out = grouped_matmul(inp, w, counts, impl=impl)
+        update = None if lora is None else lora(inp, counts, impl=impl)  # (peft/expert_lora.py: per expert)
+        out = out if update is None else out + update.to(out.dtype)
+        return out if b is None else out + b.to(out.dtype)[expert_of_row]
+
+    up = proj(x, experts.w_up, experts.b_up, getattr(experts, "lora_up", None))  # (M, H)
+    if experts.w_gate is not None:
+        h = F.silu(proj(x, experts.w_gate, experts.b_gate, getattr(experts, "lora_gate", None))) * up
+    else:
+        h = F.gelu(up, approximate="tanh")  # GPT-2's GELU, as the dense MLP
+    return proj(h, experts.w_down, experts.b_down, getattr(experts, "lora_down", None))
+
+
+_experts_eager = torch.compiler.disable(_experts)
 
 
 class MoE(nn.Module):

@@ -321,26 +321,22 @@ class Trainer:
         comm.all_reduce(t, self.ctx.dp_cp_group, None)
         return t / self.ctx.dp_cp
 
-    def _agree_to_stop(self, requested: int, flag: torch.Tensor) -> int:
+    def _agree_to_stop(self, requested: int, flags: torch.Tensor, clock: _RunClock | None) -> tuple[int, bool]:
         """Every rank must stop at the same step: a SIGTERM (1) or Ctrl-C (2, Preemption.code) seen by any rank
-        stops them all, and all take the largest code. Every rank calls this at every step boundary (the same
-        collective in the same order). One process needs no collective (and no host sync)."""
-        if self.ctx.world_size == 1:
-            return requested
-        flag.fill_(float(requested))  # a host tensor over the gloo group: no wait for the GPU
-        comm.all_reduce(flag, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
-        return int(flag.item())
-
-    def _time_is_up(self, clock: _RunClock) -> bool:
-        """train.max_time_s reached? Each rank reads its own clock; any rank's yes stops all of them at this step
-        (one host collective a step, only with a budget set)."""
-        up = torch.tensor([float(clock.elapsed() >= self.cfg.train.max_time_s)])
+        stops them all, and all take the largest code; with `clock` (train.max_time_s set and this step not
+        already the last), any rank whose budget is spent makes this step the last for all. Both flags travel in
+        one MAX all-reduce: every rank calls this at every step boundary (the same collective in the same
+        order). One process needs no collective (and no host sync). Returns (code, time is up)."""
+        up = clock is not None and clock.elapsed() >= self.cfg.train.max_time_s
         if self.ctx.world_size > 1:
-            comm.all_reduce(up, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
-        if up.item() and self.ctx.is_main:
+            flags[0], flags[1] = float(requested), float(up)  # a host tensor over the gloo group: no GPU wait
+            comm.all_reduce(flags, self.ctx.cpu_group, None, op=torch.distributed.ReduceOp.MAX)
+            requested, up = int(flags[0].item()), bool(flags[1].item())
+        if up and self.ctx.is_main:
+            assert clock is not None
             log.info("train.max_time_s=%g reached: step %d is the last (%.1f s trained)", self.cfg.train.max_time_s,
                      self.step, clock.elapsed())
-        return bool(up.item())
+        return requested, up
 
     def _heartbeat(self) -> None:
         """out_dir/heartbeat/rank_K.json: the last step this rank finished, when, and its process (to find a
@@ -572,7 +568,7 @@ class Trainer:
         clock = _RunClock(prior_elapsed=self.elapsed_s, start_step=self.step)
         preemption = Preemption().install()
         profiler = StepProfiler(parse_steps(t.profile_steps), self.out_dir, self.ctx.rank, self.device)
-        stop_flag = torch.zeros(1)  # on the host (see _agree_to_stop)
+        stop_flags = torch.zeros(2)  # on the host (see _agree_to_stop)
         peak_flops = self._peak_flops()
         flops_per_token = self._flops_per_token() if peak_flops else 0.0  # (builds a meta model: once, here)
         self.phases.end("startup")  # fit's preparation too; from here the peak of training, not of preparing
@@ -585,14 +581,25 @@ class Trainer:
                 bar.update(1)
                 if clock.window_steps == 1 and self.step == clock.start_step + 1:
                     self._first_step_accounting()
-                if t.max_time_s and self.step < stop and self._time_is_up(clock):
-                    stop = self.step  # this step is the last: evaluated, saved and reported as one
-                if self.step % t.log_interval == 0 or self.step == stop:
+                logged = self.step % t.log_interval == 0 or self.step == stop
+                if logged:
                     last = self._log_step(out, clock, bar, peak_flops=peak_flops, flops_per_token=flops_per_token)
                 paused = time.perf_counter()
-                if t.eval_interval and (self.step % t.eval_interval == 0 or self.step == stop):
+                evaluated = bool(t.eval_interval) and (self.step % t.eval_interval == 0 or self.step == stop)
+                if evaluated:
                     self._evaluate_into(last)
-                preempted = self._agree_to_stop(preemption.code, stop_flag)
+                budget = clock if t.max_time_s and self.step < stop else None
+                preempted, time_up = self._agree_to_stop(preemption.code, stop_flags, budget)
+                if time_up:  # this step is the last: logged, evaluated, saved and reported as one
+                    stop = self.step
+                    clock.window_start += time.perf_counter() - paused  # (eval is not training throughput)
+                    paused = time.perf_counter()
+                    if not logged:
+                        val = {"val_loss": last["val_loss"]} if evaluated else {}
+                        last = {**self._log_step(out, clock, bar, peak_flops=peak_flops,
+                                                 flops_per_token=flops_per_token), **val}
+                    if t.eval_interval and not evaluated:
+                        self._evaluate_into(last)
                 if (t.ckpt_interval and self.step % t.ckpt_interval == 0) or self.step == stop or preempted:
                     self._save_at_step(clock)
                 self._heartbeat()

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
-from dist_llm.config import Config
+from dist_llm.config import Config, ConfigError
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel
 
@@ -27,6 +27,22 @@ def builds_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
     from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
 
     return uses_fsdp(cfg, ctx) or builds_partitioned(cfg)
+
+
+def _check_every_stage_trains(cfg: Config, ctx: ParallelContext) -> None:
+    """Under a pipeline, PEFT may leave a stage nothing to train (LoRA on the experts alone, and a stage of
+    dense blocks): its optimizer and gradient buffers would be built over no tensor. Refused in one line, on
+    every rank alike (each checks every stage from the config: none is left waiting in a collective)."""
+    from dist_llm.memory import _stage_params
+
+    if ctx.pp == 1:
+        return
+    for stage in range(ctx.pp):
+        if not any(trains for _, _, trains in _stage_params(cfg, ctx.pp, stage)):
+            raise ConfigError(f"peft.targets={list(cfg.peft.targets)}: pipeline stage {stage} of "
+                              f"parallel.pp={ctx.pp} holds no tensor they name, so it has nothing to train; add a "
+                              f"target its blocks have, or cut the stages (parallel.pp, model.moe_every) so that "
+                              f"each holds one")
 
 
 def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
@@ -48,6 +64,8 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
         from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
 
         return DeepSpeedDataParallel(model, cfg, ctx, materialize=materialize, fill_each=fill_each)
+    if cfg.peft.method != "none":
+        _check_every_stage_trains(cfg, ctx)
     if materialize is not None:
         materialize(model)
     if ctx.dp_cp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over

@@ -43,17 +43,23 @@ class DDPDataParallel(DataParallel):
         sliced = [n for n, p in model.named_parameters() if expert_slice(p) is not None]
         if sliced:
             DDP._set_params_and_buffers_to_ignore_for_model(model, sliced)
-        # gradient_as_bucket_view: grads live in DDP's buckets, not in a second copy
-        # (the parameters are replicated over dp x cp: context-parallel ranks reduce their gradients too)
-        wrapped = DDP(model, device_ids=device_ids, process_group=ctx.dp_cp_group, gradient_as_bucket_view=True,
-                      bucket_cap_mb=cfg.parallel.bucket_mb)
-        wrapped.register_comm_hook(ctx, _allreduce_mean_hook)
-        self.ddp = wrapped
+        # LoRA on the experts alone (peft.targets experts_*) leaves DDP no tensor to reduce, and DDP refuses to
+        # wrap such a module: every trained tensor is an expert slice, which finish_grads reduces. No DDP then
+        # (every rank of the dp group sees the same model, so all skip it alike and none waits in its collectives)
+        ignored = set(sliced)
+        self.ddp: DDP | None = None
+        if any(p.requires_grad for n, p in model.named_parameters() if n not in ignored):
+            # gradient_as_bucket_view: grads live in DDP's buckets, not in a second copy
+            # (the parameters are replicated over dp x cp: context-parallel ranks reduce their gradients too)
+            self.ddp = DDP(model, device_ids=device_ids, process_group=ctx.dp_cp_group, gradient_as_bucket_view=True,
+                           bucket_cap_mb=cfg.parallel.bucket_mb)
+            self.ddp.register_comm_hook(ctx, _allreduce_mean_hook)
         super().__init__(model, cfg, ctx)
-        self.model = wrapped
+        if self.ddp is not None:
+            self.model = self.ddp
 
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext() if last else self.ddp.no_sync()
+        return contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync()
 
     def finish_grads(self) -> None:
         # (fp32 gradients: parallel.bucket_mb of them per all-reduce)
@@ -75,7 +81,10 @@ class FlatAllReduceDataParallel(DataParallel):
         self.expert_params = [p for _, p in expert_parameters(model)]
         experts = {id(p) for p in self.expert_params}
         params = [p for p in model.parameters() if p.requires_grad and id(p) not in experts]
-        self.flat_grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=ctx.device)
+        # (with LoRA on the experts alone no dense tensor trains: an empty buffer, its all-reduce loop issues
+        # nothing on any rank of the group, which holds the same stage)
+        dtype = next((p.dtype for p in [*params, *self.expert_params]), torch.float32)
+        self.flat_grads = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=ctx.device)
         at = 0
         for p in params:  # every .grad a view of the flat buffer, so backward accumulates straight into it
             p.grad = self.flat_grads[at : at + p.numel()].view_as(p)
