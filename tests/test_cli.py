@@ -109,9 +109,10 @@ def test_tp_larger_than_the_world_exits_2(tmp_path: Path) -> None:
         "dist-llm: error: --nproc-per-node 2: parallel: WORLD_SIZE=2 is not divisible by tp*pp = 4*1"]
 
 
-def test_pipeline_with_fsdp_exits_2(tmp_path: Path) -> None:
+def test_pipeline_with_fsdp_offload_exits_2(tmp_path: Path) -> None:
+    # (FSDP2 composes with pp; its CPU offload under a pipeline does not yet: refused before any launch)
     proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "4", "parallel.pp=2", "parallel.zero_stage=3",
-               f"train.out_dir={tmp_path}")
+               "parallel.offload=cpu", f"train.out_dir={tmp_path}")
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "dist-llm: error: parallel.zero_stage: 3 (FSDP2) is not supported with parallel.pp>1; use zero_stage 0, 1 or 2"]
+        "dist-llm: error: parallel.offload=cpu is not supported with parallel.pp>1; use parallel.offload=none"]
