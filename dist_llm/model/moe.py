@@ -125,6 +125,12 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, counts: torch.Tensor, *, im
     return torch.bmm(padded, w)[group, rows]
 
 
+def grouped_rows_fit(width: int, x: torch.Tensor) -> bool:
+    """Whether rows of `width` elements of x's dtype suit `torch._grouped_mm`: it wants rows of 16 bytes, on the
+    CPU too (a LoRA rank r a multiple of 8 in bf16, of 4 in fp32)."""
+    return width * x.element_size() % 16 == 0
+
+
 def pick_impl(x: torch.Tensor) -> GroupedImpl:
     """What "auto" runs: `torch._grouped_mm` where this torch has it for x's device and dtype (on the CPU in fp32
     and bf16, forward and backward, checked on torch 2.13; CUDA's kernel is for bf16 only), else the per-expert
@@ -174,8 +180,8 @@ class Experts(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         impl = pick_impl(x) if self.impl == "auto" else self.impl
         loras = [getattr(self, f"lora_{n}", None) for n in ("up", "gate", "down")]
-        # (peft/expert_lora.py takes the loop where r * itemsize is not a multiple of 16 bytes)
-        grouped = impl == "grouped_mm" and all(m is None or m.rank * x.element_size() % 16 == 0 for m in loras)
+        # (peft/expert_lora.py takes the loop where its rank's rows do not fit)
+        grouped = impl == "grouped_mm" and all(m is None or grouped_rows_fit(m.rank, x) for m in loras)
         if not grouped and torch.compiler.is_compiling():
             # the loop and bmm read the per-expert counts on the host: traced, that breaks the graph and
             # specialises it on this routing's sizes (a recompile per new routing up to the limit, then silent

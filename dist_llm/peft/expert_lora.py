@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from dist_llm.model import init as model_init
-from dist_llm.model.moe import GroupedImpl, grouped_matmul
+from dist_llm.model.moe import GroupedImpl, grouped_matmul, grouped_rows_fit
 from dist_llm.parallel.marks import expert_slice, mark_expert_slice
 from dist_llm.parallel.tensor.layers import RankLocalDropout
 
@@ -71,8 +71,8 @@ class ExpertLoRA(nn.Module):
         """x (M, in) sorted by expert, `counts` (E_local,) -> the update (M, out); None once merged."""
         if self.merged:
             return None
-        if impl == "grouped_mm" and (self.rank * x.element_size()) % 16:
-            impl = "loop"  # (torch._grouped_mm wants rows of 16 bytes, on the CPU too: r a multiple of 8 in bf16)
+        if impl == "grouped_mm" and not grouped_rows_fit(self.rank, x):
+            impl = "loop"
         h = grouped_matmul(self.dropout(x), self.A, counts, impl=impl)  # (M, r)
         return grouped_matmul(h, self.B, counts, impl=impl) * self.scale  # (M, out)
 
