@@ -130,8 +130,12 @@ def test_a_second_ctrl_c_aborts_at_once_without_saving(tmp_path: Path) -> None:
     assert proc.returncode == 130, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines()[-1].endswith("interrupted: nothing saved since the last complete checkpoint (during training, a single "
                          "Ctrl-C saves one at the end of the step)")
-    # (the second Ctrl-C may come during the save the first began: that half checkpoint is removed)
-    assert not (out / "checkpoints").exists() or not any((out / "checkpoints").iterdir())
+    # The second Ctrl-C may come during the save the first began (that half checkpoint is removed) or, on a loaded
+    # machine, after that save finished (a complete one stays): what may never stay is a checkpoint without its
+    # manifest. (CI once saw the second case: the sleep between the two presses ran long.)
+    ckpts = out / "checkpoints"
+    left = sorted(ckpts.iterdir()) if ckpts.exists() else []
+    assert all((d / "manifest.json").is_file() for d in left), [p.name for p in left]
     assert not (out / "run.lock").exists()
     assert seconds < 30  # (no save, no report: a step and the interpreter's exit)
 
