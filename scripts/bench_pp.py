@@ -9,7 +9,8 @@ What it measures, through dist_llm's Trainer (fp32, dp=1, tp=1, one process per 
 threads each unless --threads: one on a 2-core machine at p=2):
   busy / idle     per stage, the seconds of a step it spent in forward, backward (B, W) actions and the rest
                   (`Trainer.pipeline_times()`, the stage clock metrics.jsonl carries as pp_busy_s/pp_idle_s), the
-                  median over --steps timed steps after one warm-up step, beside three figures of the simulator
+                  median over --steps timed steps after two warm-up steps (the schedules at one m built together
+                  and their steps taken in turn, unless --sequential), beside three figures of the simulator
                   (schedule.simulate, the same plans, sends that wait for their receive):
                   simulated  unit costs: a backward twice a forward, W half of it, chunks 1/v of a stage (and the
                              closed form beside: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
@@ -30,8 +31,9 @@ threads each unless --threads: one on a 2-core machine at p=2):
                   (saved_tensors_hooks, each storage once, parameters and buffers left out), and that figure in
                   micro-batches: divided by the same count at m=1 (not for interleaved, whose m must be a
                   multiple of p); beside the schedule's peak (GPipe m, 1F1B and ZB-H1 min(m, p)).
-  peak memory     per stage, the most its memory (the peak resident set on the CPU) rose over the steps above where
-                  it stood once the trainer was built: optimizer states, gradients, saved activations, buffers.
+  peak memory     per stage, the most its memory (the peak resident set on the CPU) rose over the two warm-up steps
+                  above where it stood once the trainer was built: optimizer states, gradients, saved activations,
+                  buffers.
 
 With more threads than cores (stages x threads), stages share cores and the idle figures mean little (the table
 says so). The script starts its own workers with `python -m torch.distributed.run --standalone`, one launch per
@@ -67,6 +69,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     p.add_argument("--steps", type=int, default=3, help="timed steps per (schedule, m)")
+    p.add_argument("--sequential", action="store_true",
+                   help="time each (schedule, m) in one go, not the schedules' steps in turn at each m")
     p.add_argument("--threads", type=int, help="torch threads per stage (default: cores // stages, at least 1)")
     p.add_argument("--predict", choices=["measured", "units"], default="measured",
                    help="the margins' prediction: the simulator with this run's per-action seconds and p2p latency "
@@ -80,90 +84,118 @@ def worker(args: argparse.Namespace) -> None:
     sys.path.insert(0, str(ROOT))
     import torch
 
-    from dist_llm import perf
-    from dist_llm.config import load_config
-    from dist_llm.parallel.context import ParallelContext
-    from dist_llm.train.saved_tensors import SavedTensorMeter
-    from dist_llm.train.trainer import Trainer
-
-    from dist_llm.parallel.pipeline.schedule import bubble_fraction, build_plans, simulate
-
     pp = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # (main sets it; say it, not rely on it)
     rows: list[dict[str, Any]] = []
-    latency: float | None = None
+    runs_of: dict[int, list[tuple[str, int]]] = {}  # m -> the (schedule, v) runs at that m
+    for schedule in args.schedules:
+        v = args.virtual if schedule == "interleaved" else 1
+        for m in set(args.micro_batches) | ({1} if v == 1 else set()):
+            if v == 1 or m % pp == 0:
+                runs_of.setdefault(m, []).append((schedule, v))
     with tempfile.TemporaryDirectory() as tmp:
-        for schedule in args.schedules:
-            v = args.virtual if schedule == "interleaved" else 1
-            ms = set(args.micro_batches) | ({1} if v == 1 else set())
-            for m in sorted(x for x in ms if v == 1 or x % pp == 0):
-                cfg = load_config(ROOT / "configs" / "tiny.yaml", [
-                    f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
-                    f"model.block_size={args.seq}", f"train.micro_batch_size={args.micro_batch}",
-                    f"train.global_batch_size={args.micro_batch * m}", f"parallel.pp={pp}",
-                    f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={v}", "train.max_steps=100",
-                    "train.eval_interval=0", "train.device=cpu", f"train.out_dir={tmp}/{schedule}{m}",
-                    "train.resume=never"])
-                ctx = ParallelContext.from_config(cfg)
-                trainer = Trainer(cfg, ctx)
-                if latency is None:  # once the process group exists: one activation's trip between two stages
-                    latency = p2p_latency((args.micro_batch, args.seq, args.width))
-                perf.reset_peak_memory(ctx.device)
-                start_bytes = perf.memory_bytes(ctx.device)
-                module = trainer.module
-                with SavedTensorMeter([*module.parameters(), *module.buffers()]) as meter:
-                    trainer.train_step()  # also the warm-up step
-                idle: list[list[float]] = []
-                busy: list[list[float]] = []
-                idle_s: list[list[float]] = []
-                parts: list[list[dict[str, float]]] = []  # per step, every stage's clock breakdown
-                timelines: list[list[list[tuple[str, int, float]]]] = []  # per step and stage, each action's s
-                for _ in range(args.steps):
-                    ctx.barrier()
-                    trainer.train_step()
-                    times = trainer.pipeline_times()
-                    idle.append(times["pp_idle_fraction"])
-                    busy.append(times["pp_busy_s"])
-                    idle_s.append(times["pp_idle_s"])
-                    clock = trainer.runtime.stage_clock
-                    every: list[Any] = [None] * pp  # (CPU: perf_counter is one monotonic clock for the host)
-                    torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(),
-                                                                clock.start))
-                    first = min(start for _, _, start in every)
-                    parts.append([{**b, "start_offset": start - first} for b, _, start in every])
-                    timelines.append([t for _, t, _ in every])
-                plans = build_plans(schedule, pp, m, v)
-                makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
-                parts_med = [{k: statistics.median(st[i].get(k, 0.0) for st in parts) for k in parts[0][i]}
-                             for i in range(pp)]
-                costs = [action_seconds(b) for b in parts_med]
-                # the measured step also holds the work after the schedule (gradient completion, the norm) that
-                # the stage finishing last did alone: its tail, the shortest
-                post = min(b["tail"] for b in parts_med)
-                pred_span, pred_busy = simulate(plans, costs=costs, exchange_cost=latency or 0.0)
-                replayed = [replay(plans, costs, t, latency or 0.0, post=min(b["tail"] for b in st))
-                            for t, st in zip(timelines, parts)]
-                held = torch.tensor([meter.peak_bytes], dtype=torch.float64)
-                torch.distributed.broadcast(held, src=0)  # the first stage's figure
-                peaks = torch.zeros(pp, dtype=torch.int64)  # each stage's memory rise over the trainer's life
-                torch.distributed.all_gather_into_tensor(
-                    peaks, torch.tensor([perf.peak_memory_bytes(ctx.device) - start_bytes], dtype=torch.int64))
-                del trainer
-                gc.collect()
-                med = {k: [statistics.median(s[i] for s in series) for i in range(pp)]
-                       for k, series in (("idle_fraction", idle), ("busy_s", busy), ("idle_s", idle_s))}
-                rows.append({"schedule": schedule, "m": m, "p": pp, "v": v, **med,
-                             "step_s": max(b + i for b, i in zip(med["busy_s"], med["idle_s"])),
-                             "predicted_idle_fraction": [round(1 - b / makespan, 4) for b in sim_busy],
-                             "formula": bubble_fraction(pp, m, schedule=schedule, chunks=v),
-                             "measured_prediction": [round(1 - b / (pred_span + post), 4) for b in pred_busy],
-                             "predicted_step_s": pred_span + post, "action_s": costs, "breakdown": parts_med,
-                             "replayed": [statistics.median(r[i] for r in replayed) for i in range(pp)],
-                             "p2p_latency_s": latency, "threads": torch.get_num_threads(),
-                             "first_stage_saved_bytes": int(held.item()), "peak_bytes": peaks.tolist()})
+        for m in sorted(runs_of):
+            rows += measure(args, runs_of[m], m, pp, Path(tmp))
+            gc.collect()  # (the trainers of this m)
     if int(os.environ["RANK"]) == 0:
         args.worker.write_text(json.dumps(rows))
     torch.distributed.destroy_process_group()
+
+
+def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, pp: int,
+            tmp: Path) -> list[dict[str, Any]]:
+    """Every schedule at this m built and warmed up, then their timed steps taken in turn (round robin, unless
+    --sequential): a load that comes and goes on a shared machine falls on each schedule alike, so their ratios
+    hold better than the figures."""
+    runs = [Run(args, schedule, v, m, pp, tmp) for schedule, v in schedules]
+    latency = p2p_latency((args.micro_batch, args.seq, args.width))  # one activation's trip between two stages
+    for run in runs if args.sequential else [None]:
+        for _ in range(args.steps):
+            for r in [run] if run is not None else runs:
+                r.timed_step()
+    return [run.row(latency) for run in runs]
+
+
+class Run:
+    """One (schedule, m) on this stage: its trainer, built and warmed up with the memory measured, then timed
+    steps on demand."""
+
+    def __init__(self, args: argparse.Namespace, schedule: str, v: int, m: int, pp: int, tmp: Path) -> None:
+        import torch
+
+        from dist_llm import perf
+        from dist_llm.config import load_config
+        from dist_llm.parallel.context import ParallelContext
+        from dist_llm.train.saved_tensors import SavedTensorMeter
+        from dist_llm.train.trainer import Trainer
+
+        self.schedule, self.v, self.m, self.pp = schedule, v, m, pp
+        cfg = load_config(ROOT / "configs" / "tiny.yaml", [
+            f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
+            f"model.block_size={args.seq}", f"train.micro_batch_size={args.micro_batch}",
+            f"train.global_batch_size={args.micro_batch * m}", f"parallel.pp={pp}",
+            f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={v}", "train.max_steps=100",
+            "train.eval_interval=0", "train.device=cpu", f"train.out_dir={tmp}/{schedule}{m}", "train.resume=never"])
+        self.ctx = ParallelContext.from_config(cfg)
+        self.trainer = Trainer(cfg, self.ctx)
+        perf.reset_peak_memory(self.ctx.device)
+        start_bytes = perf.memory_bytes(self.ctx.device)
+        module = self.trainer.module
+        with SavedTensorMeter([*module.parameters(), *module.buffers()]) as meter:
+            self.trainer.train_step()  # also the first warm-up step
+        self.trainer.train_step()
+        held = torch.tensor([meter.peak_bytes], dtype=torch.float64)
+        torch.distributed.broadcast(held, src=0)  # the first stage's figure
+        self.held = int(held.item())
+        peaks = torch.zeros(pp, dtype=torch.int64)  # each stage's memory rise over its two warm-up steps
+        torch.distributed.all_gather_into_tensor(
+            peaks, torch.tensor([perf.peak_memory_bytes(self.ctx.device) - start_bytes], dtype=torch.int64))
+        self.peaks = peaks.tolist()
+        self.times: list[dict[str, list[float]]] = []  # per timed step, Trainer.pipeline_times()
+        self.parts: list[list[dict[str, float]]] = []  # per timed step, every stage's clock breakdown
+        self.timelines: list[list[list[tuple[str, int, float]]]] = []  # per step and stage, each action's seconds
+
+    def timed_step(self) -> None:
+        import torch
+
+        self.ctx.barrier()
+        self.trainer.train_step()
+        self.times.append(self.trainer.pipeline_times())
+        clock = self.trainer.runtime.stage_clock
+        every: list[Any] = [None] * self.pp  # (CPU: perf_counter is one monotonic clock for the host)
+        torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(), clock.start))
+        first = min(start for _, _, start in every)
+        self.parts.append([{**b, "start_offset": start - first} for b, _, start in every])
+        self.timelines.append([t for _, t, _ in every])
+
+    def row(self, latency: float | None) -> dict[str, Any]:
+        import torch
+
+        from dist_llm.parallel.pipeline.schedule import bubble_fraction, build_plans, simulate
+
+        pp, m, v, schedule = self.pp, self.m, self.v, self.schedule
+        plans = build_plans(schedule, pp, m, v)
+        makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
+        parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
+                 for i in range(pp)]
+        costs = [action_seconds(b) for b in parts]
+        # the measured step also holds the work after the schedule (gradient completion, the norm) that the
+        # stage finishing last did alone: its tail, the shortest
+        post = min(b["tail"] for b in parts)
+        pred_span, pred_busy = simulate(plans, costs=costs, exchange_cost=latency or 0.0)
+        replayed = [replay(plans, costs, t, latency or 0.0, post=min(b["tail"] for b in st))
+                    for t, st in zip(self.timelines, self.parts)]
+        med = {k: [statistics.median(t[f"pp_{k}"][i] for t in self.times) for i in range(pp)]
+               for k in ("idle_fraction", "busy_s", "idle_s")}
+        return {"schedule": schedule, "m": m, "p": pp, "v": v, **med,
+                "step_s": max(b + i for b, i in zip(med["busy_s"], med["idle_s"])),
+                "predicted_idle_fraction": [round(1 - b / makespan, 4) for b in sim_busy],
+                "formula": bubble_fraction(pp, m, schedule=schedule, chunks=v),
+                "measured_prediction": [round(1 - b / (pred_span + post), 4) for b in pred_busy],
+                "predicted_step_s": pred_span + post, "action_s": costs, "breakdown": parts,
+                "replayed": [statistics.median(r[i] for r in replayed) for i in range(pp)],
+                "p2p_latency_s": latency, "threads": torch.get_num_threads(),
+                "first_stage_saved_bytes": self.held, "peak_bytes": self.peaks}
 
 
 def action_seconds(breakdown: dict[str, float]) -> dict[str, float]:
