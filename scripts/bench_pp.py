@@ -46,6 +46,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -159,14 +160,18 @@ class Run:
         import torch
 
         self.ctx.barrier()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         self.trainer.train_step()
+        # pages touched for the first time in the step: memory that is not reused costs the kernel a fault each
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         self.times.append(self.trainer.pipeline_times())
         clock = self.trainer.runtime.stage_clock
         every: list[Any] = [None] * self.pp  # (CPU: perf_counter is one monotonic clock for the host)
-        torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(), clock.start))
-        first = min(start for _, _, start in every)
-        self.parts.append([{**b, "start_offset": start - first} for b, _, start in every])
-        self.timelines.append([t for _, t, _ in every])
+        torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(), clock.start,
+                                                    faults))
+        first = min(start for _, _, start, _ in every)
+        self.parts.append([{**b, "start_offset": start - first, "page_faults": f} for b, _, start, f in every])
+        self.timelines.append([t for _, t, _, _ in every])
 
     def row(self, latency: float | None) -> dict[str, Any]:
         import torch
@@ -276,13 +281,13 @@ def actions(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     """Milliseconds per action on each stage (what `predicted` simulates), and where each stage's idle went."""
     lines = ["ms per action, per stage (chunk c of interleaved: F1, B1 ...); idle ms split into exch (in "
              "batch_isend_irecv), tail (after the stage's last action to the step's end) and other (executor); "
-             "start: ms after the first stage's schedule began"]
+             "start: ms after the first stage's schedule began; faults: minor page faults in the step"]
     for r in rows:
         if r["m"] not in wanted:
             continue
         per = [" ".join(f"{k}={1e3 * v:.1f}" for k, v in sorted(a.items())) for a in r["action_s"]]
         idle = [f"exch {1e3 * b['exchange']:.0f} tail {1e3 * b['tail']:.0f} other {1e3 * b['other']:.0f} "
-                f"start +{1e3 * b['start_offset']:.0f}"
+                f"start +{1e3 * b['start_offset']:.0f} faults {b['page_faults'] / 1e3:.1f}k"
                 for b in r["breakdown"]]
         lines.append(f"{_name(r):>15} {r['m']:>3}  " + " | ".join(f"{a}; {i}" for a, i in zip(per, idle)))
     return "\n".join(lines)
