@@ -43,6 +43,7 @@ says so). The script starts its own workers with `python -m torch.distributed.ru
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -51,6 +52,8 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -161,17 +164,19 @@ class Run:
 
         self.ctx.barrier()
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        self.trainer.train_step()
+        with gc_seconds() as in_gc:
+            self.trainer.train_step()
         # pages touched for the first time in the step: memory that is not reused costs the kernel a fault each
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
         self.times.append(self.trainer.pipeline_times())
         clock = self.trainer.runtime.stage_clock
         every: list[Any] = [None] * self.pp  # (CPU: perf_counter is one monotonic clock for the host)
         torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(), clock.start,
-                                                    faults))
-        first = min(start for _, _, start, _ in every)
-        self.parts.append([{**b, "start_offset": start - first, "page_faults": f} for b, _, start, f in every])
-        self.timelines.append([t for _, t, _, _ in every])
+                                                    faults, in_gc[0]))
+        first = min(start for _, _, start, _, _ in every)
+        self.parts.append([{**b, "start_offset": start - first, "page_faults": f, "gc": g}
+                           for b, _, start, f, g in every])
+        self.timelines.append([t for _, t, _, _, _ in every])
 
     def row(self, latency: float | None) -> dict[str, Any]:
         import torch
@@ -203,6 +208,24 @@ class Run:
                 "first_stage_saved_bytes": self.held, "peak_bytes": self.peaks}
 
 
+@contextlib.contextmanager
+def gc_seconds() -> Iterator[list[float]]:
+    """Seconds Python's cyclic garbage collector ran inside the block (it pauses whatever action is running)."""
+    total, began = [0.0], [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.perf_counter()
+        else:
+            total[0] += time.perf_counter() - began[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield total
+    finally:
+        gc.callbacks.remove(callback)
+
+
 def action_seconds(breakdown: dict[str, float]) -> dict[str, float]:
     """Seconds per action of each kind on one stage (F, B, W, chunks' F1, B1 ...) from StageClock.breakdown()."""
     return {k: breakdown[k] / breakdown[f"count_{k}"] for k in breakdown if f"count_{k}" in breakdown}
@@ -223,8 +246,6 @@ def replay(plans: list[Any], means: list[dict[str, float]], timeline: list[list[
 def p2p_latency(shape: tuple[int, ...], *, trips: int = 30) -> float:
     """Seconds from both sides posting an exchange of one activation (the executor's batch_isend_irecv) to its
     completion, between ranks 0 and 1: half the median round trip of a ping-pong; every rank gets the figure."""
-    import time
-
     import torch
     import torch.distributed as dist
 
@@ -281,13 +302,13 @@ def actions(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     """Milliseconds per action on each stage (what `predicted` simulates), and where each stage's idle went."""
     lines = ["ms per action, per stage (chunk c of interleaved: F1, B1 ...); idle ms split into exch (in "
              "batch_isend_irecv), tail (after the stage's last action to the step's end) and other (executor); "
-             "start: ms after the first stage's schedule began; faults: minor page faults in the step"]
+             "start: ms after the first stage's schedule began; faults: minor page faults in the step; gc: ms in Python's garbage collector"]
     for r in rows:
         if r["m"] not in wanted:
             continue
         per = [" ".join(f"{k}={1e3 * v:.1f}" for k, v in sorted(a.items())) for a in r["action_s"]]
         idle = [f"exch {1e3 * b['exchange']:.0f} tail {1e3 * b['tail']:.0f} other {1e3 * b['other']:.0f} "
-                f"start +{1e3 * b['start_offset']:.0f} faults {b['page_faults'] / 1e3:.1f}k"
+                f"start +{1e3 * b['start_offset']:.0f} faults {b['page_faults'] / 1e3:.1f}k gc {1e3 * b['gc']:.0f}"
                 for b in r["breakdown"]]
         lines.append(f"{_name(r):>15} {r['m']:>3}  " + " | ".join(f"{a}; {i}" for a, i in zip(per, idle)))
     return "\n".join(lines)
