@@ -170,6 +170,26 @@ def test_messages_pair_in_the_order_posted() -> None:
                   [Exchange((Action("RECV_F", 1),)), Exchange((Action("RECV_F", 0),))]])
 
 
+def test_simulate_with_measured_costs() -> None:
+    """The bench's prediction: per-stage cost tables (seconds measured per action), a latency per exchange, and a
+    replay of single actions' durations. GPipe p=2 m=1 by hand: F0 on stage 0, the activation's trip, F0 and B0
+    on stage 1, the gradient's trip, B0 on stage 0."""
+    plans = build_plans("gpipe", 2, 1)
+    units = [{"F": 1.0, "B": 2.0}] * 2
+    assert simulate(plans, costs=units) == simulate(plans)
+    assert simulate(plans, costs=[{"F": 1.0, "B": 3.0}, {"F": 2.0, "B": 4.0}], exchange_cost=0.5) == (
+        1 + 0.5 + 2 + 4 + 0.5 + 3, [4.0, 6.0])
+    # one action of its own (a replay): stage 1's B of micro-batch 0 took 5
+    assert simulate(plans, costs=[units[0], {**units[1], ("B", 0): 5.0}])[0] == 1 + 1 + 5 + 2
+    # interleaved: chunk 1's actions from "F1"/"B1" where given, else the plain kind's
+    plans = build_plans("interleaved", 2, 2, 2)
+    even = simulate(plans, costs=[{"F": 0.5, "B": 1.0}] * 2)
+    assert even == simulate(plans, forward_cost=0.5, backward_cost=1.0)
+    assert simulate(plans, costs=[{"F": 0.5, "B": 1.0, "F1": 1.5}] * 2)[1] == [b + 2 * 1.0 for b in even[1]]
+    with pytest.raises(ValueError, match="1 cost tables for 2 stages"):
+        simulate(build_plans("1f1b", 2, 2), costs=units[:1])
+
+
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
 def test_activation_memory(stages: int, micro: int) -> None:
     """GPipe holds all m micro-batches on every stage; 1F1B at most p - s on stage s."""
@@ -357,3 +377,20 @@ def test_interleaved_chunks_balance_and_keep_whole_model_names() -> None:
     held = {int(n.split(".")[1]) for n, _ in model.named_parameters() if n.startswith("blocks.")}
     assert held == {*ranges[1], *ranges[3]}
     assert any(n.startswith("lm_head.") or n == "wte.weight" for n, _ in model.named_parameters())
+
+
+def test_stage_clock_breakdown() -> None:
+    """Where a step's seconds went on one stage (the bench's split of idle): by action kind, in exchanges, after the
+    last action (the tail) and the rest; each computation's seconds in order for a replay."""
+    from dist_llm.parallel.pipeline.executor import StageClock
+
+    clock = StageClock(torch.device("cpu"))
+    clock.start, clock.end = 0.0, 10.0
+    clock.spans = [(0.0, 1.0), (1.5, 2.0), (2.5, 4.5), (5.0, 8.0)]
+    clock.actions = [Action("F", 0), Action("F", 0, 1), Action("B", 0, 1), Action("W", 0)]
+    clock.exchanges = [(1.0, 1.5), (8.0, 9.0)]
+    got = clock.breakdown()
+    assert got == {"F": 1.0, "count_F": 1, "F1": 0.5, "count_F1": 1, "B1": 2.0, "count_B1": 1, "W": 3.0,
+                   "count_W": 1, "exchange": 1.5, "tail": 1.0, "other": 1.0}
+    assert clock.busy_idle() == (6.5, 3.5)
+    assert clock.action_seconds() == [("F", 0, 1.0), ("F1", 0, 0.5), ("B1", 0, 2.0), ("W", 0, 3.0)]

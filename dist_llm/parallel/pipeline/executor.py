@@ -83,6 +83,9 @@ class StageClock:
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[Any, Any]] = []
+        self.actions: list[Action] = []  # each span's action
+        self.exchanges: list[tuple[Any, Any]] = []  # when the stage sat in a batch_isend_irecv (idle)
+        self.action: Action | None = None  # the action running now (set by the executor before each computation)
         self.start = self.end = self.mark()
 
     def mark(self) -> Any:
@@ -103,12 +106,38 @@ class StageClock:
         busy = sum(self._seconds(a, b) for a, b in self.spans)
         return busy, max(0.0, self._seconds(self.start, self.end) - busy)
 
+    def breakdown(self) -> dict[str, float]:
+        """Where the step's seconds went: seconds per action kind ("F", "B", "W"; "F1", "B1" ... for the
+        interleaved schedule's later chunks), "exchange" (inside batch_isend_irecv: waiting for the neighbour
+        plus the transfer), "tail" (the last computation or exchange to `end`: the flush's wait, gradient
+        completion and the norm), and "other" (the rest: the executor's own work between actions).
+        "count_<kind>" is how many of each action ran."""
+        out: dict[str, float] = {}
+        for kind, _, seconds in self.action_seconds():
+            out[kind] = out.get(kind, 0.0) + seconds
+            out[f"count_{kind}"] = out.get(f"count_{kind}", 0.0) + 1
+        out["exchange"] = sum(self._seconds(a, b) for a, b in self.exchanges)
+        last = max([b for _, b in self.spans + self.exchanges], key=lambda b: self._seconds(self.start, b),
+                   default=self.start)
+        out["tail"] = self._seconds(last, self.end)
+        total = self._seconds(self.start, self.end)
+        out["other"] = total - out["tail"] - out["exchange"] - sum(v for k, v in out.items()
+                                                                    if k[0] in "FBW" and not k.startswith("count"))
+        return out
+
+    def action_seconds(self) -> list[tuple[str, int, float]]:
+        """(kind with its chunk as in `breakdown`, micro-batch, seconds) of each computation, in order: what
+        `schedule.simulate(costs=...)` replays."""
+        return [(a.kind + (str(a.chunk) if a.chunk else ""), a.micro, self._seconds(s, e))
+                for (s, e), a in zip(self.spans, self.actions)]
+
 
 @contextlib.contextmanager
 def _computing(clock: StageClock):  # type: ignore[no-untyped-def]
     start = clock.mark()
     yield
     clock.spans.append((start, clock.mark()))
+    clock.actions.append(clock.action)  # type: ignore[arg-type]
 
 
 Key = tuple[int, int]  # (micro-batch, chunk)
@@ -140,10 +169,13 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
     clock = StageClock(device)
     for a in plan:
         if isinstance(a, Exchange):
+            start = clock.mark()
             _exchange(a, p2p, inputs, outputs, out_grads, shape=act_shape, dtype=act_dtype, device=device,
                       train=train)
+            clock.exchanges.append((start, clock.mark()))
             continue
         m, key, st = a.micro, (a.micro, a.chunk), chunks[a.chunk]
+        clock.action = a
         label = f"{m}/{a.chunk}" if a.chunk else f"{m}"
         if a.kind not in ("F", "B", "W"):
             raise ValueError(f"{a} outside an Exchange: run the plans of schedule.build_plans")

@@ -19,7 +19,7 @@ NCCL's semantics, where a send waits for its receive. One executor runs any plan
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping, Sequence
 
 Kind = Literal["RECV_F", "F", "SEND_F", "RECV_B", "B", "SEND_B", "W"]
 
@@ -241,22 +241,33 @@ def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1) -> 
 
 def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cost: float = 2.0,
              weight_cost: float | None = None,
+             costs: Sequence[Mapping[str | tuple[str, int], float]] | None = None,
+             exchange_cost: float = 0.0,
              trace: list[tuple[int, Action, float]] | None = None) -> tuple[float, list[float]]:
     """Run the plans on an idealised machine with NCCL's rendezvous semantics and return the makespan and each
     stage's busy time. Raises ValueError if the plans deadlock or a receive would get another message.
 
     `backward_cost` is a whole backward; where a plan splits it (W actions), W costs `weight_cost` (half of it
     unless given: the weight-gradient matmuls are as many as the input-gradient ones) and B the rest.
+    `costs` replaces those unit costs with one table per stage, such as the seconds each action took on a real
+    run (StageClock.breakdown): "F", "B", "W", and under the interleaved schedule "F1", "B1" ... for chunk 1 ...
+    (a chunk without its own entry costs the plain kind's); a key (kind, micro-batch), such as ("B1", 3), costs
+    that one action (a replay of a step's own durations, StageClock.action_seconds).
 
     An `Exchange` posts its actions together and the stage waits until all of them complete; a bare
     send or receive action is an exchange of its own (one `batch_isend_irecv` per action). A send completes
-    only when the peer has posted the matching receive, and a receive when the send is posted (transfers cost
-    nothing). Messages between two stages pair in the order posted (NCCL has no tags)."""
+    only when the peer has posted the matching receive, and a receive when the send is posted, plus
+    `exchange_cost` (a transfer's latency; 0: free). Messages between two stages pair in the order posted
+    (NCCL has no tags)."""
     stages = len(plans)
-    w_cost = backward_cost / 2 if weight_cost is None else weight_cost
-    costs = [{"F": forward_cost, "W": w_cost,
-              "B": backward_cost - w_cost if any(isinstance(x, Action) and x.kind == "W" for x in p) else backward_cost}
-             for p in plans]
+    if costs is not None:
+        if len(costs) != stages:
+            raise ValueError(f"simulate: {len(costs)} cost tables for {stages} stages")
+    else:
+        w_cost = backward_cost / 2 if weight_cost is None else weight_cost
+        costs = [{"F": forward_cost, "W": w_cost,
+                  "B": backward_cost - w_cost if any(isinstance(x, Action) and x.kind == "W" for x in p)
+                  else backward_cost} for p in plans]
     steps = [[x if isinstance(x, Exchange) or x.kind not in _COMM else Exchange((x,)) for x in p] for p in plans]
     clock = [0.0] * stages
     busy = [0.0] * stages
@@ -272,7 +283,7 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
             while pos[s] < len(steps[s]):
                 x = steps[s][pos[s]]
                 if isinstance(x, Action):
-                    cost = costs[s][x.kind]
+                    cost = _cost(costs[s], x)
                     if trace is not None:  # (stage, computation, its start)
                         trace.append((s, x, clock[s]))
                     clock[s] += cost
@@ -281,7 +292,7 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
                 elif not posted[s]:
                     posted[s] = True
                     _post(s, x, clock[s], stages, sends, recvs)
-                    _pair(sends, recvs, done)
+                    _pair(sends, recvs, done, exchange_cost)
                 elif len(done[s]) < len(x.ops):
                     break  # waiting on a peer to post its side
                 else:
@@ -293,6 +304,13 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
             waiting = {s: steps[s][pos[s]] for s in range(stages) if pos[s] < len(steps[s])}
             raise ValueError(f"the schedule deadlocks: stages wait on {waiting}")
     return max(clock), busy
+
+
+def _cost(table: Mapping[str | tuple[str, int], float], a: Action) -> float:
+    name = f"{a.kind}{a.chunk}" if a.chunk else a.kind
+    if (name, a.micro) in table:
+        return table[name, a.micro]
+    return table[name] if name in table else table[a.kind]
 
 
 def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
@@ -312,8 +330,10 @@ def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, i
 
 
 def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
-          recvs: dict[tuple[int, int], list[tuple[int, Action, float]]], done: list[list[float]]) -> None:
-    """Pair the posted sends and receives of each direction in order; both complete when the later is posted."""
+          recvs: dict[tuple[int, int], list[tuple[int, Action, float]]], done: list[list[float]],
+          latency: float = 0.0) -> None:
+    """Pair the posted sends and receives of each direction in order; both complete `latency` after the later
+    is posted."""
     stages = len(done)
     for key, queue in sends.items():
         waiting = recvs.get(key, [])
@@ -324,8 +344,8 @@ def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
             if ((send.kind[-1], send.micro, send.chunk * stages + src + step)
                     != (recv.kind[-1], recv.micro, recv.chunk * stages + dst)):
                 raise ValueError(f"stage {dst}'s {recv} would receive stage {src}'s {send}")
-            done[src].append(max(t_send, t_recv))
-            done[dst].append(max(t_send, t_recv))
+            done[src].append(max(t_send, t_recv) + latency)
+            done[dst].append(max(t_send, t_recv) + latency)
 
 
 def peak_in_flight(plan: list[Action]) -> int:
