@@ -261,7 +261,9 @@ class DeepSpeedDataParallel(DataParallel):
         if self._zero3():
             params = [p for p in self.module.parameters()]
             pieces = shards.zero3_pieces(params, dist.get_rank(group=self.optimizer.dp_process_group))
-            model_sd: dict[str, Any] = {}  # (a frozen PEFT base is partitioned too, and not saved)
+            # (a frozen PEFT base is partitioned too, and not saved); buffers are never partitioned: an MoE layer's
+            # expert_bias is state the run trains, held whole on every rank as in every other layout
+            model_sd: dict[str, Any] = shards.persistent_buffers(self.module)
         else:
             pieces = shards.zero12_pieces(self.optimizer)
             model_sd = get_model_state_dict(self.module)  # the frozen (PEFT) parameters are held whole here
