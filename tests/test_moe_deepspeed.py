@@ -67,10 +67,11 @@ def test_zero2_matches_one_process_and_resumes_at_ep2(tmp_path: Path, tmp_path_f
         torch.testing.assert_close(b, biases[name], rtol=0, atol=0)
 
 
-def test_ep2_checkpoint_resumes_at_deepspeed_zero1_and_zero3(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+def test_ep2_checkpoint_resumes_at_deepspeed_zero0_1_and_3(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     """The native engine's ep=2 checkpoint (experts saved by global id from two ranks' halves) resumes under
     DeepSpeed at ZeRO-1 and ZeRO-3 (experts whole, or partitioned by DeepSpeed) with the uninterrupted run's
-    losses and parameters. ZeRO-3 saves the expert bias too (a buffer beside its partitions: it saved none)."""
+    losses and parameters. ZeRO-3 saves the expert bias too (a buffer beside its partitions: it saved none), and
+    ZeRO-0, which resumes the weights alone, resumes the bias with them."""
     first = tmp_path / "ep2"
     whole = run_distributed(train, 2, first, corpus, {**MOE, "parallel__ep": 2, "train__ckpt_interval": 4},
                             init_group=False)[0]
@@ -82,6 +83,34 @@ def test_ep2_checkpoint_resumes_at_deepspeed_zero1_and_zero3(tmp_path: Path, cor
         want = expert_biases(first / "checkpoints" / "step_000008")
         for name, b in expert_biases(out / "checkpoints" / "step_000008").items():
             torch.testing.assert_close(b, want[name], rtol=0, atol=0, msg=lambda m, n=name, s=stage: f"{s} {n}: {m}")
+    # stage 0 resumes the weights only (its moments start afresh), but the bias with them: it was loaded into a copy
+    step = first / "checkpoints" / "step_000004"
+    want = expert_biases(step)
+    for got in run_distributed(_resumed_biases, 2, first, corpus, {**DS, "parallel__zero_stage": 0,
+                                                                   "train__resume": str(step)}, init_group=False,
+                               timeout=600):
+        assert sorted(got) == sorted(want) and all(b.abs().sum() > 0 for b in want.values())
+        for name, b in got.items():
+            torch.testing.assert_close(b, want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _resumed_biases(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                    extra: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Build the trainer (which resumes) and report its MoE layers' expert bias."""
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": STEPS,
+                                                       "model__bias": False, **MOE, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        assert trainer.resumed_from is not None
+        return {n: b.clone() for n, b in trainer.module.named_buffers() if n.endswith("expert_bias")}
+    finally:
+        ctx.destroy()
 
 
 def test_ep_above_1_is_refused_with_one_line(tmp_path: Path) -> None:

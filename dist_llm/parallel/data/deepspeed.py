@@ -278,6 +278,8 @@ class DeepSpeedDataParallel(DataParallel):
             with torch.no_grad():
                 for name, p in self.module.named_parameters():
                     p.copy_(state["model"][name].to(p.dtype))
+                for name, b in shards.persistent_buffers(self.module).items():  # (checkpoint_state saved copies)
+                    b.copy_(state["model"][name])
             refresh = getattr(self.optimizer, "refresh_fp32_params", None)
             if refresh is not None:  # DeepSpeed's fp32 master copies follow the loaded weights
                 refresh()
