@@ -9,6 +9,11 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
+MoE models run here at ep=1 as they are: the loss the engine backpropagates carries the routers' balancing terms
+(model/gpt.py), the trainer moves the expert bias after the engine's step, and the bias (a buffer, never
+partitioned) is saved and resumed beside the partitions at every stage. ep>1 is refused (config.py): the engine
+reduces every gradient over all of dp, where each expert's belongs to its expert-dp group alone.
+
 At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time, whether drawn, read from
 model.init_from or a LoRA/adapter tensor, QLoRA's NF4 base one layer at a time, quantised whole and then partitioned
 (deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each
