@@ -789,15 +789,12 @@ def _check_moe(cfg: Config) -> None:
     if p.tp > 1 and m.block_size % p.tp:  # each tp rank routes its chunk of the sequence (parallel/tensor/moe.py)
         raise ConfigError(f"model.block_size: {m.block_size} is not divisible by parallel.tp={p.tp}; an MoE layer "
                           f"splits the sequence over the tp ranks")
-    # DeepSpeed's engine: untested with MoE at ep=1, and it knows nothing of our expert groups at ep>1
-    if p.backend != "native":
-        raise ConfigError(f"model.n_experts: MoE with parallel.backend={p.backend} is not yet supported (issue 19)")
 
 
 def _check_expert_parallel(cfg: Config) -> None:
     """parallel.ep > 1: experts split over ep of the dp ranks (dp itself is checked against WORLD_SIZE at start,
-    parallel/context.py), per (pp, tp) position. With DeepSpeed it comes later (issue 19); ZeRO-3 shards the experts
-    over the expert-dp ranks (parallel/expert/fsdp.py)."""
+    parallel/context.py), per (pp, tp) position; native engine only (DeepSpeed runs MoE at ep=1). ZeRO-3 shards the
+    experts over the expert-dp ranks (parallel/expert/fsdp.py)."""
     m, p = cfg.model, cfg.parallel
     if p.ep == 1:
         return
@@ -806,9 +803,12 @@ def _check_expert_parallel(cfg: Config) -> None:
     if p.dp and p.dp % p.ep:
         raise ConfigError(f"parallel.ep: {p.ep} does not divide parallel.dp={p.dp}")
     # (compile: the dispatch runs outside the compiled graphs, expert/dispatch.py AllToAllDispatch)
+    # DeepSpeed's engine reduces every gradient over the whole data-parallel group; under ep each rank holds other
+    # experts, whose gradients must be reduced over their expert-dp ranks only (parallel/expert/grads.py)
     if p.backend != "native":
-        raise ConfigError(f"parallel.ep: expert parallelism with parallel.backend={p.backend} is not yet supported "
-                          f"(issue 19); use parallel.ep=1")
+        raise ConfigError(f"parallel.ep: {p.ep} with parallel.backend={p.backend} is not supported: DeepSpeed's engine "
+                          f"would all-reduce the expert gradients over all of dp, mixing different experts; use "
+                          f"parallel.ep=1 or parallel.backend=native")
 
 
 def check_expert_targets(f: PeftConfig, m: ModelConfig) -> None:

@@ -44,6 +44,7 @@ def corpus_file(tmp_path: Path) -> Path:
 # so that the run does not end with one worker on a long test while the other idles.
 SLOW_S: dict[str, float] = {
     "test_reliability.py::test_torchrun_restarts_a_killed_worker_from_the_last_checkpoint": 53,
+    "test_moe_deepspeed.py::test_ep2_checkpoint_resumes_at_deepspeed_zero0_1_and_3": 45,
     "test_deepspeed.py::test_deepspeed_zero2_matches_ours": 36,
     "test_deepspeed.py::test_deepspeed_skipped_steps_come_from_the_engine": 35,
     "test_reliability.py::test_a_real_write_error_stops_with_one_line_and_keeps_the_checkpoint": 32,
@@ -61,6 +62,7 @@ SLOW_S: dict[str, float] = {
     "test_cli.py::test_train_then_sample": 16,
     "test_stop_during_build.py::test_a_sigterm_after_the_last_save_lets_the_complete_run_exit_0": 15,
     "test_deepspeed.py::test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses": 15,
+    "test_moe_deepspeed.py::test_zero2_matches_one_process_and_resumes_at_ep2": 15,
     "test_readme.py::test_every_readme_command_runs_as_written": 12,
     "test_deepspeed_qlora.py::test_qlora_at_zero3_trains_to_the_one_process_losses": 12,
     "test_reliability.py::test_a_stuck_rank_becomes_an_error_naming_the_collective_and_rank": 12,

@@ -117,7 +117,8 @@ def test_checkpoint_reshards_across_ep(tmp_path: Path, tmp_path_factory: pytest.
     (["model.n_experts=4", "parallel.ep=0"], "parallel.ep: must be >= 1, got 0"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.dp=3", "train.global_batch_size=96"], "parallel.ep: 2 does not divide parallel.dp=3"),
     (["model.n_experts=4", "parallel.ep=2", "parallel.backend=deepspeed"],
-     "parallel.ep: expert parallelism with parallel.backend=deepspeed is not yet supported (issue 19); use parallel.ep=1"),
+     "parallel.ep: 2 with parallel.backend=deepspeed is not supported: DeepSpeed's engine would all-reduce the "
+     "expert gradients over all of dp, mixing different experts; use parallel.ep=1 or parallel.backend=native"),
 ])
 def test_config_refusals(override: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:

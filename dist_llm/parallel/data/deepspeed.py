@@ -9,6 +9,11 @@ TORCH_EXTENSIONS_DIR).
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
 
+MoE models run here at ep=1 as they are: the loss the engine backpropagates carries the routers' balancing terms
+(model/gpt.py), the trainer moves the expert bias after the engine's step, and the bias (a buffer, never
+partitioned) is saved and resumed beside the partitions at every stage. ep>1 is refused (config.py): the engine
+reduces every gradient over all of dp, where each expert's belongs to its expert-dp group alone.
+
 At ZeRO-3 the model is built straight into DeepSpeed's partitions, one parameter at a time, whether drawn, read from
 model.init_from or a LoRA/adapter tensor, QLoRA's NF4 base one layer at a time, quantised whole and then partitioned
 (deepspeed_shards.build_partitioned). Checkpoints at ZeRO-1/2/3 hold each
@@ -261,7 +266,9 @@ class DeepSpeedDataParallel(DataParallel):
         if self._zero3():
             params = [p for p in self.module.parameters()]
             pieces = shards.zero3_pieces(params, dist.get_rank(group=self.optimizer.dp_process_group))
-            model_sd: dict[str, Any] = {}  # (a frozen PEFT base is partitioned too, and not saved)
+            # (a frozen PEFT base is partitioned too, and not saved); buffers are never partitioned: an MoE layer's
+            # expert_bias is state the run trains, held whole on every rank as in every other layout
+            model_sd: dict[str, Any] = shards.persistent_buffers(self.module)
         else:
             pieces = shards.zero12_pieces(self.optimizer)
             model_sd = get_model_state_dict(self.module)  # the frozen (PEFT) parameters are held whole here
@@ -276,6 +283,8 @@ class DeepSpeedDataParallel(DataParallel):
             with torch.no_grad():
                 for name, p in self.module.named_parameters():
                     p.copy_(state["model"][name].to(p.dtype))
+                for name, b in shards.persistent_buffers(self.module).items():  # (checkpoint_state saved copies)
+                    b.copy_(state["model"][name])
             refresh = getattr(self.optimizer, "refresh_fp32_params", None)
             if refresh is not None:  # DeepSpeed's fp32 master copies follow the loaded weights
                 refresh()

@@ -136,6 +136,13 @@ def state_of(module: nn.Module, pieces: dict[int, Piece], step: torch.Tensor, tp
     return {"model": model_sd, "optim": {"state": optim}}
 
 
+def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers `module.state_dict()` holds (persistent ones: an MoE layer's expert_bias), by name, as the live
+    tensors: DCP saves them and, on resume, loads into them in place."""
+    return {f"{name}.{b}" if name else b: t for name, m in module.named_modules() for b, t in m._buffers.items()
+            if t is not None and b not in m._non_persistent_buffers_set}
+
+
 def set_step(opt: Any, optim_state: dict[str, Any]) -> None:
     """The step count a checkpoint gave (one for all parameters) into every flat partition's state."""
     step = next(iter(optim_state.values()))["step"] if optim_state else torch.tensor(0.0)
