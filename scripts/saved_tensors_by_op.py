@@ -8,7 +8,9 @@ node's saved tensors (`_saved_*` attributes, a custom Function's `saved_tensors`
 grad_fn name), shape, dtype and bytes (of the whole storage: a view keeps all of it), the storage counted once
 however many ops save it or views of it ("again" marks one already counted; parameters and buffers are model
 states, left out). The trainer's meter (SavedTensorMeter, saved_tensors_hooks) runs around the same step: its peak
-is the "measured" figure of the trainer's log line, which the walk's total should equal for a plain step.
+is the "measured" figure of the trainer's log line, which the walk's total equals for a plain step (a Python
+number an op multiplies by, LoRA's scale, is saved as a 0-dim float64 tensor without the hooks: 8 bytes the walk
+counts and the meter does not).
 Activation checkpointing saves placeholders that the walk cannot read (and reading them would recompute): refused.
 """
 
@@ -28,7 +30,7 @@ from dist_llm.config import ConfigError, load_config  # noqa: E402
 from dist_llm.model.gpt import Attention  # noqa: E402
 from dist_llm.parallel.context import ParallelContext  # noqa: E402
 from dist_llm.precision import DTYPES, autocast  # noqa: E402
-from dist_llm.train.saved_tensors import SavedTensorMeter  # noqa: E402
+from dist_llm.train.saved_tensors import SavedTensorMeter, _storage  # noqa: E402
 from dist_llm.train.trainer import build_model  # noqa: E402
 
 MiB = 2**20
@@ -41,7 +43,7 @@ def saved_of(node: object) -> list[tuple[str, torch.Tensor]]:
         if name.startswith("_saved_"):
             try:
                 found.append((name[len("_saved_"):], getattr(node, name)))
-            except RuntimeError:  # (already freed)
+            except (RuntimeError, TypeError, ValueError):  # (freed, or a value Python cannot be handed)
                 pass
     if hasattr(node, "saved_tensors"):  # a custom autograd Function
         try:
@@ -66,10 +68,10 @@ def walk(loss: torch.Tensor, skip: set[int]) -> list[dict]:
         seen.add(node)
         todo += [n for n, _ in node.next_functions]
         for attr, t in saved_of(node):
-            storage = t.untyped_storage()
-            key = storage.data_ptr()
-            if key in skip or storage.nbytes() == 0:
+            storage = _storage(t)  # (as the meter finds it: a DTensor's local shard; None for a wrapper)
+            if storage is None or storage.data_ptr() in skip or storage.nbytes() == 0:
                 continue
+            key = storage.data_ptr()
             rows.append({"op": type(node).__name__, "attr": attr, "shape": tuple(t.shape),
                          "dtype": str(t.dtype).removeprefix("torch."), "bytes": storage.nbytes(), "again": key in counted})
             counted.add(key)
@@ -98,7 +100,7 @@ def main() -> None:
     m, t = cfg.model, cfg.train
     kernel = perf.sdpa_kernel(attention, seq=m.block_size, dtype=DTYPES[t.precision], device=ctx.device)
     tokens = torch.randint(0, m.vocab_size, (t.micro_batch_size, m.block_size + 1), device=ctx.device)
-    skip = {p.untyped_storage().data_ptr() for p in [*model.parameters(), *model.buffers()]}
+    skip = {s.data_ptr() for s in map(_storage, [*model.parameters(), *model.buffers()]) if s is not None}
     with SavedTensorMeter([*model.parameters(), *model.buffers()]) as meter:
         with autocast(t.precision, ctx.device):
             loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -124,7 +126,7 @@ def main() -> None:
     predicted = memory.predict(cfg, 1).activation_bytes
     print(f"saved activations, MiB: walk {walked / MiB:.2f} | meter {meter.peak_bytes / MiB:.2f} | "
           f"predicted {predicted / MiB:.2f} ({(predicted - meter.peak_bytes) / MiB:+.2f}); bytes: walk {walked}, "
-          f"meter {meter.peak_bytes}")
+          f"meter {meter.peak_bytes}, predicted {predicted}")
     ctx.destroy()
 
 
