@@ -163,12 +163,14 @@ def rms_norm_saves_normalised(cfg: Config) -> bool:
     nn.RMSNorm calls aten's rms_norm, which runs `_fused_rms_norm`: on CUDA (and XPU) a fused kernel whose backward
     takes the input, rstd and weight (derivatives.yaml), nothing else; elsewhere (the CPU) its composite,
     pow -> mean -> rsqrt -> mul(x, rstd) -> mul(., weight), whose last product keeps x * rstd for the weight's
-    gradient. On an H200 (torch 2.11) configs/tiny.yaml fp32 saved 18.00 MiB less than on the CPU, and moe.yaml
-    bf16 18.00 MiB less: one (B, T, C) fp32 tensor for each of the 9 norms (4 blocks x 2 and the final one);
-    the SDPA kernels (efficient, cuDNN, flash-cpu) save the same q, k, v, output and log-sum-exp there.
-    Which device: train.device, or with "auto" whether CUDA is present here, as the trainer picks it. Torch
-    without `_fused_rms_norm_backward` (before its CUDA kernel) runs the composite everywhere."""
-    if cfg.model.norm != "rmsnorm":
+    gradient, so only where that weight trains: PEFT freezes the norms (autograd then saves no input of a product
+    for a factor that needs no gradient). On an H200 (torch 2.11) configs/tiny.yaml fp32 saved 18.00 MiB less
+    than on the CPU, and moe.yaml bf16 18.00 MiB less: one (B, T, C) fp32 tensor for each of the 9 norms (4
+    blocks x 2 and the final one); the SDPA kernels (efficient, cuDNN, flash-cpu) save the same q, k, v, output
+    and log-sum-exp there. Which device: train.device, or with "auto" whether CUDA is present here, as the
+    trainer picks it. Torch without `_fused_rms_norm_backward` (before its CUDA kernel) runs the composite
+    everywhere."""
+    if cfg.model.norm != "rmsnorm" or cfg.peft.method != "none":
         return False
     return _runs_on_gloo(cfg) or not hasattr(torch.ops.aten, "_fused_rms_norm_backward")
 

@@ -61,12 +61,18 @@ def _by_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> 
     return text, {name: int(value) for name, value in figures}
 
 
-def test_saved_tensors_by_op_walk_equals_the_meter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The script's walk of the autograd graph finds what the trainer's meter counts, to the byte, and names the
-    ops: RMSNorm's composite on the CPU (PowBackward0 on its input, MulBackward0 on the normalised output), SDPA's
-    flash-cpu node with its log-sum-exp. The prediction: within 0.2% (the loss's few scalars, 540 bytes here)."""
-    text, got = _by_op(tmp_path, monkeypatch, *SMALL)
-    assert got["walk"] == got["meter"] > 0, text
+@pytest.mark.parametrize("peft", [[], ["peft.method=lora", "peft.rank=4", "peft.targets=[qkv,mlp_up]"]],
+                         ids=["plain", "lora"])
+def test_saved_tensors_by_op_walk_equals_the_meter(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                   peft: list[str]) -> None:
+    """The script's walk of the autograd graph finds what the trainer's meter counts, to the byte (under LoRA
+    but for its 6 scales, Python numbers saved without the hooks, 8 bytes each), and names the ops: RMSNorm's
+    composite on the CPU (PowBackward0 on its input, MulBackward0 on x * rstd), SDPA's flash-cpu node with its
+    log-sum-exp. The prediction: within 0.2% (the loss's few scalars: 540 bytes plain, 12 under LoRA). Under LoRA
+    the frozen RMSNorm weights leave x * rstd unsaved: counted before, the prediction was 7.5% over (RMSNorm and
+    PEFT were never tested together; the dense PEFT tests run LayerNorm)."""
+    text, got = _by_op(tmp_path, monkeypatch, *SMALL, *peft)
+    assert got["walk"] - (48 if peft else 0) == got["meter"] > 0, text
     assert got["predicted"] == pytest.approx(got["meter"], rel=0.002), text
     for op in ("PowBackward0", "MulBackward0", "ScaledDotProductFlashAttentionForCpuBackward0", "logsumexp"):
         assert op in text, text
