@@ -141,7 +141,7 @@ def fill_parameter(module: nn.Module, pname: str, name: str, fill: Fill, seed: i
     # for one seed, and the base of a random-start LoRA run is rebuilt on the CPU (export, sampling), so the
     # values must not depend on the device the run trained on. Only this rank's part is copied over.
     box = part_box(module, pname, p, shape)
-    if box is None:
+    if box is None or list(local.shape) != box[1]:
         full = torch.empty(shape, dtype=torch.float32)
         _draw(full, 0, name, seed, fill, chunk_rows(module, pname, shape))
         part = module.local_part(pname, full) if hasattr(module, "local_part") else full
