@@ -168,6 +168,7 @@ def fill_parameter(module: nn.Module, pname: str, name: str, fill: Fill, seed: i
         for dim in range(1, len(shape)):
             piece = piece.narrow(dim, offsets[dim], sizes[dim])
         target.copy_(piece)
+        del chunk, piece  # (before the next chunk is allocated: one at a time)
 
 
 def _draw(t: torch.Tensor, first: int, name: str, seed: int, fill: Fill, rows: int) -> None:
