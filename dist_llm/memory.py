@@ -42,7 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 import torch
 
@@ -67,7 +67,8 @@ class Estimate:
     offloaded: bool = False
     """Model states live in host memory (parallel.offload=cpu): not part of the device's peak."""
     init_transient_bytes: int = 0
-    """Building the model: one full fp32 parameter (the largest) made whole before a rank keeps its part."""
+    """Building the model: the largest piece of a parameter drawn in fp32 (one expert, or a chunk of rows:
+    model/init.py) before a rank keeps its part."""
     load_transient_bytes: int = 0
     """Loading weights (model.init_from, resume): the largest full tensor read in its source dtype and its fp32
     copy."""
@@ -200,13 +201,14 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> f
     """Bytes per token one block saves. In mixed precision matmul outputs are 16-bit; the residual stream
     stays fp32 unless the parameters themselves are 16-bit (our ZeRO-1/2 keep them so, with fp32 masters)."""
     low, high = our_layer_values(cfg, tp, sequence_parallel=sequence_parallel)
+    dropout = _lora_dropout_bytes(cfg, cfg.peft.targets, tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
     if cfg.train.precision == "fp32":
-        return 4 * (low + high)
+        return 4 * (low + high) + dropout
     # our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage
     params16 = _params16(cfg, dp)
     fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
                                                 / (tp if sequence_parallel else 1))
-    return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats
+    return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats + dropout
 
 
 def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False) -> float:
@@ -214,7 +216,8 @@ def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, 
     experts (memory_moe) for one micro-batch, at the balanced or the worst-case load."""
     tokens = cfg.train.micro_batch_size * cfg.model.block_size
     dense = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
-    mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp)
+    mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp) + _lora_dropout_bytes(
+        cfg, {"mlp_up", "mlp_down"} & set(cfg.peft.targets), tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
     # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py)
     moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp),
                                      worst=worst)
@@ -257,26 +260,74 @@ def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> float:
     return min(micro, pp - pp_rank)
 
 
-def _frozen_first_norm_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
-    """Bytes per token the first block's first norm does not save under LoRA/QLoRA on qkv: PEFT freezes the
-    embeddings, so the residual stream entering block 0 needs no gradient, and with frozen norm weights neither
-    does ln_1's output; autograd records no backward for it and keeps neither its input nor its statistics. The
-    first tensor that needs a gradient is qkv's LoRA update, which keeps its input (ln_1's output, counted in
-    `our_layer_values`). Other PEFT targets leave more of block 0 without a gradient (the attention too when qkv
-    is frozen); that is not taken off, so the figure is an upper bound there. Under pipeline parallelism only the
-    first stage holds block 0; full activation checkpointing keeps block inputs instead (not taken off either)."""
-    f = cfg.peft
-    if f.method not in ("lora", "qlora") or "qkv" not in f.targets:
+def _values_bytes(cfg: Config, dp: int, low: float, norm: float = 0.0, fp32: float = 0.0) -> float:
+    """Bytes of values per token as `_layer_bytes` sizes them: matmul outputs (`low`, 16-bit in mixed precision),
+    norm inputs (`norm`, 16-bit only with 16-bit parameters), statistics and log-sum-exps (`fp32`)."""
+    if cfg.train.precision == "fp32":
+        return 4 * (low + norm + fp32)
+    return 2 * low + (2 if _params16(cfg, dp) else 4) * norm + 4 * fp32
+
+
+def _lora_dropout_bytes(cfg: Config, targets: Iterable[str], *, tp: int, dp: int, seq: int,
+                        masks_only: bool = False) -> float:
+    """Bytes per token the dropout of the LoRAs on `targets` keeps (peft.dropout > 0, inputs that need a gradient):
+    its mask, a bool an element on CUDA (the fused kernel), on the CPU a tensor of the input's dtype (dropout there
+    multiplies by a scaled noise tensor, which the product keeps): the norm outputs that qkv and mlp_up read are
+    fp32 unless the parameters are 16-bit, the others the compute dtype. Each A then keeps the dropped copy of its
+    input instead of the input: a copy more where something else keeps the input too (attn_out's, which the
+    attention keeps as its output; the second of a gated MLP's up and gate LoRAs, which share it without
+    dropout). `masks_only`: the masks alone."""
+    f, m = cfg.peft, cfg.model
+    if f.method not in ("lora", "qlora") or f.dropout == 0:
         return 0.0
-    m = cfg.model
+    gated = m.mlp == "swiglu"
+    cuda = not _runs_on_gloo(cfg)
+    width = {"qkv": m.n_embd / seq, "attn_out": m.n_head * m.head_dim / tp,
+             "mlp_up": (2 if gated else 1) * m.n_embd / seq, "mlp_down": m.ffn_hidden / tp}
+    out = 0.0
+    for t in set(targets) & width.keys():
+        norm_input = t in ("qkv", "mlp_up")
+        size = 4 if cfg.train.precision == "fp32" or (norm_input and not _params16(cfg, dp)) else 2
+        out += width[t] * (1 if cuda else size)
+        if t == "mlp_up" and gated and not masks_only:  # (the second A's own dropped input)
+            out += _values_bytes(cfg, dp, m.n_embd / seq)
+        if t == "attn_out" and not masks_only:  # (the dropped copy of the attention's output)
+            out += _values_bytes(cfg, dp, width[t])
+    return out
+
+
+def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
+    """Bytes per token that block 0 does not save under LoRA/QLoRA, against `_layer_bytes`. PEFT freezes the
+    embeddings and the norms, so the residual stream entering block 0 needs no gradient, and autograd keeps
+    nothing for an op none of whose inputs needs one: every value before the first LoRA of the block (qkv, then
+    attn_out, mlp_up, mlp_down, in the order the block runs them) goes unsaved, and that LoRA's dropout keeps no
+    mask. The LoRA's A keeps its input whatever (counted in `our_layer_values`); after it the stream needs a
+    gradient again and the rest of the model saves as counted. Checked against the activation meter for each
+    first target (tests/test_memory.py). Not taken off (an upper bound there): a first block that holds no LoRA,
+    or is MoE with none on its attention, adapters (whose first input needs no gradient either), full activation checkpointing (which keeps
+    block inputs instead). Only the first pipeline stage holds block 0."""
+    f, m = cfg.peft, cfg.model
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    order = [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
+    if not order or (m.is_moe_block(0) and order[0] not in ("qkv", "attn_out")):
+        return 0.0  # (an MoE block's attention is a dense block's; its MLP part is memory_moe's)
+    first = order[0]
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
-    # (as `our_layer_values`: input, and on the CPU RMSNorm's normalised output)
-    norm_in = m.n_embd / seq * (2 if rms_norm_saves_normalised(cfg) else 1)
-    stats = (1 if rms else 2) / seq  # (fp32 whatever the precision)
-    if cfg.train.precision == "fp32":
-        return 4 * (norm_in + stats)
-    return (2 if _params16(cfg, dp) else 4) * norm_in + 4 * stats
+    q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
+    norm_in = m.n_embd / seq  # (as `our_layer_values`: its input; a frozen RMSNorm keeps no normalised output)
+    stats = (1 if rms else 2) / seq
+    low, norm, fp32 = 0.0, norm_in, stats  # ln_1
+    if first != "qkv":  # attention: q, k, v (and RoPE's rotated q, k), the log-sum-exp; its output unless kept
+        low += q + 2 * kv + (q + kv if m.pos_emb == "rope" else 0) + (q if first != "attn_out" else 0)
+        fp32 += m.n_head / tp
+    if first in ("mlp_up", "mlp_down"):
+        norm, fp32 = norm + norm_in, fp32 + stats  # ln_2
+    if first == "mlp_down":  # the activation's saved values (gate, silu, up / up)
+        low += (3 if m.mlp == "swiglu" else 1) * m.ffn_hidden / tp
+    # the first LoRA's dropout keeps no mask; attn_out's dropped copy is the only one (the attention keeps nothing)
+    return (_values_bytes(cfg, dp, low, norm, fp32)
+            + _lora_dropout_bytes(cfg, [first], tp=tp, dp=dp, seq=seq, masks_only=first != "attn_out"))
 
 
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
@@ -301,7 +352,7 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     else:
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer
     if pp_rank == 0 and mode != "full":
-        per_micro -= _frozen_first_norm_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+        per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
     if pp_rank == pp - 1:
         per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
     elif pp_rank == 0:
@@ -644,12 +695,33 @@ def _source_bytes(cfg: Config) -> int:
     return _DTYPE_BYTES.get(str(name).removeprefix("torch."), 4)
 
 
+def init_draw_numel(cfg: Config) -> int:
+    """Elements of the largest piece model/init.py draws at once while building (at most: a piece drawn straight
+    into the rank's own fp32 rows allocates nothing): one expert of a stacked expert tensor, CHUNK_NUMEL elements'
+    worth of whole rows of any other; the fused QKV whole under tp (its rows, the rank's q, k and v heads, are
+    not one slice)."""
+    from dist_llm.model.init import CHUNK_NUMEL
+
+    largest = 0
+    for name, shape, _ in _model_params(cfg, peft=False):
+        row = math.prod(shape[1:])
+        if memory_moe.is_expert(name):
+            piece = row
+        elif cfg.parallel.tp > 1 and name.endswith(".attn.qkv.weight"):
+            piece = math.prod(shape)
+        else:
+            piece = min(math.prod(shape), max(1, CHUNK_NUMEL // max(1, row)) * row)
+        largest = max(largest, piece)
+    return largest
+
+
 def transient_bytes(cfg: Config) -> tuple[int, int, int]:
-    """(init, load, export) transients: what holding the largest full tensor costs while building the model,
-    loading weights and exporting a checkpoint. The bound a shard-by-shard implementation keeps to (issue 17);
-    beyond a rank's own shards, which the model states count."""
+    """(init, load, export) transients: the largest piece drawn in fp32 while building the model
+    (`init_draw_numel`), and what holding the largest full tensor costs while loading weights and exporting a
+    checkpoint. The bound a shard-by-shard implementation keeps to (issue 17); beyond a rank's own shards, which
+    the model states count."""
     largest = largest_tensor_numel(cfg)
-    return 4 * largest, largest * (_source_bytes(cfg) + 4), 8 * largest
+    return 4 * init_draw_numel(cfg), largest * (_source_bytes(cfg) + 4), 8 * largest
 
 
 def _rank_shape(name: str, shape: tuple[int, ...], cfg: Config, tp: int, ep: int) -> tuple[int, ...]:

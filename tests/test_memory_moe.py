@@ -209,3 +209,16 @@ def test_suggest_keeps_to_the_forms_moe_allows_and_counts_active_flops(tmp_path:
     saved = 6 * EXPERTS * (E - K) / E * tokens / 4 / memory_suggest.FLOPS
     assert memory_suggest.compute_seconds(every, 4) - memory_suggest.compute_seconds(cfg, 4) == pytest.approx(
         saved, rel=1e-9)
+
+
+def test_init_transient_is_one_expert_or_one_chunk(tmp_path: Path) -> None:
+    """The build draws one expert of a stacked tensor at a time (model/init.py), and any other parameter in
+    chunks of CHUNK_NUMEL elements' worth of rows; loading and export still hold the largest whole tensor."""
+    cfg = load_config(None, tiny_overrides(tmp_path, **{**MOE, "model__n_embd": 64, "model__moe_hidden": 512}))
+    expert, stack = 64 * 512, 4 * 64 * 512  # one expert's (C, H) against the layer's (E, C, H); wte 256 x 64
+    assert memory.transient_bytes(cfg) == (4 * expert, 8 * stack, 8 * stack)
+    # GPT-2's embedding, 50,304 x 768: 5,461 rows of 768 a chunk (4,194,304 // 768), larger than the MLP's 3072 x 768
+    cfg = load_config(None, tiny_overrides(tmp_path, model__n_layer=1, model__n_embd=768, model__n_head=12,
+                                           model__vocab_size=50304))
+    assert memory.init_draw_numel(cfg) == 5461 * 768
+    assert memory.largest_tensor_numel(cfg) == 50304 * 768

@@ -176,7 +176,7 @@ class GPT(nn.Module):
         if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             return model_init.ones
         std = self.cfg.init_std
-        # (an expert's w_down (E, H, C) is drawn whole: its values do not depend on how experts are split later)
+        # (an expert's w_down (E, H, C): each expert drawn alone, the same whichever rank holds it)
         if mod_name.endswith(("attn.proj", "mlp.down", "shared.down")) or pname == "w_down":
             std = std / math.sqrt(2 * self.cfg.n_layer)
         return model_init.normal(std)

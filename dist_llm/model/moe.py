@@ -174,6 +174,11 @@ class Experts(nn.Module):
                 b.no_weight_decay = True  # type: ignore[attr-defined]  # (a stack of bias vectors: optim.decays)
         self.impl: GroupedImpl = "auto"
 
+    def init_rows(self, pname: str) -> int:
+        """Each expert's weights from a generator of their own (model/init.py): a rank that holds some of the
+        experts draws those alone, and expert e's values are the same whichever rank holds it."""
+        return 1
+
     def forward(self, x: torch.Tensor, counts: torch.Tensor, expert_of_row: torch.Tensor) -> torch.Tensor:
         """x (M, C) sorted by expert, `counts` (E,) rows per expert, `expert_of_row` (M,) -> (M, C)."""
         if torch.is_autocast_enabled(x.device.type):  # (the grouped matmul is not on autocast's lists)

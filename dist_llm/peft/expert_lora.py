@@ -13,8 +13,8 @@ the update sits.
 
 Under expert parallelism the pair is sliced like the experts (the rank's E/ep along dim 0) and carries the same
 expert-slice mark: its gradients are reduced over the expert-dp group, ZeRO-1/2 keep it in the expert buffers,
-checkpoints place it by global expert id. Its initial values are drawn at the full (E, ...) shape and cut, so
-every ep layout starts from the one-process values.
+checkpoints place it by global expert id. Each expert's A is drawn from a generator of its own (model/init.py's
+`init_rows`), so a rank draws its experts' alone and every ep layout starts from the one-process values.
 """
 
 from __future__ import annotations
@@ -51,10 +51,13 @@ class ExpertLoRA(nn.Module):
                 mark_expert_slice(p, self.first, self.n_total)
         self.merged = False
 
-    # -- initialisation (model/init.py: drawn at the full (E, ...) shape, this rank's experts kept)
+    # -- initialisation (model/init.py: the whole (E, ...) shape, one expert per generator, this rank's drawn)
     def init_rule(self, pname: str) -> model_init.Fill:
         """Each A_e as nn.Linear's default over its `in` inputs (a dense LoRA's A), B = 0."""
         return model_init.fan_in_uniform(self.in_features) if pname == "A" else model_init.zeros
+
+    def init_rows(self, pname: str) -> int:
+        return 1  # (one expert's pair per generator, as the experts' own weights)
 
     def full_shape(self, pname: str) -> tuple[int, ...]:
         return (self.n_total, *getattr(self, pname).shape[1:])

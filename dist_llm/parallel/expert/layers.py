@@ -10,9 +10,9 @@ from dist_llm.parallel.marks import mark_expert_slice
 
 class LocalExperts(Experts):
     """Experts [first, first + n_local) of `n_experts`, stacked as the whole layer's are. Initialisation draws
-    each tensor at its full (n_experts, ...) shape and keeps these rows (model/init.py's `full_shape` /
-    `local_part` hooks), so every layout starts from the one-process values; checkpoints place the rows at
-    `first` (the expert-slice mark)."""
+    these experts alone, each from its generator in the whole layer (model/init.py's `full_shape` / `local_part`
+    hooks and the experts' `init_rows`), so every layout starts from the one-process values; checkpoints place
+    the rows at `first` (the expert-slice mark)."""
 
     def __init__(self, n_experts: int, first: int, n_local: int, n_embd: int, hidden: int, *, swiglu: bool,
                  bias: bool) -> None:

@@ -1,8 +1,9 @@
 """Megatron-style tensor-parallel layers, written here.
 
 Each layer holds only its rank's slice of the weight and says which part of the full weight that is
-(`full_shape`, `local_part`): initialisation draws the full weight exactly as the unsharded layer would and
-keeps the slice (model/init.py), so a model built at tp=N holds the slices of the tp=1 model.
+(`full_shape`, `local_part`): initialisation gives the slice the values the unsharded layer gets, drawing
+only the row chunks of the full weight that it overlaps (model/init.py), so a model built at tp=N holds the
+slices of the tp=1 model.
 Sharded parameters carry a partition dim; parameters that are replicated across tp ranks but see only a
 slice of the sequence (sequence parallelism) carry the sequence-parallel mark, so their gradients are
 all-reduced over tp (the marks: parallel/marks.py).
@@ -129,6 +130,11 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.stats = group, stats
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.rows_host = rows.cpu().clone()  # kept off the module's buffers: what reset_buffers restores
+        # contiguous rows (all but the fused QKV's: the rank's q, k and v heads): local_part takes a view, so
+        # initialisation draws only the row chunks this rank holds (model/init.py)
+        first = int(self.rows_host[0]) if len(self.rows_host) else 0
+        span = torch.equal(self.rows_host, torch.arange(first, first + len(self.rows_host), device="cpu"))
+        self.row_span = slice(first, first + len(self.rows_host)) if span else None
         self.register_buffer("rows", rows, persistent=False)
         self.weight = _mark(nn.Parameter(torch.empty(len(rows), in_features)), dim=0)
         self.bias = _mark(nn.Parameter(torch.zeros(len(rows))), dim=0) if bias else None
@@ -151,7 +157,7 @@ class ColumnParallelLinear(nn.Module):
         return (self.out_features, self.in_features) if pname == "weight" else (self.out_features,)
 
     def local_part(self, pname: str, full: torch.Tensor) -> torch.Tensor:
-        return full[self.rows.to(full.device)]
+        return full[self.row_span] if self.row_span is not None else full[self.rows.to(full.device)]
 
     def reset_buffers(self) -> None:
         self.rows.copy_(self.rows_host)
