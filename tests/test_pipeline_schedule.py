@@ -18,6 +18,7 @@ from dist_llm.parallel.pipeline.schedule import (
     interleaved,
     one_f_one_b,
     peak_in_flight,
+    peak_pending_weights,
     simulate,
     zb1,
 )
@@ -179,6 +180,23 @@ def test_activation_memory(stages: int, micro: int) -> None:
         assert peak_in_flight(plan) == min(stages - s, micro)
     for s, plan in enumerate(zb1(stages, micro)):  # a held-back W keeps its micro-batch's activations
         assert peak_in_flight(plan) == min(stages, micro)
+
+
+@pytest.mark.parametrize("stages", range(2, 9))
+def test_zb1_pending_weights_peak_with_the_graphs(stages: int) -> None:
+    """ZB-H1's stage s has at most s + 1 B's without their W (the first stage's W follows its B at once), and the
+    moment it has them all is one where it holds its peak of graphs too: memory_pipeline adds the two peaks."""
+    for micro in range(1, 25):
+        for s, plan in enumerate(zb1(stages, micro)):
+            graphs = pending = 0
+            moments = set()
+            for a in plan:
+                graphs += {"F": 1, "W": -1}.get(a.kind, 0)
+                pending += {"B": 1, "W": -1}.get(a.kind, 0)
+                moments.add((graphs, pending))
+            assert peak_pending_weights(plan) == min(s + 1, micro)
+            assert (peak_in_flight(plan), peak_pending_weights(plan)) in moments, (stages, micro, s)
+    assert all(peak_pending_weights(plan) == 0 for plan in one_f_one_b(stages, 8))
 
 
 def test_one_f_one_b_order_on_two_stages() -> None:
