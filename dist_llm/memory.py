@@ -288,7 +288,14 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
         per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
     elif pp_rank == 0:
         per_micro += 2  # token ids
-    return round(per_micro * tokens * _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp))
+    in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
+    held = per_micro * in_flight
+    if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
+        # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets
+        # above the LM head are freed at B (executor.py), so all but the one in its forward hold less (under PEFT
+        # with a frozen head more is freed: an upper bound there)
+        held -= (in_flight - 1) * (cfg.model.padded_vocab / tp + 2) * 4
+    return round(held * tokens)
 
 
 def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> list[int]:
