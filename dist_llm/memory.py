@@ -46,7 +46,7 @@ from typing import Any, Iterable
 
 import torch
 
-from dist_llm import memory_moe
+from dist_llm import memory_moe, memory_pipeline
 from dist_llm.config import Config, ConfigError, reshard_after_forward
 
 GB, GiB = 1e9, 2**30
@@ -64,6 +64,8 @@ class Estimate:
     optimizer_bytes: int = 0
     activation_bytes: int = 0
     temporary_bytes: int = 0
+    pending_weight_bytes: int = 0
+    """ZB-H1: the gradients its held-back W's keep from their B (memory_pipeline), at the stage's peak."""
     offloaded: bool = False
     """Model states live in host memory (parallel.offload=cpu): not part of the device's peak."""
     init_transient_bytes: int = 0
@@ -86,13 +88,13 @@ class Estimate:
     @property
     def peak_bytes(self) -> int:
         device_states = 0 if self.offloaded else self.model_states_bytes
-        return device_states + self.activation_bytes + self.temporary_bytes
+        return device_states + self.activation_bytes + self.temporary_bytes + self.pending_weight_bytes
 
     def to_json(self) -> dict[str, Any]:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes, "master_bytes": self.master_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
                 "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
-                "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0,
+                "pending_weight_bytes": self.pending_weight_bytes, "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0,
                 "init_transient_bytes": self.init_transient_bytes, "load_transient_bytes": self.load_transient_bytes,
                 "export_transient_bytes": self.export_transient_bytes, **({"moe": self.moe} if self.moe else {})}
 
@@ -357,7 +359,14 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
         per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
     elif pp_rank == 0:
         per_micro += 2  # token ids
-    return round(per_micro * tokens * _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp))
+    in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
+    held = per_micro * in_flight
+    if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
+        # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets
+        # above the LM head are freed at B (executor.py), so all but the one in its forward hold less (under PEFT
+        # with a frozen head more is freed: an upper bound there)
+        held -= (in_flight - 1) * (cfg.model.padded_vocab / tp + 2) * 4
+    return round(held * tokens)
 
 
 def _stage_layers(cfg: Config, pp: int, pp_rank: int) -> list[int]:
@@ -771,6 +780,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
                              + ("" if reshard_after_forward(cfg) else ", and its parameters gathered in the compute "
                                 "dtype from its first forward to its last backward; parallel.reshard_after_forward="
                                 "true regathers them per micro-batch instead") + ")")
+        _pending_weights(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
         if cfg.model.n_experts:
             _moe_figures(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s, ep=ep)
         if p.offload == "cpu":
@@ -782,6 +792,18 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
     assert best is not None
     best.init_transient_bytes, best.load_transient_bytes, best.export_transient_bytes = transient_bytes(cfg)
     return best
+
+
+def _pending_weights(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int) -> None:
+    pending = memory_pipeline.pending_weight_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp,
+                                                   blocks=len(_blocks(cfg, pp, pp_rank)), params16=_params16(cfg, dp))
+    if pending is None:
+        est.notes.append(f"ZB-H1: the gradients held from each B to its W on stage {pp_rank} are not counted for MoE "
+                         "or PEFT models (an underestimate)")
+    elif pending:
+        est.pending_weight_bytes = pending
+        est.notes.append(f"ZB-H1: {pending / 2**20:.2f} MiB on stage {pp_rank} of gradients its held-back W's keep "
+                         "from their B (each weight op's output gradient, for up to stage + 1 micro-batches)")
 
 
 def _moe_figures(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int, ep: int) -> None:
@@ -809,7 +831,9 @@ def _moe_figures(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_ra
 def table(est: Estimate, title: str) -> str:
     rows = [("parameters", est.params_bytes), ("gradients", est.grads_bytes), ("fp32 master weights", est.master_bytes),
             ("optimizer states", est.optimizer_bytes), ("model states", est.model_states_bytes),
-            ("activations", est.activation_bytes), ("largest temporary", est.temporary_bytes), ("peak", est.peak_bytes),
+            ("activations", est.activation_bytes), ("largest temporary", est.temporary_bytes),
+            *([("pending W gradients", est.pending_weight_bytes)] if est.pending_weight_bytes else []),
+            ("peak", est.peak_bytes),
             ("init transient", est.init_transient_bytes), ("load transient", est.load_transient_bytes),
             ("export transient", est.export_transient_bytes)]
     lines = [title, f"{'per rank':<22}{'GB':>12}{'GiB':>12}", "-" * 46]

@@ -153,18 +153,35 @@ def test_3d_layout(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, cor
         torch.testing.assert_close(params[name], p, rtol=1e-5, atol=3e-5, msg=lambda m, n=name: f"{n}: {m}")
 
 
-def test_first_stage_holds_m_or_p_micro_batches(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    """Saved-for-backward bytes on the first of 2 stages with m=4 micro-batches: GPipe holds all 4, 1F1B 2."""
-    held = {}
-    for schedule, batch in [("gpipe", 2), ("gpipe", 8), ("1f1b", 8)]:
-        extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "train__global_batch_size": batch,
+def test_stages_hold_the_schedules_micro_batches(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Saved-for-backward bytes on each of 2 stages over the (metered) first step, in micro-batches of that stage:
+    GPipe holds all m, 1F1B p - s, ZB-H1 p = 2 on both: schedule.peak_in_flight's counts, which `dist-llm memory`
+    uses. On ZB-H1's last stage the micro-batch held back for its W keeps its graph below the weight ops only: its
+    B dropped the loss's part above the LM head. At m=8 the last stage held all 8 micro-batches before the meter
+    stopped keeping split graphs alive (saved_tensors.py), and the loss's part of the held-back one before the
+    executor dropped the root at B."""
+    from dist_llm.parallel.pipeline.schedule import SCHEDULES, peak_in_flight
+
+    held: dict[tuple[str, int], list[int]] = {}
+    for schedule, m in [("gpipe", 1), ("gpipe", 4), ("1f1b", 4), ("zb1", 8)]:
+        extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "train__global_batch_size": 2 * m,
                  "train__max_steps": 1}
-        results = run_distributed(train, 2, tmp_path / f"{schedule}{batch}", corpus, extra, init_group=False)
-        held[schedule, batch // 2] = next(r["activation_bytes"] for r in results if r["pp_rank"] == 0)
-    one = held["gpipe", 1]
-    assert one > 0
-    assert held["gpipe", 4] == 4 * one
-    assert held["1f1b", 4] == 2 * one
+        results = run_distributed(train, 2, tmp_path / f"{schedule}{m}", corpus, extra, init_group=False)
+        held[schedule, m] = [r["activation_bytes"] for r in sorted(results, key=lambda r: r["pp_rank"])]
+    one = held["gpipe", 1]  # one micro-batch of each stage (the last stage's includes the head and loss)
+    assert all(b > 0 for b in one)
+    # the loss above the head: log-softmax over 256 values in fp32 and an int64 target per token (micro-batch 2 x 32
+    # tokens), and nll's total weight (one fp32)
+    loss_part = 2 * 32 * (256 * 4 + 8) + 4
+    for (schedule, m), stages in held.items():
+        counts = [peak_in_flight(plan) for plan in SCHEDULES[schedule](2, m)]
+        expected = [c * b for c, b in zip(counts, one, strict=True)]
+        if schedule == "zb1":
+            expected[1] -= (counts[1] - 1) * loss_part
+        assert stages == expected, (schedule, m, stages, one)
+    assert held["gpipe", 4] == [4 * b for b in one]
+    assert held["1f1b", 4] == [2 * one[0], one[1]]
+    assert held["zb1", 8] == [2 * one[0], 2 * one[1] - loss_part]
 
 
 def test_records_busy_and_idle_time_per_stage(tmp_path: Path, corpus: Path) -> None:  # noqa: F811

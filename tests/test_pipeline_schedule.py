@@ -18,6 +18,7 @@ from dist_llm.parallel.pipeline.schedule import (
     interleaved,
     one_f_one_b,
     peak_in_flight,
+    peak_pending_weights,
     simulate,
     zb1,
 )
@@ -201,6 +202,23 @@ def test_activation_memory(stages: int, micro: int) -> None:
         assert peak_in_flight(plan) == min(stages, micro)
 
 
+@pytest.mark.parametrize("stages", range(2, 9))
+def test_zb1_pending_weights_peak_with_the_graphs(stages: int) -> None:
+    """ZB-H1's stage s has at most s + 1 B's without their W (the first stage's W follows its B at once), and the
+    moment it has them all is one where it holds its peak of graphs too: memory_pipeline adds the two peaks."""
+    for micro in range(1, 25):
+        for s, plan in enumerate(zb1(stages, micro)):
+            graphs = pending = 0
+            moments = set()
+            for a in plan:
+                graphs += {"F": 1, "W": -1}.get(a.kind, 0)
+                pending += {"B": 1, "W": -1}.get(a.kind, 0)
+                moments.add((graphs, pending))
+            assert peak_pending_weights(plan) == min(s + 1, micro)
+            assert (peak_in_flight(plan), peak_pending_weights(plan)) in moments, (stages, micro, s)
+    assert all(peak_pending_weights(plan) == 0 for plan in one_f_one_b(stages, 8))
+
+
 def test_one_f_one_b_order_on_two_stages() -> None:
     first, last = one_f_one_b(2, 3)
     assert [a for a in first if a.kind in ("F", "B")] == [Action("F", 0), Action("F", 1), Action("B", 0),
@@ -347,7 +365,7 @@ def test_schedule_refusals_name_the_key(overrides: list[str], message: str) -> N
 
 def test_memory_counts_zb1s_held_back_micro_batches() -> None:
     """`dist-llm memory`'s activations per stage: 1F1B holds p - s micro-batches on stage s, ZB-H1 p on every stage
-    (a W held back keeps its micro-batch's activations), GPipe all m."""
+    (a W held back keeps its micro-batch's activations below its weight ops), GPipe all m."""
     from dist_llm.memory import activation_bytes
 
     held = {}
@@ -355,9 +373,12 @@ def test_memory_counts_zb1s_held_back_micro_batches() -> None:
         cfg = load_config(None, ["model.n_layer=4", "parallel.pp=2", f"parallel.pp_schedule={schedule}",
                                  "train.micro_batch_size=2", "train.global_batch_size=16"])
         held[schedule] = [activation_bytes(cfg, dp=1, tp=1, pp=2, pp_rank=r) for r in (0, 1)]
-    # m = 8 micro-batches: GPipe holds 8 on each stage, 1F1B 2 and 1, ZB-H1 2 and 2 (abs 1: each figure rounded)
+    # m = 8 micro-batches: GPipe holds 8 on each stage, 1F1B 2 and 1, ZB-H1 2 and 2 (abs 1: each figure rounded),
+    # its last stage's held-back one without the loss's log-softmax and targets (freed at B: test_pipeline)
     assert held["zb1"][0] == held["1f1b"][0] == pytest.approx(held["gpipe"][0] / 4, abs=1)
-    assert held["zb1"][1] == pytest.approx(2 * held["1f1b"][1], abs=1) == pytest.approx(held["gpipe"][1] / 4, abs=1)
+    assert held["1f1b"][1] == pytest.approx(held["gpipe"][1] / 8, abs=1)
+    loss_part = (cfg.model.padded_vocab + 2) * 4 * 2 * cfg.model.block_size
+    assert held["zb1"][1] == pytest.approx(2 * held["1f1b"][1] - loss_part, abs=1)
 
 
 def test_interleaved_chunks_balance_and_keep_whole_model_names() -> None:

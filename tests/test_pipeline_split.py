@@ -9,6 +9,7 @@ from torch import nn
 from dist_llm.config import load_config
 from dist_llm.model import GPT
 from dist_llm.parallel.pipeline.split_backward import backward_input, backward_weights
+from dist_llm.train.saved_tensors import SavedTensorMeter
 
 
 def _blocks(checkpointing: str = "none") -> GPT:
@@ -116,3 +117,28 @@ def test_first_stage_defers_its_whole_backward() -> None:
     assert d_inp is None and work.root is loss and all(p.grad is None for p in model.parameters())
     backward_weights(work)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_saved_tensor_meter_lets_w_free_the_graph() -> None:
+    """Under the activation meter (the trainer's first step, bench_pp) B keeps the graph whole for W, and once W has
+    run, or a graph is dropped without a backward, nothing stays held. Before, the meter's pack hook kept each
+    saved output (attention's, the norms' statistics) with its grad_fn: a cycle through C++ that only a backward
+    without retain_graph breaks, so every split micro-batch of the metered step stayed alive for good (zb1's
+    last stage held all m micro-batches' activations, not p)."""
+    model = _blocks()
+    params = list(model.blocks.parameters())
+    x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
+    with SavedTensorMeter(params) as meter:
+        inp, out = _run(model, x)
+        held = meter.live_bytes
+        assert held > 0
+        d_inp, work = backward_input(out, g, inp, params)
+        del out
+        assert meter.live_bytes == held  # retain_graph: W's branches keep the whole graph below them
+        backward_weights(work)
+        del work, inp
+        assert meter.live_bytes == 0
+        inp, out = _run(model, x)  # an evaluation-like graph, never backwarded
+        del inp, out
+        assert meter.live_bytes == 0
+        assert meter.peak_bytes == held

@@ -3,8 +3,8 @@
 On a CPU there is no allocator peak to read, so the memory calculator's activation terms and the
 pipeline's in-flight micro-batches are checked by this count instead. Each saved tensor is counted by its
 storage, once however many ops save it or views of it, from when it is saved until autograd releases its
-last reference (after its backward, or when the graph is dropped). Parameters are left out: they are model
-states, held whether or not a graph exists.
+last reference (after its backward, or when the graph is dropped: the meter itself must not keep it alive,
+see `_pack`). Parameters are left out: they are model states, held whether or not a graph exists.
 """
 
 from __future__ import annotations
@@ -65,7 +65,13 @@ class SavedTensorMeter:
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         else:
             entry[1] += 1
-        return _Held(t, self, key)
+        # Detached, as autograd itself keeps a saved output: `t` may be an output of the node saving it (RMSNorm's
+        # rstd, attention's output), and holding it with its grad_fn closes a cycle node -> saved tensor -> node
+        # through C++, which Python's gc cannot see. A backward without retain_graph breaks it by releasing the
+        # saved tensors; zb1's split backward (retain_graph, split_backward.py) and a graph dropped unused never
+        # do, so every such graph of the metered step stayed alive for the life of the process (pytorch#189025).
+        # The unpacked tensor gets its grad_fn back from autograd (SavedVariable::unpack), so nothing is lost.
+        return _Held(t.detach(), self, key)
 
     def _current_params(self) -> set[int]:
         return {s.data_ptr() for s in map(_storage, self._module.parameters()) if s is not None}  # type: ignore[union-attr]

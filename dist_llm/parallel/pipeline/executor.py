@@ -188,6 +188,7 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
                     loss = st.model.loss(out, y, reduction="sum")  # the trainer divides (by the global count)
                     loss_sum += loss.detach().float()
                     out = loss_fn(loss)
+                    del loss  # (only the root may hold the loss's graph: a split B frees it, below)
                 if train:  # this stage's MoE balancing losses join its backward (balancing.py)
                     out = attach_balancing(out, moe_of[a.chunk], y, loss_fn)
             if train or not st.last:
@@ -202,6 +203,9 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
                 d_inp, weight_work[key] = backward_input(out, grad, inp, list(st.model.parameters()))
                 if inp is not None:
                     inp.grad = d_inp
+                # W needs the graph from its weight ops down only: dropping the root now frees what lies above
+                # them (the loss's log-softmax over the vocabulary on the last stage), not at the next forward
+                del out
         elif a.kind == "B":
             with _computing(clock), span(f"backward {label}"), micro_step(a == last_grads):
                 if st.last:

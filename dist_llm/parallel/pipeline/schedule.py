@@ -361,6 +361,22 @@ def peak_in_flight(plan: list[Action]) -> int:
     return peak
 
 
+def peak_pending_weights(plan: list[Action]) -> int:
+    """The most micro-batches a split stage has run B for and not yet W: each keeps its W's state (the gradient
+    that reached every weight's op, split_backward.WeightWork) beside its graph. For ZB-H1, stage s holds back s
+    W's, and on the last stage the one due runs only after the exchange following the next B: s + 1 at once
+    (with m >= p). That moment, the end of a B, is also when the stage holds `peak_in_flight` micro-batches'
+    graphs (checked for p <= 8 in test_pipeline_schedule), so the two peaks add."""
+    pending = peak = 0
+    for a in plan:
+        if a.kind == "B":
+            pending += 1
+            peak = max(peak, pending)
+        elif a.kind == "W":
+            pending -= 1
+    return peak if any(a.kind == "W" for a in plan) else 0
+
+
 def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b", chunks: int = 1) -> float:
     """The idle share of a step with equal stages, a backward twice a forward, W half of it (as `simulate`):
     GPipe and 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v*m+p-1); ZB-H1
