@@ -371,7 +371,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         cp = f", cp={p.cp}" if p.cp > 1 else ""
         title = (f"{cfg.name}: world {world} (dp={world // (p.cp * p.tp * p.pp)}{cp}, tp={p.tp}, pp={p.pp}), zero_stage "
                  f"{p.zero_stage}, {cfg.train.precision}, checkpointing {cfg.train.activation_checkpointing}, "
-                 f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}")
+                 f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}, {memory.assumed_device(cfg)}")
     print(json.dumps(est.to_json()) if args.json else memory.table(est, title))
     return 0
 

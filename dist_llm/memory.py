@@ -273,8 +273,9 @@ def _values_bytes(cfg: Config, dp: int, low: float, norm: float = 0.0, fp32: flo
 def _lora_dropout_bytes(cfg: Config, targets: Iterable[str], *, tp: int, dp: int, seq: int,
                         masks_only: bool = False) -> float:
     """Bytes per token the dropout of the LoRAs on `targets` keeps (peft.dropout > 0, inputs that need a gradient):
-    its mask, a bool an element on CUDA (the fused kernel), on the CPU a tensor of the input's dtype (dropout there
-    multiplies by a scaled noise tensor, which the product keeps): the norm outputs that qkv and mlp_up read are
+    its mask, a bool an element on CUDA (the fused kernel's, by derivatives.yaml; not yet measured on a GPU), on
+    the CPU a tensor of the input's dtype (dropout there multiplies by a scaled noise tensor, which the product
+    keeps): the norm outputs that qkv and mlp_up read are
     fp32 unless the parameters are 16-bit, the others the compute dtype. Each A then keeps the dropped copy of its
     input instead of the input: a copy more where something else keeps the input too (attn_out's, which the
     attention keeps as its output; the second of a gated MLP's up and gate LoRAs, which share it without
@@ -614,6 +615,17 @@ def _deepspeed_zero_states(trainable: list[tuple[str, tuple[int, ...]]], frozen_
 def _runs_on_gloo(cfg: Config) -> bool:
     device = cfg.train.device
     return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
+def assumed_device(cfg: Config) -> str:
+    """Which device the prediction counts kernels for (RMSNorm's saved output, dropout masks, gloo's scratch),
+    said beside it: with train.device=auto that is this machine's, so planning a GPU run on a CPU-only login
+    node needs train.device=cuda."""
+    if not _runs_on_gloo(cfg):
+        return "counted for CUDA"
+    if cfg.train.device == "auto":
+        return "counted for the CPU (train.device=auto and no CUDA here; for a GPU run: train.device=cuda)"
+    return "counted for the CPU"
 
 
 def _zero_in_flight_bytes(cfg: Config, stage: int, buckets: list[Any], size: int, accum: int) -> int:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dist_llm import memory
 from dist_llm.config import load_config
@@ -31,7 +32,10 @@ def test_cuda_rms_norm_keeps_no_normalised_output(config: str, precision: str) -
     tiny fp32, 156.52 -> 138.52 moe bf16); the CPU's figure is unchanged (202.42 MiB predicted for tiny)."""
     cpu = _activations(config, "train.device=cpu", f"train.precision={precision}")
     cuda = _activations(config, "train.device=cuda", f"train.precision={precision}")
-    assert cpu - cuda == 9 * 32 * 128 * 128 * 4 == 18 * MiB
+    # (a torch before the fused kernel runs the composite on CUDA too: no difference, which the count says)
+    fused = hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+    assert cpu - cuda == (9 * 32 * 128 * 128 * 4 if fused else 0)
+    assert 9 * 32 * 128 * 128 * 4 == 18 * MiB
     if (config, precision) == ("configs/tiny.yaml", "fp32"):
         assert round(cpu / MiB, 2) == 202.42
 

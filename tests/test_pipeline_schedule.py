@@ -189,6 +189,8 @@ def test_simulate_with_measured_costs() -> None:
     assert simulate(plans, costs=[{"F": 0.5, "B": 1.0, "F1": 1.5}] * 2)[1] == [b + 2 * 1.0 for b in even[1]]
     with pytest.raises(ValueError, match="1 cost tables for 2 stages"):
         simulate(build_plans("1f1b", 2, 2), costs=units[:1])
+    with pytest.raises(ValueError, match=r"stage 0's cost table has no W \(its plan has B, F, W actions\)"):
+        simulate(build_plans("zb1", 2, 2), costs=units)  # (a KeyError from deep inside, before)
 
 
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)

@@ -263,6 +263,12 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
     if costs is not None:
         if len(costs) != stages:
             raise ValueError(f"simulate: {len(costs)} cost tables for {stages} stages")
+        for s, (plan, table) in enumerate(zip(plans, costs)):
+            kinds = {x.kind for x in plan if isinstance(x, Action) and x.kind in ("F", "B", "W")}
+            missing = sorted(k for k in kinds if k not in table)
+            if missing:
+                raise ValueError(f"simulate: stage {s}'s cost table has no {', '.join(missing)} (its plan has "
+                                 f"{', '.join(sorted(kinds))} actions)")
     else:
         w_cost = backward_cost / 2 if weight_cost is None else weight_cost
         costs = [{"F": forward_cost, "W": w_cost,
