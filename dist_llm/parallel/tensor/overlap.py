@@ -9,6 +9,8 @@ around the tp ring, one point-to-point step at a time, while the matmul of the p
   ring_linear_reduce_scatter  row-parallel forward: step k computes the partial output of piece (r-k-1) mod tp,
                            adds the partial sum received for it and passes it on; the send of step k runs under
                            the matmul of step k+1. After tp-1 steps each rank holds the full sum of its piece.
+  ring_gather_row_backward row-parallel backward: the output gradient gathered as the column input is, each
+                           piece's input- and weight-gradient matmuls under the next piece's transfer.
 
 Bytes: each step sends one piece, so tp-1 steps send (tp-1)/tp of the gathered input / of the partial output,
 exactly what the all-gather / reduce-scatter they replace count; they are counted under those kinds.
@@ -86,8 +88,8 @@ def ring_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: dist.Pro
 
 
 class RowSequenceParallelLinear(torch.autograd.Function):
-    """fwd: y = reduce_scatter_seq(x W^T) by the ring / bwd: all-gather the output gradient along the sequence,
-    then the input and weight gradients (as the unfused path: its backward is the dual all-gather).
+    """fwd: y = reduce_scatter_seq(x W^T) by the ring / bwd: the output gradient gathered along the sequence by
+    the ring too (its dual), each piece's input- and weight-gradient matmuls under the next piece's transfer.
 
     Under autocast x and W are cast to the compute dtype as autocast would, the reduction runs in it, and the
     gradients return in x's and W's own dtypes. Saves x (the compute-dtype copy) only when W trains."""
@@ -107,12 +109,47 @@ class RowSequenceParallelLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
-        from dist_llm.parallel.tensor.mappings import all_gather_dim
-
         x, wc = ctx.saved_tensors
-        g = all_gather_dim(grad.to(wc.dtype), 1, ctx.group, ctx.stats)  # (B, T, out)
-        gx = g.matmul(wc).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None  # (B, T, in/tp)
-        gw = None
+        if not ENABLED:
+            from dist_llm.parallel.tensor.mappings import all_gather_dim
+
+            g = all_gather_dim(grad.to(wc.dtype), 1, ctx.group, ctx.stats)  # (B, T, out)
+            gx = g.matmul(wc).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None  # (B, T, in/tp)
+            gw = None
+            if x is not None:
+                gw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(ctx.dtypes[1])
+            return gx, gw, None, None
+        return (*ring_gather_row_backward(grad.to(wc.dtype), x, wc, ctx.group, ctx.stats,
+                                          input_grad=ctx.needs_input_grad[0], dtypes=ctx.dtypes), None, None)
+
+
+def ring_gather_row_backward(g: torch.Tensor, x: torch.Tensor | None, wc: torch.Tensor,
+                             group: dist.ProcessGroup | None, stats: comm.CommStats | None, *, input_grad: bool,
+                             dtypes: tuple[torch.dtype, torch.dtype]) -> tuple[torch.Tensor | None, ...]:
+    """The row layer's backward with its output gradient g (B, T/tp, out) gathered around the ring under the
+    matmuls, as ring_gather_linears gathers the column input: step k takes the piece of rank (me - k) % tp to
+    its rows of the input gradient (g_k W, bit for bit the gathered matmul's rows) and adds g_k^T x_k to the
+    weight gradient (summed over the pieces in fp32: the one mm's sum in another order, within fp32 rounding).
+    Bytes: tp-1 pieces sent, the all-gather's count, counted as it."""
+    n, me = comm.group_size(group), dist.get_rank(group)
+    B, s, _ = g.shape
+    gx = g.new_empty((B, n * s, wc.shape[1])) if input_grad else None  # (B, T, in/tp)
+    gw: torch.Tensor | None = None
+    held = g.contiguous()
+    for k in range(n):
+        work, incoming = None, None
+        if k < n - 1:
+            incoming = torch.empty_like(held)
+            work = comm.ring_shift([held], [incoming], group, None)
+            if stats is not None:
+                stats.add("all_gather", held.numel() * held.element_size())
+        src = (me - k) % n
+        if gx is not None:
+            gx[:, src * s:(src + 1) * s] = held.matmul(wc)
         if x is not None:
-            gw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(ctx.dtypes[1])  # (out, in/tp)
-        return gx, gw, None, None
+            part = torch.tensordot(held, x[:, src * s:(src + 1) * s], dims=([0, 1], [0, 1])).float()  # (out, in/tp)
+            gw = part if gw is None else gw.add_(part)
+        if work is not None:
+            work.wait()  # `held` (sent) is kept alive to here; `incoming` is read only after
+            held = incoming
+    return (None if gx is None else gx.to(dtypes[0]), None if gw is None else gw.to(dtypes[1]))
