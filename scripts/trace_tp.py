@@ -12,7 +12,8 @@ point-to-point sends and receives from their posting to their completion), the t
 addmm / bmm, on the training thread), the time both did (the intersection of the two unions) and the
 communication left exposed (in flight with no matmul beside it: waiting on it, or on a slower peer). "plain" is
 the path without the ring (parallel/tensor/overlap.py ENABLED=False: one blocking all-gather before the column
-matmuls, one reduce-scatter after the row matmul); backward overlaps its re-gather and reduce-scatter in both.
+matmuls, one reduce-scatter after the row matmul, one all-gather of the row layer's output gradient before its
+backward matmuls); the column backward overlaps its re-gather and reduce-scatter in both.
 One process per rank, one thread each.
 """
 
