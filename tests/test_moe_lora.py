@@ -278,6 +278,13 @@ def test_a_pipeline_stage_with_nothing_to_train_refused_in_one_line(tmp_path: Pa
     every = load_config(None, tiny_overrides(tmp_path, model__bias=False, **{**MOE, "model__moe_every": 1},
                                              **EXPERTS_ONLY, parallel__pp=2))
     _check_every_stage_trains(every, SimpleNamespace(pp=2))  # type: ignore[arg-type]  # (an MoE block on each)
+    # build_data_parallel checks it for every form, ZeRO-3 (FSDP2) too (it went on to build FSDP2 before)
+    from dist_llm.parallel.data import build_data_parallel
+
+    zero3 = load_config(None, tiny_overrides(tmp_path, model__bias=False, **MOE, **EXPERTS_ONLY, parallel__pp=2,
+                                             parallel__zero_stage=3, parallel__dp=2))
+    with pytest.raises(ConfigError, match="pipeline stage 0 of parallel.pp=2 holds no tensor"):
+        build_data_parallel(None, zero3, SimpleNamespace(pp=2))  # type: ignore[arg-type]
 
 
 def test_experts_only_lora_under_a_pipeline_at_zero0(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,

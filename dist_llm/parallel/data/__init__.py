@@ -56,6 +56,8 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
     the parameters whole, call it before wrapping. DeepSpeed's ZeRO-3 instead takes one parameter at a time:
     `fill_each()` opens what fills each (a random draw, a reader of model.init_from) for the build."""
     stage = cfg.parallel.zero_stage
+    if cfg.peft.method != "none":  # (every form: FSDP2's and DeepSpeed's optimizers need a tensor as ours do)
+        _check_every_stage_trains(cfg, ctx)
     if uses_fsdp(cfg, ctx):
         from dist_llm.parallel.data.fsdp import FSDPDataParallel
 
@@ -64,8 +66,6 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
         from dist_llm.parallel.data.deepspeed import DeepSpeedDataParallel
 
         return DeepSpeedDataParallel(model, cfg, ctx, materialize=materialize, fill_each=fill_each)
-    if cfg.peft.method != "none":
-        _check_every_stage_trains(cfg, ctx)
     if materialize is not None:
         materialize(model)
     if ctx.dp_cp == 1 and (stage != 3 or ctx.mesh is None):  # one process: nothing to shard over
