@@ -158,6 +158,7 @@ class MergedPeft:
             base.check(weight_shapes(cfg.model))
             self.base = base
         else:
+            ckpt.check_seeded_base(adapters.path, cfg, what="convert --to-hf")
             self.base = _RandomBase(cfg)
 
     @torch.no_grad()

@@ -70,7 +70,8 @@ class Estimate:
     """Model states live in host memory (parallel.offload=cpu): not part of the device's peak."""
     init_transient_bytes: int = 0
     """Building the model: the largest piece of a parameter drawn in fp32 (one expert, or a chunk of rows:
-    model/init.py) before a rank keeps its part."""
+    model/init.py) before a rank keeps its part; a whole parameter and its 16-bit copy under DeepSpeed's ZeRO-3,
+    a whole block linear and its quantiser's working space under QLoRA (`init_transient_bytes`)."""
     load_transient_bytes: int = 0
     """Loading weights (model.init_from, resume): the largest full tensor read in its source dtype and its fp32
     copy."""
@@ -307,8 +308,8 @@ def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parall
     mask. The LoRA's A keeps its input whatever (counted in `our_layer_values`); after it the stream needs a
     gradient again and the rest of the model saves as counted. Checked against the activation meter for each
     first target (tests/test_memory.py). Not taken off (an upper bound there): a first block that holds no LoRA,
-    or is MoE with none on its attention, adapters (whose first input needs no gradient either), full activation checkpointing (which keeps
-    block inputs instead). Only the first pipeline stage holds block 0."""
+    or is MoE with none on its attention, adapters (whose first input needs no gradient either), full activation
+    checkpointing (which keeps block inputs instead). Only the first pipeline stage holds block 0."""
     f, m = cfg.peft, cfg.model
     lora = set(f.targets) if f.method in ("lora", "qlora") else set()
     order = [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
@@ -736,13 +737,50 @@ def init_draw_numel(cfg: Config) -> int:
     return largest
 
 
+#: NF4Weight.quantize's working bytes per element beyond the weight: the padded copy and the normalised values
+#: (fp32 each) and the level indices (uint8); plus, per element searched at once, the distances to the 16 levels
+#: and their absolute values (fp32 each)
+_NF4_BYTES_PER_ELEMENT = 4 + 4 + 1
+_NF4_SEARCH_BYTES = 2 * 16 * 4
+
+
+def _block_linear(name: str) -> bool:
+    from dist_llm.peft.qlora import BLOCK_LINEARS
+
+    return name.startswith("blocks.") and name.endswith(tuple(f".{path}.weight" for path in BLOCK_LINEARS))
+
+
+def init_transient_bytes(cfg: Config) -> int:
+    """The build's transient beyond this rank's parameters, by the largest of what the build allocates whole:
+      - in fp32, the largest piece model/init.py draws (`init_draw_numel`);
+      - DeepSpeed's ZeRO-3 (`deepspeed_shards.build_partitioned`): each parameter of this rank's tp/ep part
+        allocated whole in fp32, then its 16-bit copy for the engine (bf16/fp16) before the partitioner keeps a
+        range: the largest parameter at 4 + 2 bytes an element (4 in fp32);
+      - QLoRA (`qlora.materialise_quantised`, `qlora.quantise`, `_build_nf4`): each block linear allocated whole
+        in fp32 and quantised to NF4 (`NF4Weight.quantize`'s working space: `_NF4_BYTES_PER_ELEMENT`, and the
+        level search over at most nf4._SEARCH_CHUNK elements at once)."""
+    from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
+    from dist_llm.peft.nf4 import _SEARCH_CHUNK
+
+    candidates = [4 * init_draw_numel(cfg)]
+    tp, ep = cfg.parallel.tp, memory_moe.ep_degree(cfg)
+    qlora = cfg.peft.method == "qlora"
+    for name, shape, _ in _model_params(cfg, peft=False):
+        n = math.prod(_rank_shape(name, shape, cfg, tp, ep))
+        if qlora and _block_linear(name):
+            candidates.append((4 + _NF4_BYTES_PER_ELEMENT) * n + _NF4_SEARCH_BYTES * min(n, _SEARCH_CHUNK))
+        elif builds_partitioned(cfg):
+            candidates.append(n * (4 if cfg.train.precision == "fp32" else 4 + 2))
+    return max(candidates)
+
+
 def transient_bytes(cfg: Config) -> tuple[int, int, int]:
-    """(init, load, export) transients: the largest piece drawn in fp32 while building the model
-    (`init_draw_numel`), and what holding the largest full tensor costs while loading weights and exporting a
-    checkpoint. The bound a shard-by-shard implementation keeps to (issue 17); beyond a rank's own shards, which
-    the model states count."""
+    """(init, load, export) transients: what building the model allocates beyond a rank's shards
+    (`init_transient_bytes`), and what holding the largest full tensor costs while loading weights and exporting
+    a checkpoint. The bound a shard-by-shard implementation keeps to (issue 17); beyond a rank's own shards,
+    which the model states count."""
     largest = largest_tensor_numel(cfg)
-    return 4 * init_draw_numel(cfg), largest * (_source_bytes(cfg) + 4), 8 * largest
+    return init_transient_bytes(cfg), largest * (_source_bytes(cfg) + 4), 8 * largest
 
 
 def _rank_shape(name: str, shape: tuple[int, ...], cfg: Config, tp: int, ep: int) -> tuple[int, ...]:

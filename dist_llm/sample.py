@@ -38,6 +38,8 @@ def load_model(path: Path, device: torch.device, *, init_from: str | None = None
     # A PEFT checkpoint holds the trained tensors only: rebuild its base as training did (from
     # model.init_from, or the seeded random init), add the PEFT modules, then load those tensors.
     _check_base(cfg.model.init_from, path, overridden=init_from is not None)
+    if not cfg.model.init_from:  # (the base drawn from train.seed, as this version draws it)
+        ckpt.check_seeded_base(path, cfg, what="sample")
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.trainer import build_model
 

@@ -112,6 +112,11 @@ EXPERT_LAYOUTS = {"ep2": {**MOE, "parallel__dp": 2, "parallel__ep": 2},
 # tp=2 with chunks of 256 elements (8 rows of the 32-wide embedding and head): a vocab-parallel rank draws its half
 TP = {"parallel__tp": 2, "model__tie_embeddings": False}
 TP_CHUNK = 256
+# ZeRO-3 at dp=2 with chunks of 160 elements (5 rows of 32): every parameter, FSDP2's dim-0 shards starting inside
+# a chunk (rank 1's half of the 256-row embedding at row 128, of QKV's 96 rows at 48) and uneven (an MLP 99 wide:
+# rows 0-49 and 50-98 of mlp.up, whose bias of 99 is one chunk)
+ZERO3 = {"parallel__dp": 2, "parallel__zero_stage": 3, "model__mlp": "gelu", "model__mlp_hidden": 99}
+ZERO3_CHUNK = 160
 
 
 def _build(out_dir: Path, extra: dict[str, Any], drawn: dict[str, Draws] | None = None) -> dict[str, Any]:
@@ -153,13 +158,16 @@ def _draws_on_ranks(rank: int, world_size: int, out_dir: Path) -> dict[str, Any]
     drawn = {}
     params = _build(out_dir / "tp2", TP, drawn)
     out["tp2"] = {n: {"local": p, "draws": drawn[n].draws, "allocs": drawn[n].allocs} for n, p in params.items()}
+    model_init.CHUNK_NUMEL = ZERO3_CHUNK
+    out["zero3-chunks"] = _build(out_dir / "zero3-chunks", ZERO3)
     return out
 
 
 def test_each_rank_draws_only_what_it_holds(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """On 2 ranks: at every expert layout rank r draws experts 2r, 2r+1 alone, one (in, out) matrix at a time,
     never a whole expert stack; at tp=2 a vocab-parallel rank draws the row chunks of its half of the embedding
-    and of the untied head. Values equal one process's everywhere."""
+    and of the untied head. Values equal one process's everywhere: every parameter too at ZeRO-3 with small chunks,
+    its FSDP2 shards starting inside a chunk and uneven."""
     ranks = run_distributed(_draws_on_ranks, 2, tmp_path / "many")
     one = {"plain": _build(tmp_path / "plain", MOE), "lora": _build(tmp_path / "lora", {**MOE, **LORA_EXPERTS})}
     for rank, layouts in enumerate(ranks):
@@ -183,3 +191,12 @@ def test_each_rank_draws_only_what_it_holds(tmp_path: Path, monkeypatch: pytest.
             assert rows == ref[name].shape[0] // 2 and got[name]["allocs"] == [], (name, got[name])
 
 
+    monkeypatch.setattr(model_init, "CHUNK_NUMEL", ZERO3_CHUNK)
+    ref = _build(tmp_path / "one-zero3", {k: v for k, v in ZERO3.items() if not k.startswith("parallel__")})
+    assert [r["zero3-chunks"]["blocks.0.mlp.up.weight"].shape[0] for r in ranks] == [50, 49]  # (uneven)
+    for rank, layouts in enumerate(ranks):
+        got = layouts["zero3-chunks"]
+        assert got.keys() == ref.keys()
+        for name, whole in ref.items():  # FSDP2's shard: rank 0 the first ceil(rows / 2) rows, rank 1 the rest
+            first = rank * -(-whole.shape[0] // 2)
+            assert torch.equal(got[name], whole[first : first + got[name].shape[0]]), f"zero3 rank {rank} {name}"

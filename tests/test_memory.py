@@ -127,7 +127,6 @@ def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any]
     assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=rel)
 
 
-
 # One process, fp32: block 0 keeps nothing before its first LoRA (each first target in turn), a frozen RMSNorm
 # keeps no normalised output, and a LoRA's dropout keeps its mask (on the CPU a tensor of the input's dtype) and,
 # for attn_out and a gated MLP's second LoRA, a dropped copy of the input. Before, the calculator counted block 0
@@ -148,6 +147,7 @@ def test_peft_activations_are_exact(tmp_path: Path, corpus: Path) -> None:  # no
         est = memory.predict(_config(tmp_path / name, corpus, extra), 1).activation_bytes
         # (what the calculator leaves out: one fp32 scalar the loss keeps)
         assert got - est == 4, (name, got, est)
+
 
 @pytest.mark.parametrize("stage", [1, 2])
 @pytest.mark.parametrize("dp", [2, 8, 64])
@@ -384,6 +384,32 @@ def test_transients_are_the_largest_whole_tensor(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)  # tiny.yaml: vocabulary 256 x 128 wide, tied; the SwiGLU MLP 384 x 128
     assert got["init_transient_bytes"] == 384 * 128 * 4 and got["export_transient_bytes"] == 384 * 128 * 8
+
+
+def test_init_transient_of_whole_parameter_builds(tmp_path: Path) -> None:
+    """Builds that still allocate whole tensors: DeepSpeed's ZeRO-3 (deepspeed_shards.build_partitioned) takes each
+    parameter whole in fp32 and casts it to the engine's 16-bit dtype before partitioning; QLoRA allocates each block
+    linear whole in fp32 and quantises it (NF4Weight.quantize: a padded fp32 copy, the normalised fp32 values, uint8
+    level indices, and for at most 2^20 elements at once the fp32 distances to 16 levels and their absolute values).
+    Before, both were predicted as one 16 MiB draw chunk (GPT-2's wte: 16.8 MB against 154 MB in fp32)."""
+    gpt2 = {"model__n_layer": 1, "model__n_embd": 768, "model__n_head": 12, "model__vocab_size": 50304}
+    wte = 50304 * 768
+    ds = {**gpt2, "parallel__backend": "deepspeed", "parallel__zero_stage": 3}
+    assert memory.transient_bytes(load_config(None, tiny_overrides(tmp_path, **gpt2)))[0] == 4 * (4194304 // 768) * 768
+    assert memory.transient_bytes(load_config(None, tiny_overrides(tmp_path, **ds)))[0] == 4 * wte  # (fp32: no copy)
+    bf16 = load_config(None, tiny_overrides(tmp_path, **ds, train__precision="bf16"))
+    assert memory.transient_bytes(bf16)[0] == (4 + 2) * wte
+    # Llama-7B's block: the fused QKV (3 x 4096 x 4096) is its largest linear, beside the MLP's 11008 x 4096
+    llama = {"model__n_layer": 1, "model__n_embd": 4096, "model__n_head": 32, "model__vocab_size": 32000,
+             "model__mlp": "swiglu", "model__mlp_hidden": 11008, "model__norm": "rmsnorm", "model__bias": False}
+    qkv = 3 * 4096 * 4096
+    by_hand = 4 * qkv + (4 + 4 + 1) * qkv + 2 * 16 * 4 * 2**20
+    for extra in ({}, {"parallel__backend": "deepspeed", "parallel__zero_stage": 3}):
+        cfg = load_config(None, tiny_overrides(tmp_path, **llama, **extra, peft__method="qlora"))
+        assert memory.transient_bytes(cfg)[0] == by_hand, extra
+    small = load_config(None, tiny_overrides(tmp_path, model__n_embd=32, model__mlp="gelu", peft__method="qlora"))
+    up = 4 * 32 * 32  # (a linear under 2^20 elements searches all of its elements at once)
+    assert memory.transient_bytes(small)[0] == max(4 * 256 * 32, (4 + 9) * up + 2 * 16 * 4 * up)
 
 
 def test_pipelined_zero3_counts_this_ranks_experts_only() -> None:

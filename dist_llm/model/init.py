@@ -98,6 +98,32 @@ def local_shard(full: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 #: the most elements one generator draws for a parameter that is not a stack (module docstring)
 CHUNK_NUMEL = 1 << 22
 
+#: The version of how initial values are drawn, recorded in each checkpoint's manifest (`init_scheme`; missing: 1).
+#: 1: each parameter from one generator over its whole shape; 2: by chunks and by expert (module docstring). A
+#: PEFT run without model.init_from keeps no base: sampling, export and resume rebuild it from train.seed, and a
+#: scheme other than the one it trained on gives another base wherever the schemes differ (`drawn_otherwise`).
+INIT_SCHEME = 2
+
+
+def drawn_otherwise(model: nn.Module, rule: Rule | None = None) -> list[str]:
+    """Names of the parameters of `model` (one process's, meta is enough) whose values scheme 2 draws otherwise
+    than scheme 1: those of more than one chunk (a stack of experts, a parameter over CHUNK_NUMEL elements), but
+    with `rule` (as `init_parameters` takes it) none filled with constants (zeros, ones). Chunk 0 keeps the
+    parameter's seed, so a parameter of one chunk draws what it drew before."""
+    names: list[str] = []
+    seen: set[int] = set()  # (a shared parameter once, under its first name, as init_parameters fills it)
+    for mod_name, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            shape = tuple(module.full_shape(pname)) if hasattr(module, "full_shape") else tuple(p.shape)
+            if id(p) in seen or not shape or chunk_rows(module, pname, shape) >= shape[0]:
+                continue
+            seen.add(id(p))
+            fill = (module.init_rule(pname) if hasattr(module, "init_rule") else None) or (
+                rule(mod_name, module, pname) if rule is not None else None)
+            if fill not in (zeros, ones):
+                names.append(parameter_name(mod_name, pname))
+    return names
+
 
 def chunk_seed(seed: int, name: str, chunk: int) -> int:
     """The seed of chunk `chunk` of parameter `name` (chunk 0: the parameter's own, `param_seed(seed, name)`)."""

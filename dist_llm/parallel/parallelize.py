@@ -9,14 +9,16 @@ through TensorParallelFactory. `parallelize` then, in this order:
      is quantised: `_one_by_one`);
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: the pieces of each parameter that this rank's part overlaps (one expert, a
-     chunk of rows), each from a generator of its own, cut to the part (model/init.py), or, with `model.init_from`, loaded instead (nothing random drawn first);
+     chunk of rows), each from a generator of its own, cut to the part (model/init.py), or, with
+     `model.init_from`, loaded instead (nothing random drawn first);
      under QLoRA each block linear is allocated, filled and quantised to NF4 one at a time (peft/qlora.py),
      under ZeRO-3 into this rank's shards of the NF4 layer built on meta;
   4. PEFT (LoRA on the NF4 base, adapters), activation checkpointing, compile;
   5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed's
      ZeRO-1/2 hold those in full by design).
 Peak memory of the build: this rank's parameters plus the largest piece drawn (one expert, one chunk of
-rows; a tensor-parallel fused QKV whole: `dist-llm memory`'s init transient).
+rows; a tensor-parallel fused QKV whole), or under QLoRA one block linear whole and its quantiser's working space,
+under DeepSpeed's ZeRO-3 one parameter whole and its 16-bit copy (`dist-llm memory`'s init transient).
 """
 
 from __future__ import annotations

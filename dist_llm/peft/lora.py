@@ -79,7 +79,8 @@ class LoRA(nn.Module):
             mark_sequence_parallel(self.B, self.sequence_parallel)
         self.merged = False
 
-    # -- initialisation (model/init.py draws each tensor whole from its own generator, then keeps this rank's part)
+    # -- initialisation (model/init.py draws the chunks of the whole tensor this rank's part overlaps, from
+    # generators of their own, and keeps the overlap: full_shape and local_part say what that part is)
     def init_rule(self, pname: str) -> model_init.Fill:
         """A ~ Kaiming-uniform over the full input width, B = 0: the update starts at zero."""
         return model_init.kaiming_uniform if pname == "A" else model_init.zeros

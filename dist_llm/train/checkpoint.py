@@ -57,6 +57,7 @@ from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config, ConfigError
 from dist_llm.fileio import atomic_write_text
+from dist_llm.model.init import INIT_SCHEME
 from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.shards import ChunkStager
@@ -193,6 +194,7 @@ def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Para
             "tokens_seen": train_state.get("tokens_seen", 0),
             "layout": ctx.layout(),
             "model_fingerprint": cfg.fingerprint(),
+            "init_scheme": INIT_SCHEME,  # (how train.seed's initial values were drawn: model/init.py)
             "files": dict(sorted(files.items())),
             **(manifest_extra or {}),
         }
@@ -435,6 +437,28 @@ def holds_optimizer_state(path: Path) -> bool:
 
 def read_json(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text())
+
+
+def check_seeded_base(path: Path, cfg: Config, *, what: str) -> None:
+    """Before a PEFT base is rebuilt from train.seed for checkpoint `path` (no model.init_from): refuse, in one line
+    naming `what` asks for it, a checkpoint whose base was drawn by another init scheme (model/init.py's
+    INIT_SCHEME; a manifest without `init_scheme` is scheme 1) where the schemes draw this model otherwise."""
+    try:
+        saved = read_json(path / MANIFEST).get("init_scheme", 1)
+    except (OSError, ValueError, AttributeError) as e:
+        raise ConfigError(f"{what}: {path / MANIFEST}: unreadable ({e})") from None
+    if saved == INIT_SCHEME:
+        return
+    from dist_llm.model import GPT
+    from dist_llm.model.init import drawn_otherwise
+
+    with torch.device("meta"):
+        model = GPT(cfg.model)
+    differ = drawn_otherwise(model, model._init_rule)
+    if differ:
+        raise ConfigError(f"{what}: {path} adapts a base drawn from train.seed by init scheme {saved}, which this "
+                          f"version ({INIT_SCHEME}) draws otherwise ({differ[0]} and {len(differ) - 1} more): its "
+                          "base cannot be rebuilt; use the dist_llm version that trained it")
 
 
 def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = False) -> None:

@@ -162,6 +162,8 @@ class RunState:
         if self.cfg.peft.method != "none" and _same_base(manifest.get("peft_base")) != self.peft_base():
             raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
                               f"model.init_from describes ({self.peft_base()})")
+        if self.cfg.peft.method != "none" and not self.cfg.model.init_from:  # (the frozen base is drawn anew)
+            ckpt.check_seeded_base(path, self.cfg, what="train.resume")
         # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
         # `everything`); a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
         everything = self.dp.checkpoint_state()
