@@ -167,6 +167,39 @@ def test_bias_update_moves_toward_balance() -> None:
     assert torch.equal(layer.expert_bias, before)
 
 
+@pytest.mark.parametrize("cast", ["to", "bfloat16", "half", "buffer_dtype"])
+def test_expert_bias_stays_fp32_whatever_casts_the_layer(cast: str) -> None:
+    """`.to(bf16)`, `.bfloat16()`, `.half()` (DeepSpeed's engine up to 0.19.1) cast the parameters, not the aux-free
+    bias; a cast through `.data` (DeepSpeed's data_types.buffer_dtype) followed by a device move is undone by
+    `fp32_buffers_kept`. The bias keeps its fp32 values and the next update is the fp32 layer's, to the bit."""
+    from dist_llm.model.buffers import fp32_buffers_kept
+
+    layer, _ = _moe("gelu", "topk_softmax")
+    ref, _ = _moe("gelu", "topk_softmax")
+    bias = torch.tensor([1.0, -0.5, 0.25, 0.0]) + 0.001 * torch.arange(1, 5)  # (a few hundred steps of 0.001)
+    assert not torch.equal(bias.bfloat16().float(), bias) and not torch.equal(bias.half().float(), bias)  # premise
+    for m in (layer, ref):
+        m.expert_bias.copy_(bias)
+    if cast == "to":
+        layer.to(torch.bfloat16)
+    elif cast == "buffer_dtype":
+        with fp32_buffers_kept(layer):
+            for b in layer.buffers():
+                b.data = b.data.to(torch.bfloat16)  # (as DeepSpeed 0.19.8's engine casts buffers)
+            layer.to("cpu")  # (and then moves the module: the bias goes through _apply already rounded)
+    else:
+        getattr(layer, cast)()
+    assert cast == "buffer_dtype" or layer.router.weight.dtype != torch.float32  # the parameters were cast
+    assert layer.expert_bias.dtype == torch.float32 and torch.equal(layer.expert_bias, bias)
+    assert list(layer.state_dict()).index("expert_bias") == list(ref.state_dict()).index("expert_bias")
+    load = torch.tensor([[3.0, 1.0, 0.0, 4.0]])
+    for m in (layer, ref):
+        m.step_load = load[0].clone()
+    update_expert_bias([layer], 0.001)
+    update_expert_bias([ref], 0.001)
+    assert torch.equal(layer.expert_bias, ref.expert_bias) and not torch.equal(ref.expert_bias, bias)
+
+
 def test_gpt_blocks_params_and_flops() -> None:
     cfg = ModelConfig(n_layer=4, n_embd=32, n_head=2, n_experts=4, moe_top_k=1, moe_every=2, bias=False, mlp="swiglu")
     model = GPT(cfg)

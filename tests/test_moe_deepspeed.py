@@ -9,6 +9,7 @@ gradient sums differs. Micro-batches of 2 everywhere: the balancing losses are p
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -71,7 +72,8 @@ def test_ep2_checkpoint_resumes_at_deepspeed_zero0_1_and_3(tmp_path: Path, corpu
     """The native engine's ep=2 checkpoint (experts saved by global id from two ranks' halves) resumes under
     DeepSpeed at ZeRO-1 and ZeRO-3 (experts whole, or partitioned by DeepSpeed) with the uninterrupted run's
     losses and parameters. ZeRO-3 saves the expert bias too (a buffer beside its partitions: it saved none), and
-    ZeRO-0, which resumes the weights alone, resumes the bias with them."""
+    ZeRO-0, which resumes the weights alone, resumes the bias with them. ZeRO-3 started from that checkpoint by
+    model.init_from=ckpt: builds with its bias, as the native one-process start loads it, and trains to its losses."""
     first = tmp_path / "ep2"
     whole = run_distributed(train, 2, first, corpus, {**MOE, "parallel__ep": 2, "train__ckpt_interval": 4},
                             init_group=False)[0]
@@ -83,34 +85,54 @@ def test_ep2_checkpoint_resumes_at_deepspeed_zero0_1_and_3(tmp_path: Path, corpu
         want = expert_biases(first / "checkpoints" / "step_000008")
         for name, b in expert_biases(out / "checkpoints" / "step_000008").items():
             torch.testing.assert_close(b, want[name], rtol=0, atol=0, msg=lambda m, n=name, s=stage: f"{s} {n}: {m}")
-    # stage 0 resumes the weights only (its moments start afresh), but the bias with them: it was loaded into a copy
+    # stage 0 resumes the weights only (its moments start afresh), but the bias with them: it was loaded into a copy.
+    # The same world then starts ZeRO-3 from that checkpoint by model.init_from: the bias read with the weights
+    # (before: the build filled the parameters only, and the bias stayed zero), the native one-process losses
     step = first / "checkpoints" / "step_000004"
     want = expert_biases(step)
-    for got in run_distributed(_resumed_biases, 2, first, corpus, {**DS, "parallel__zero_stage": 0,
-                                                                   "train__resume": str(step)}, init_group=False,
-                               timeout=600):
-        assert sorted(got) == sorted(want) and all(b.abs().sum() > 0 for b in want.values())
-        for name, b in got.items():
-            torch.testing.assert_close(b, want[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    assert want and all(b.abs().sum() > 0 for b in want.values())  # the premise: a bias to read
+    start = {"model__init_from": f"ckpt:{step}", "train__max_steps": INIT_STEPS}
+    ranks = run_distributed(_zero0_resumed_then_zero3_from, 2, tmp_path / "world", corpus, step, start, timeout=600)
+    native = train(0, 1, tmp_path / "native", corpus, {**MOE, **start})
+    for got in ranks:
+        for built in ("zero0", "zero3"):
+            assert sorted(got[built]) == sorted(want), built
+            for name, b in got[built].items():
+                torch.testing.assert_close(b, want[name], rtol=0, atol=0, msg=lambda m, n=name, s=built: f"{s} {n}: {m}")
+    assert len(ranks[0]["losses"]) == len(native["losses"]) == INIT_STEPS
+    for a, b in zip(ranks[0]["losses"], native["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
 
 
-def _resumed_biases(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
-                    extra: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Build the trainer (which resumes) and report its MoE layers' expert bias."""
+INIT_STEPS = 4  # (the bias decides the routing from the first forward on: a few steps show it)
+
+
+def _zero0_resumed_then_zero3_from(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                                   step: Path, start: dict[str, Any]) -> dict[str, Any]:
+    """Two trainers in one world (the process group is the harness's, kept between them): DeepSpeed ZeRO-0 resumed
+    from `step`, then ZeRO-3 from a fresh start `start` (model.init_from=ckpt:`step`) trained to its end. Each one's
+    MoE layers' expert bias as built, and the second's losses."""
     from dist_llm.config import load_config
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.trainer import Trainer
     from tests.conftest import tiny_overrides
 
-    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": STEPS,
-                                                       "model__bias": False, **MOE, **extra}))
-    ctx = ParallelContext.from_config(cfg)
-    try:
-        trainer = Trainer(cfg, ctx)
-        assert trainer.resumed_from is not None
-        return {n: b.clone() for n, b in trainer.module.named_buffers() if n.endswith("expert_bias")}
-    finally:
-        ctx.destroy()
+    out: dict[str, Any] = {}
+    for built, extra in (("zero0", {"parallel__zero_stage": 0, "train__resume": str(step)}),
+                         ("zero3", {"parallel__zero_stage": 3, **start})):
+        where = out_dir / built
+        cfg = load_config(None, tiny_overrides(where, **{"data__source": str(corpus), "train__max_steps": STEPS,
+                                                         "train__eval_interval": 0, "model__bias": False, **MOE,
+                                                         **DS, **extra}))
+        trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+        assert (trainer.resumed_from is not None) == (built == "zero0")
+        out[built] = {n: b.clone() for n, b in trainer.module.named_buffers() if n.endswith("expert_bias")}
+        if built == "zero3":
+            trainer.fit()
+            lines = (where / "metrics.jsonl").read_text().splitlines() if rank == 0 else []
+            out["losses"] = [r["loss"] for r in map(json.loads, lines) if "loss" in r]
+        del trainer
+    return out
 
 
 def test_ep_above_1_is_refused_with_one_line(tmp_path: Path) -> None:

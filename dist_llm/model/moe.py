@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dist_llm.config import ModelConfig
+from dist_llm.model.buffers import apply_keeping_fp32
 
 #: sums a tensor in place over the data-parallel ranks (the trainer's; None at one process)
 AllReduce = Callable[[torch.Tensor], None] | None
@@ -219,6 +220,10 @@ _experts_eager = torch.compiler.disable(_experts)
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts). Records its load-balancing losses and load per forward."""
 
+    # (model/buffers.py) the aux-free bias is trained state, and stays fp32: its steps of `rate` would round away
+    # in bf16 next to a bias of a few hundred steps
+    trained_buffers = fp32_buffers = ("expert_bias",)
+
     def __init__(self, cfg: ModelConfig, shared: nn.Module | None, dropout: nn.Module) -> None:
         super().__init__()
         self.n_experts, self.top_k, self.order = cfg.n_experts, cfg.moe_top_k, cfg.moe_router_order
@@ -243,6 +248,10 @@ class MoE(nn.Module):
 
     def reset_buffers(self) -> None:
         self.expert_bias.zero_()  # (a checkpoint load afterwards brings the trained bias)
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> MoE:
+        apply_keeping_fp32(self, fn, lambda: super(MoE, self)._apply(fn, recurse))
+        return self
 
     def reset_stats(self) -> None:
         """Zero what the trainer reads at log steps (sums over training forwards)."""

@@ -34,6 +34,7 @@ from torch import nn
 
 from dist_llm.config import Config
 from dist_llm.model import GPT, LayerFactory
+from dist_llm.model.buffers import trained_buffers
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.context_parallel.apply import apply_context_parallel
@@ -138,6 +139,7 @@ def _one_by_one(model: GPT, cfg: Config, ctx: ParallelContext,
     @contextlib.contextmanager
     def opened() -> Iterator[Fill]:
         adapters = peft_parameter_names(model)
+        buffers = set(trained_buffers(model))  # (reset_buffers gave their start: only model.init_from has more)
         if cfg.model.init_from and read is None:
             raise ValueError("model.init_from is set but parallelize() was given no reader")
         with read(cfg, ctx) if cfg.model.init_from and read is not None else contextlib.nullcontext() as base:
@@ -148,7 +150,7 @@ def _one_by_one(model: GPT, cfg: Config, ctx: ParallelContext,
                         reset_peft_parameters(model, cfg.train.seed, only=name)
                 elif base is not None:
                     base(name, t, source=source)  # (collective, read or not)
-                elif source:
+                elif source and name not in buffers:
                     model.reset_parameters(cfg.train.seed, only=[name])
 
             yield fill

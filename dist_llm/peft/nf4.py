@@ -35,6 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from dist_llm.model.buffers import apply_keeping_fp32
+
 #: The 16 NF4 levels from the QLoRA paper / bitsandbytes, ascending; index 7 is an exact zero.
 NF4_CODE: tuple[float, ...] = (
     -1.0,
@@ -271,6 +273,8 @@ class NF4Linear(nn.Module):
     shards of it.
     """
 
+    fp32_buffers = _FP32_BUFFERS  # (model/buffers.py: no cast of the module rounds them)
+
     def __init__(
         self,
         weight: Tensor,
@@ -377,19 +381,8 @@ class NF4Linear(nn.Module):
 
     def _apply(self, fn: Any, recurse: bool = True) -> NF4Linear:
         # Module.to(dtype), .half() and .bfloat16() cast every floating buffer; the fp32 metadata must stay
-        # fp32 or the dequantised weight changes. Those buffers go through fn as int32 bit patterns (which
-        # device moves keep and dtype casts skip) and come back as fp32.
-        order = list(self._buffers)
-        held = {name: self._buffers.pop(name) for name in _FP32_BUFFERS}
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            for name, t in held.items():
-                moved = fn(t.view(torch.int32))
-                self._buffers[name] = moved.view(torch.float32) if moved.dtype == torch.int32 else moved.float()
-            reordered = {name: self._buffers[name] for name in order}
-            self._buffers.clear()
-            self._buffers.update(reordered)
+        # fp32 or the dequantised weight changes (model/buffers.py)
+        apply_keeping_fp32(self, fn, lambda: super(NF4Linear, self)._apply(fn, recurse))
         return self
 
     def extra_repr(self) -> str:

@@ -43,6 +43,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
 from dist_llm.config import Config, ConfigError
+from dist_llm.model.buffers import fp32_buffers_kept, trained_buffers
 from dist_llm.optim import adamw, set_lr
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
@@ -197,7 +198,8 @@ class DeepSpeedDataParallel(DataParallel):
             else:
                 materialize(model)
         optimizer = adamw(_param_groups(model, cfg.optim.weight_decay), cfg.optim, ctx.device)
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        with fp32_buffers_kept(model):  # (data_types.buffer_dtype casts buffers through .data, the aux-free bias too)
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
         self.engine = engine
         self.model = engine
         self.optimizer = engine.optimizer
@@ -267,8 +269,10 @@ class DeepSpeedDataParallel(DataParallel):
             params = [p for p in self.module.parameters()]
             pieces = shards.zero3_pieces(params, dist.get_rank(group=self.optimizer.dp_process_group))
             # (a frozen PEFT base is partitioned too, and not saved); buffers are never partitioned: an MoE layer's
-            # expert_bias is state the run trains, held whole on every rank as in every other layout
-            model_sd: dict[str, Any] = shards.persistent_buffers(self.module)
+            # expert_bias is state the run trains, held whole on every rank as in every other layout. The others
+            # (NF4's mean and table, position tables) the build recomputes: not saved, so not asked for on resume
+            # (a QLoRA checkpoint keeps the keys it had before the bias was saved)
+            model_sd: dict[str, Any] = trained_buffers(self.module)
         else:
             pieces = shards.zero12_pieces(self.optimizer)
             model_sd = get_model_state_dict(self.module)  # the frozen (PEFT) parameters are held whole here
@@ -283,7 +287,7 @@ class DeepSpeedDataParallel(DataParallel):
             with torch.no_grad():
                 for name, p in self.module.named_parameters():
                     p.copy_(state["model"][name].to(p.dtype))
-                for name, b in shards.persistent_buffers(self.module).items():  # (checkpoint_state saved copies)
+                for name, b in trained_buffers(self.module).items():  # (checkpoint_state saved copies)
                     b.copy_(state["model"][name])
             refresh = getattr(self.optimizer, "refresh_fp32_params", None)
             if refresh is not None:  # DeepSpeed's fp32 master copies follow the loaded weights

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dist_llm.model.buffers import trained_buffers
 from dist_llm.parallel import comm
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
@@ -136,13 +137,6 @@ def state_of(module: nn.Module, pieces: dict[int, Piece], step: torch.Tensor, tp
     return {"model": model_sd, "optim": {"state": optim}}
 
 
-def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
-    """The buffers `module.state_dict()` holds (persistent ones: an MoE layer's expert_bias), by name, as the live
-    tensors: DCP saves them and, on resume, loads into them in place."""
-    return {f"{name}.{b}" if name else b: t for name, m in module.named_modules() for b, t in m._buffers.items()
-            if t is not None and b not in m._non_persistent_buffers_set}
-
-
 def set_step(opt: Any, optim_state: dict[str, Any]) -> None:
     """The step count a checkpoint gave (one for all parameters) into every flat partition's state."""
     step = next(iter(optim_state.values()))["step"] if optim_state else torch.tensor(0.0)
@@ -166,9 +160,10 @@ def zero3_from_masters(opt: Any) -> None:
 
 # -- the ZeRO-3 build: one parameter at a time ------------------------------------------------------------------
 class Fill(Protocol):
-    """Fills parameter `name` (its name in the whole model), allocated whole on the device, in place. With
-    `source=False` the values are not wanted on this rank (another's are broadcast over them): a reader reads
-    nothing and only joins what every rank does together (the agreement on whether the source's read failed)."""
+    """Fills parameter `name` (its name in the whole model), allocated whole on the device, in place (or a buffer a
+    run trains: read from model.init_from, else left at its start value). With `source=False` the values are not
+    wanted on this rank (another's are broadcast over them): a reader reads nothing and only joins what every rank
+    does together (the agreement on whether the source's read failed)."""
 
     def __call__(self, name: str, t: torch.Tensor, *, source: bool = True) -> None: ...
 
@@ -185,7 +180,8 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
     `_zero_init_param`), so only that rank fills for real: the others call `fill(..., source=False)`, reading
     nothing from model.init_from (one read of the checkpoint per group, not one per rank) and drawing nothing.
     QLoRA's NF4 layers (built on the meta device by apply_peft) are built a layer at a time (`_build_nf4`).
-    Buffers (small, recomputed) are allocated whole."""
+    Buffers (small) are allocated whole and recomputed; those a run trains (an MoE layer's expert_bias) are then
+    filled like the parameters (`_fill_trained_buffers`): from model.init_from, what one process loads."""
     import deepspeed
 
     from dist_llm.model.init import parameter_name
@@ -224,6 +220,19 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
         p.data = p.data.to(partitioner.dtype)
         # (broadcasts the source's values over the group, then keeps this rank's range: the others' p held garbage)
         partitioner._convert_to_zero_parameters([p])
+    _fill_trained_buffers(model, fill, partitioner, source)
+
+
+def _fill_trained_buffers(model: nn.Module, fill: Fill, partitioner: Any, source: bool) -> None:
+    """The buffers a run trains (model/buffers.py: an MoE layer's expert_bias), whole on every rank as in every
+    layout: filled as the parameters are (read from model.init_from on the source rank; from a random start `fill`
+    leaves reset_buffers' start value), then broadcast from the source over its partition group."""
+    from deepspeed import comm as ds_dist
+
+    group = partitioner.ds_process_group
+    for name, b in trained_buffers(model).items():
+        fill(name, b, source=source)  # (collective: a failed read is raised on every rank here)
+        ds_dist.broadcast(b, ds_dist.get_global_rank(group, 0), group=group)
 
 
 def _build_nf4(model: nn.Module, module_name: str, layer: NF4Linear, fill: Fill, device: torch.device,
