@@ -297,3 +297,41 @@ def test_experts_only_lora_under_a_pipeline_at_zero0(tmp_path: Path, tmp_path_fa
                               init_group=False)
     got = {**results[0], "params": merged(results)}
     assert_same_run(got, reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
+
+
+def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
+    """The aux-free expert bias is state the run trains though it is no parameter: a PEFT checkpoint, which keeps
+    the trained tensors only, must keep it too, or a resumed run routes with a bias back at zero (it came back
+    zero before) and sampling and export route otherwise than training did."""
+    from dist_llm.train.trainer import Trainer
+
+    corpus = tmp_path / "corpus.txt"  # (text on which the first steps' loads are uneven: the bias moves at once)
+    corpus.write_text((Path(__file__).resolve().parent.parent / "README.md").read_text() * 3)
+
+    def trainer(steps: int) -> Trainer:
+        cfg = load_config(None, tiny_overrides(tmp_path / "run", **{
+            "data__source": str(corpus), "train__eval_interval": 0, "model__bias": False, **LORA,
+            "model__moe_bias_update_rate": 0.5, "train__max_steps": steps, "train__ckpt_interval": 2}))
+        return Trainer(cfg, ParallelContext.from_config(cfg))
+
+    first = trainer(2)
+    try:
+        first.fit()
+        trained = {n: b.clone() for n, b in first.module.named_buffers() if n.endswith("expert_bias")}
+    finally:
+        first.ctx.destroy()
+    assert trained and all(b.abs().sum() > 0 for b in trained.values())  # (rate 0.5: moved at step 1 already)
+    second = trainer(3)  # resumes at step 2 as it is built
+    try:
+        assert second.step == 2
+        resumed = {n: b for n, b in second.module.named_buffers() if n.endswith("expert_bias")}
+        assert resumed.keys() == trained.keys()
+        for name, bias in trained.items():
+            assert torch.equal(resumed[name], bias), name
+    finally:
+        second.ctx.destroy()
+    from dist_llm.convert import load_checkpoint_model  # sampling and export route as training did
+
+    sampled = dict(load_checkpoint_model(tmp_path / "run" / "checkpoints" / "step_000002").named_buffers())
+    for name, bias in trained.items():
+        assert torch.equal(sampled[name], bias), name

@@ -461,12 +461,23 @@ def check_seeded_base(path: Path, cfg: Config, *, what: str) -> None:
                           "base cannot be rebuilt; use the dist_llm version that trained it")
 
 
+def model_keys(path: Path) -> set[str]:
+    """The names of the model tensors the checkpoint at `path` holds (as the model names them)."""
+    index = SafeReader(str(path)).read_metadata().state_dict_metadata
+    return {key.removeprefix("model.") for key in index if key.startswith("model.")}
+
+
 def load_model_weights(path: Path, model: nn.Module, *, trainable_only: bool = False) -> None:
     """Load only the model's tensors from a checkpoint (resharding as DCP does); `trainable_only` for PEFT
-    checkpoints, which hold nothing of the frozen base."""
+    checkpoints, which hold nothing of the frozen base: its trainable parameters, and the buffers a run trains
+    (model/buffers.py) where the checkpoint holds them (one written before they were saved leaves them as built)."""
     if trainable_only:
-        params = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-        _load({"model": params}, path)  # in place, into the parameters
+        from dist_llm.model.buffers import trained_buffers
+
+        held = model_keys(path)
+        tensors = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+        tensors |= {n: b for n, b in trained_buffers(model).items() if n in held}
+        _load({"model": tensors}, path)  # in place, into the parameters and buffers
         return
     state = {"model": get_model_state_dict(model)}
     _load(state, path)

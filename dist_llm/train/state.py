@@ -25,6 +25,7 @@ from dist_llm.data import GlobalBatchSampler
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
+from dist_llm.model.buffers import trained_buffers
 from dist_llm.peft import trainable_names
 from dist_llm.precision import LossScaler
 from dist_llm.train import checkpoint as ckpt
@@ -167,7 +168,8 @@ class RunState:
         # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
         # `everything`); a PEFT checkpoint holds the trained tensors only: the frozen base stays as built
         everything = self.dp.checkpoint_state()
-        wanted = self._chunked(self._saved_part(everything))
+        held = ckpt.model_keys(path) if self.cfg.peft.method != "none" else None
+        wanted = self._chunked(self._saved_part(everything, held=held))
         state = ckpt.load_checkpoint(path, state=wanted, ctx=self.ctx, group=self.ckpt_group)
         self.dp.load_checkpoint_state(everything)
         if wanted["optim"]["state"] and not ckpt.holds_optimizer_state(path):
@@ -291,11 +293,19 @@ class RunState:
         return {"step": self.step, "tokens_seen": self.tokens_seen, "elapsed_s": self.elapsed_s,
                 "sampler": self.sampler.state_dict(), "scaler": self.scaler.state_dict()}
 
-    def _saved_part(self, state: dict[str, Any]) -> dict[str, Any]:
-        """What a checkpoint holds of a data-parallel state: everything, or with PEFT the trained tensors only."""
+    def _saved_part(self, state: dict[str, Any], held: set[str] | None = None) -> dict[str, Any]:
+        """What a checkpoint holds of a data-parallel state: everything, or with PEFT the trained tensors only:
+        the trainable parameters and the buffers a run trains (model/buffers.py: an MoE layer's expert bias).
+        `held`: the model tensors of the checkpoint being resumed; a trained buffer it lacks (a PEFT checkpoint
+        written before they were saved) is not asked for: it stays as built, said in a warning."""
         if self.cfg.peft.method == "none":
             return state
-        keep = set(trainable_names(self.module))
+        buffers = set(trained_buffers(self.module))
+        if held is not None and buffers - held:
+            log.warning("the checkpoint holds no %s (written before PEFT checkpoints kept them): they start from "
+                        "their initial values", ", ".join(sorted(buffers - held)))
+            buffers &= held
+        keep = set(trainable_names(self.module)) | buffers
         return {"model": {k: v for k, v in state["model"].items() if k in keep},
                 "optim": {"state": {k: v for k, v in state["optim"]["state"].items() if k in keep}}}
 
