@@ -14,8 +14,9 @@ experts, C = n_embd, H = the expert hidden size, s = the compute dtype's bytes:
                    hidden values as the dense MLP's (4 per width with SwiGLU, 2 with GELU) and, in mixed
                    precision, their 16-bit input 2C
     per assignment the sort order (int64, 8); with a capacity factor its keep mask (1)
-    per kept row   the token index (int64, 8; and the expert index with biases), the gate s, the combined
-                   expert output sC and the gated product sC: on the rank that owns the tokens
+    per kept row   the token index (int64, 8; and the expert index with biases), the gate s and the combined
+                   expert output sC: on the rank that owns the tokens (model/moe.py's _Combine keeps no gated
+                   product: autograd's index_add_ kept one for its shape alone)
     per received   the experts' input sC and hidden values s*(4H SwiGLU: gate, silu, up, product; 2H GELU):
     row            on the rank that owns the experts; at ep=1 the received rows are the kept rows; at ep>1 also
                    the dispatch's regrouping of the arrivals by local expert and its inverse (int64, 8 + 8)
@@ -138,9 +139,9 @@ def token_side_bytes(cfg: Config) -> float:
 
 
 def kept_row_bytes(cfg: Config) -> int:
-    """Bytes per kept assignment on the tokens' rank: token index, gate, combined output, gated product."""
+    """Bytes per kept assignment on the tokens' rank: token index, gate, combined output."""
     s = _compute_size(cfg)
-    return 8 + (8 if cfg.model.bias else 0) + s + 2 * s * cfg.model.n_embd
+    return 8 + (8 if cfg.model.bias else 0) + s + s * cfg.model.n_embd
 
 
 def received_row_bytes(cfg: Config, ep: int) -> int:
