@@ -311,7 +311,7 @@ def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
     def trainer(steps: int) -> Trainer:
         cfg = load_config(None, tiny_overrides(tmp_path / "run", **{
             "data__source": str(corpus), "train__eval_interval": 0, "model__bias": False, **LORA,
-            "model__moe_bias_update_rate": 0.5, "train__max_steps": steps, "train__ckpt_interval": 2}))
+            "model__moe_bias_update_rate": 0.01, "train__max_steps": steps, "train__ckpt_interval": 2}))
         return Trainer(cfg, ParallelContext.from_config(cfg))
 
     first = trainer(2)
@@ -320,7 +320,7 @@ def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
         trained = {n: b.clone() for n, b in first.module.named_buffers() if n.endswith("expert_bias")}
     finally:
         first.ctx.destroy()
-    assert trained and all(b.abs().sum() > 0 for b in trained.values())  # (rate 0.5: moved at step 1 already)
+    assert trained and all(b.abs().sum() > 0 for b in trained.values())  # (a small rate: no flip back to 0)
     second = trainer(3)  # resumes at step 2 as it is built
     try:
         assert second.step == 2
