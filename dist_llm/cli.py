@@ -356,6 +356,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
 
     from dist_llm import memory
 
+    extra: dict[str, str] = {}
     if args.params is not None and args.config is None and not args.overrides and not args.suggest:
         if args.params <= 0 or args.dp < 1:
             raise ConfigError(f"memory: --params and --dp must be positive, got {args.params:g} and {args.dp}")
@@ -372,7 +373,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         title = (f"{cfg.name}: world {world} (dp={world // (p.cp * p.tp * p.pp)}{cp}, tp={p.tp}, pp={p.pp}), zero_stage "
                  f"{p.zero_stage}, {cfg.train.precision}, checkpointing {cfg.train.activation_checkpointing}, "
                  f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}, {memory.assumed_device(cfg)}")
-    print(json.dumps(est.to_json()) if args.json else memory.table(est, title))
+        extra = {"assumed_device": memory.assumed_device(cfg)}
+    print(json.dumps(est.to_json() | extra) if args.json else memory.table(est, title))
     return 0
 
 

@@ -95,7 +95,8 @@ class Estimate:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes, "master_bytes": self.master_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
                 "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
-                "pending_weight_bytes": self.pending_weight_bytes, "peak_bytes": self.peak_bytes, "host_bytes": self.model_states_bytes if self.offloaded else 0,
+                "pending_weight_bytes": self.pending_weight_bytes, "peak_bytes": self.peak_bytes,
+                "host_bytes": self.model_states_bytes if self.offloaded else 0,
                 "init_transient_bytes": self.init_transient_bytes, "load_transient_bytes": self.load_transient_bytes,
                 "export_transient_bytes": self.export_transient_bytes, **({"moe": self.moe} if self.moe else {})}
 

@@ -72,8 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also time tp=1 as one process with ONE thread (a reference: on a loaded 2-core machine "
                         "two OpenMP threads can be slower than one)")
     p.add_argument("--tp-overlap", action=argparse.BooleanOptionalAction, default=True,
-                   help="sequence-parallel layers overlap their forward collectives with the matmuls by the ring "
-                        "(parallel/tensor/overlap.py); --no-tp-overlap times the plain path beside it")
+                   help="sequence-parallel layers overlap their collectives (forward, row backward) with the "
+                        "matmuls by the ring (parallel/tensor/overlap.py); --no-tp-overlap times the plain path")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--order", default="", help=argparse.SUPPRESS)  # the worker's scenarios, comma-separated

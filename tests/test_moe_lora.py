@@ -328,6 +328,9 @@ def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
         assert resumed.keys() == trained.keys()
         for name, bias in trained.items():
             assert torch.equal(resumed[name], bias), name
+        # a checkpoint written before the bias was kept: it is not asked for (DCP would fail on the missing key)
+        old = second.run_state._saved_part(second.dp.checkpoint_state(), held=set(trainable_names(second.module)))
+        assert set(old["model"]) == set(trainable_names(second.module))
     finally:
         second.ctx.destroy()
     from dist_llm.convert import load_checkpoint_model  # sampling and export route as training did
@@ -335,3 +338,21 @@ def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
     sampled = dict(load_checkpoint_model(tmp_path / "run" / "checkpoints" / "step_000002").named_buffers())
     for name, bias in trained.items():
         assert torch.equal(sampled[name], bias), name
+
+
+def test_an_adapter_file_keeps_the_expert_bias(tmp_path: Path) -> None:
+    """save_adapter / load_adapter (README, "Adapters") carry the bias a run trained with the LoRA tensors: without
+    it the adapter on its base routes otherwise than training did (it was left as the base's, before)."""
+    from dist_llm.peft import load_adapter, save_adapter
+
+    trained = _build(tmp_path, **LORA)
+    bias = {n: b for n, b in trained.named_buffers() if n.endswith("expert_bias")}
+    assert bias
+    for b in bias.values():
+        b.copy_(torch.linspace(-0.1, 0.1, b.numel()))
+    save_adapter(trained, tmp_path / "adapter", load_config(None, tiny_overrides(tmp_path, **LORA)).peft, {})
+    fresh = _build(tmp_path, **LORA)
+    load_adapter(fresh, tmp_path / "adapter")
+    loaded = dict(fresh.named_buffers())
+    for name, b in bias.items():
+        assert torch.equal(loaded[name], b), name

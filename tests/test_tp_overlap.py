@@ -1,5 +1,6 @@
-"""Forward overlap of sequence-parallel layers (parallel/tensor/overlap.py): the ring path against the plain one
-(one blocking collective, then the matmul) and against one process, on gloo ranks at tp 2 and 4."""
+"""The ring overlap of sequence-parallel layers (parallel/tensor/overlap.py: the forward, and the row layer's
+backward): the ring path against the plain one (one blocking collective, then the matmul) and against one
+process, on gloo ranks at tp 2 and 4."""
 
 from __future__ import annotations
 
@@ -96,7 +97,7 @@ def test_ring_overlap_equals_plain_and_one_process(tp: int) -> None:
             assert torch.equal(ring["out"][2], plain["out"][2]), rank
         for a, b in zip(ring["out"], r["ref_out"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # fp32 sums of 12-24 products in new orders
-        # the row layer's weight gradient is one mm of (out, B*T) by (B*T, in/tp), as autograd's, in its layout
+        # the row layer's weight gradient: the ring's sum over tp pieces against one mm of (out, B*T) by (B*T, in/tp)
         for a, b in zip(ring["grads"], plain["grads"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         for a, b in zip(ring["grads"], r["ref_grads"]):

@@ -34,6 +34,7 @@ from typing import Callable, Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from dist_llm.config import ModelConfig
 from dist_llm.model.buffers import apply_keeping_fp32
@@ -125,6 +126,7 @@ class _Combine(torch.autograd.Function):
         return rows.new_zeros(n_tokens, rows.shape[1]).index_add_(0, token, rows * weights[:, None])
 
     @staticmethod
+    @once_differentiable  # (the backward scales in place: no graph of it to differentiate again)
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
         rows, weights, token = ctx.saved_tensors
         picked = grad.index_select(0, token)  # (M, C): each row's token's gradient

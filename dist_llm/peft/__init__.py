@@ -194,8 +194,11 @@ def trainable_names(model: nn.Module) -> list[str]:
 
 
 def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The trainable tensors only, by name (what a PEFT checkpoint holds)."""
-    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    """The trained tensors only, by name (what a PEFT checkpoint holds): the trainable parameters and the buffers
+    a run trains (model/buffers.py: an MoE layer's expert bias, which decides the routing)."""
+    from dist_llm.model.buffers import trained_buffers
+
+    return {n: p.detach() for n, p in model.named_parameters() if p.requires_grad} | trained_buffers(model)
 
 
 def save_adapter(model: nn.Module, path: Path, cfg: PeftConfig, base: dict[str, Any]) -> None:
@@ -212,16 +215,19 @@ def save_adapter(model: nn.Module, path: Path, cfg: PeftConfig, base: dict[str, 
 
 def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
     """Put the tensors of `save_adapter` back on a model that has the same PEFT modules; returns adapter.json."""
+    from dist_llm.model.buffers import trained_buffers
+
     tensors = load_file(str(path / "adapter.safetensors"))
-    params = dict(model.named_parameters())
+    targets = dict(model.named_parameters()) | trained_buffers(model)
     wanted = set(trainable_names(model))
-    if set(tensors) != wanted:
-        missing, extra = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted)
+    optional = set(trained_buffers(model))  # (an adapter saved before they were kept leaves them as built)
+    if not wanted <= set(tensors) or not set(tensors) <= wanted | optional:
+        missing, extra = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted - optional)
         raise ConfigError(f"{path / 'adapter.safetensors'}: does not fit this model (missing {missing[:3]}, "
                           f"unexpected {extra[:3]})")
     with torch.no_grad():
         for name, t in tensors.items():
-            params[name].copy_(t)
+            targets[name].copy_(t)
     return json.loads((path / "adapter.json").read_text())
 
 

@@ -301,9 +301,10 @@ class RunState:
         if self.cfg.peft.method == "none":
             return state
         buffers = set(trained_buffers(self.module))
-        if held is not None and buffers - held:
+        if held is not None and buffers - held and self.cfg.model.moe_bias_update_rate > 0 and self.ctx.is_main:
             log.warning("the checkpoint holds no %s (written before PEFT checkpoints kept them): they start from "
                         "their initial values", ", ".join(sorted(buffers - held)))
+        if held is not None:
             buffers &= held
         keep = set(trainable_names(self.module)) | buffers
         return {"model": {k: v for k, v in state["model"].items() if k in keep},

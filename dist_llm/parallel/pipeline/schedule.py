@@ -252,7 +252,8 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
     `costs` replaces those unit costs with one table per stage, such as the seconds each action took on a real
     run (StageClock.breakdown): "F", "B", "W", and under the interleaved schedule "F1", "B1" ... for chunk 1 ...
     (a chunk without its own entry costs the plain kind's); a key (kind, micro-batch), such as ("B1", 3), costs
-    that one action (a replay of a step's own durations, StageClock.action_seconds).
+    that one action (a replay of a step's own durations, StageClock.action_seconds). Each table needs the plain
+    kinds its plan has ("F", "B", and "W" under ZB-H1), the fallback of actions without their own key.
 
     An `Exchange` posts its actions together and the stage waits until all of them complete; a bare
     send or receive action is an exchange of its own (one `batch_isend_irecv` per action). A send completes

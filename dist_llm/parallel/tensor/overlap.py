@@ -1,4 +1,4 @@
-"""Forward overlap for sequence parallelism: "collective matmul" (Wang et al. 2023; Megatron's tp_comm_overlap).
+"""Overlap for sequence parallelism: "collective matmul" (Wang et al. 2023; Megatron's tp_comm_overlap).
 
 The sequence collectives of a sequence-parallel layer are split into the tp pieces of the sequence and passed
 around the tp ring, one point-to-point step at a time, while the matmul of the piece already at hand runs:
@@ -22,8 +22,9 @@ NCCL: every rank issues the same `ring_shift`s (one batch_isend_irecv each, send
 in the same order; each handle is waited before the buffer it receives into is read and before the buffer it
 sends from is dropped or reused.
 
-`ENABLED` switches the ring off (back to one blocking collective then the matmul): for scripts/trace_tp.py's
-before/after comparison and the equality test, not a user setting (on CPU the ring costs no speed: measured).
+`ENABLED` switches the ring off (back to one blocking collective then the matmul), read in each layer's forward
+(its backward takes the path its forward took): for scripts/trace_tp.py's before/after comparison and the
+equality test, not a user setting (on CPU the ring costs no speed: measured).
 """
 
 from __future__ import annotations
@@ -110,15 +111,6 @@ class RowSequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def]
         x, wc = ctx.saved_tensors
-        if not ENABLED:
-            from dist_llm.parallel.tensor.mappings import all_gather_dim
-
-            g = all_gather_dim(grad.to(wc.dtype), 1, ctx.group, ctx.stats)  # (B, T, out)
-            gx = g.matmul(wc).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None  # (B, T, in/tp)
-            gw = None
-            if x is not None:
-                gw = g.reshape(-1, g.shape[-1]).t().mm(x.reshape(-1, x.shape[-1])).to(ctx.dtypes[1])
-            return gx, gw, None, None
         return (*ring_gather_row_backward(grad.to(wc.dtype), x, wc, ctx.group, ctx.stats,
                                           input_grad=ctx.needs_input_grad[0], dtypes=ctx.dtypes), None, None)
 
@@ -129,7 +121,8 @@ def ring_gather_row_backward(g: torch.Tensor, x: torch.Tensor | None, wc: torch.
     """The row layer's backward with its output gradient g (B, T/tp, out) gathered around the ring under the
     matmuls, as ring_gather_linears gathers the column input: step k takes the piece of rank (me - k) % tp to
     its rows of the input gradient (g_k W, bit for bit the gathered matmul's rows) and adds g_k^T x_k to the
-    weight gradient (summed over the pieces in fp32: the one mm's sum in another order, within fp32 rounding).
+    weight gradient (summed over the pieces in fp32: in fp32 the one mm's sum in another order, within fp32
+    rounding; under autocast each piece's product is rounded to the compute dtype before that sum).
     Bytes: tp-1 pieces sent, the all-gather's count, counted as it."""
     n, me = comm.group_size(group), dist.get_rank(group)
     B, s, _ = g.shape
