@@ -52,8 +52,7 @@ SMALL = ["model.n_layer=2", "model.n_embd=32", "model.block_size=32", "train.mic
 def _by_op(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *overrides: str) -> tuple[str, dict[str, int]]:
     """scripts/saved_tensors_by_op.py on the CPU, in this process: its output, and its walk's, meter's and
     prediction's bytes."""
-    sys.path.insert(0, str(REPO / "scripts"))
-    import saved_tensors_by_op
+    from scripts import saved_tensors_by_op  # (the repository's scripts folder, as a namespace package)
 
     monkeypatch.setattr(sys, "argv", ["saved_tensors_by_op.py", "--config", str(REPO / "configs/tiny.yaml"),
                                       "--device", "cpu", *overrides, f"train.out_dir={tmp_path}"])
