@@ -29,6 +29,8 @@ equality test, not a user setting (on CPU the ring costs no speed: measured).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -42,9 +44,21 @@ def ring_gather_linears(x: torch.Tensor, params: list[tuple[torch.Tensor, torch.
                         group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> tuple[torch.Tensor, ...]:
     """y_i = all_gather_seq(x) W_i^T + b_i (B, T, out_i) for x (B, T/tp, C), the gather done piece by piece
     under the matmuls. Weights and biases already in x's dtype."""
-    n, me = comm.group_size(group), dist.get_rank(group)
+    n = comm.group_size(group)
     B, s, _ = x.shape
     outs = [x.new_empty((B, n * s, w.shape[0])) for w, _ in params]  # (B, T, out_i)
+    for src, held in _ring_pieces(x, group, stats):
+        for (w, b), out in zip(params, outs):
+            out[:, src * s:(src + 1) * s] = F.linear(held, w, b)  # (B, T/tp, out_i)
+    return tuple(outs)
+
+
+def _ring_pieces(x: torch.Tensor, group: dist.ProcessGroup | None,
+                 stats: comm.CommStats | None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(rank, that rank's piece) for every piece of the sequence-split x around the ring, this rank's first: while
+    the caller works on a piece, it is already on its way to the next rank and the previous rank's is arriving.
+    Counted as the all-gather it replaces."""
+    n, me = comm.group_size(group), dist.get_rank(group)
     held = x.contiguous()  # the piece of rank (me - k) % n at step k
     for k in range(n):
         work, incoming = None, None
@@ -53,13 +67,10 @@ def ring_gather_linears(x: torch.Tensor, params: list[tuple[torch.Tensor, torch.
             work = comm.ring_shift([held], [incoming], group, None)
             if stats is not None:
                 stats.add("all_gather", held.numel() * held.element_size())
-        src = (me - k) % n
-        for (w, b), out in zip(params, outs):
-            out[:, src * s:(src + 1) * s] = F.linear(held, w, b)  # (B, T/tp, out_i)
+        yield (me - k) % n, held
         if work is not None:
             work.wait()  # `held` (sent) is kept alive to here; `incoming` is read only after
             held = incoming
-    return tuple(outs)
 
 
 def ring_linear_reduce_scatter(x: torch.Tensor, w: torch.Tensor, group: dist.ProcessGroup | None,
@@ -124,25 +135,14 @@ def ring_gather_row_backward(g: torch.Tensor, x: torch.Tensor | None, wc: torch.
     weight gradient (summed over the pieces in fp32: in fp32 the one mm's sum in another order, within fp32
     rounding; under autocast each piece's product is rounded to the compute dtype before that sum).
     Bytes: tp-1 pieces sent, the all-gather's count, counted as it."""
-    n, me = comm.group_size(group), dist.get_rank(group)
+    n = comm.group_size(group)
     B, s, _ = g.shape
     gx = g.new_empty((B, n * s, wc.shape[1])) if input_grad else None  # (B, T, in/tp)
     gw: torch.Tensor | None = None
-    held = g.contiguous()
-    for k in range(n):
-        work, incoming = None, None
-        if k < n - 1:
-            incoming = torch.empty_like(held)
-            work = comm.ring_shift([held], [incoming], group, None)
-            if stats is not None:
-                stats.add("all_gather", held.numel() * held.element_size())
-        src = (me - k) % n
+    for src, held in _ring_pieces(g, group, stats):
         if gx is not None:
             gx[:, src * s:(src + 1) * s] = held.matmul(wc)
         if x is not None:
             part = torch.tensordot(held, x[:, src * s:(src + 1) * s], dims=([0, 1], [0, 1])).float()  # (out, in/tp)
             gw = part if gw is None else gw.add_(part)
-        if work is not None:
-            work.wait()  # `held` (sent) is kept alive to here; `incoming` is read only after
-            held = incoming
     return (None if gx is None else gx.to(dtypes[0]), None if gw is None else gw.to(dtypes[1]))
