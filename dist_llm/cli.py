@@ -382,7 +382,7 @@ def _memory_config(args: argparse.Namespace) -> tuple[Config, int]:
     """The config `memory` plans for, its model scaled to --params where given, and the world size."""
     import torch
 
-    from dist_llm import memory_suggest
+    from dist_llm.memory import suggest as memory_suggest
     from dist_llm.config import ModelConfig, validate
     from dist_llm.model import GPT
 
@@ -416,7 +416,8 @@ def _memory_config(args: argparse.Namespace) -> tuple[Config, int]:
 def _suggest(args: argparse.Namespace, cfg: Config, world: int) -> int:
     import json
 
-    from dist_llm import memory, memory_suggest
+    from dist_llm import memory
+    from dist_llm.memory import suggest as memory_suggest
 
     if args.gpu_memory is None:
         raise ConfigError("memory: --suggest needs --gpu-memory, e.g. 80GiB")

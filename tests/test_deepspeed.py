@@ -267,7 +267,7 @@ def test_ds_config_keys_whose_partitions_cannot_be_checkpointed_are_refused(tmp_
     held bf16-rounded weights and no moments; NVMe offload, MiCS and quantised partitions move or re-lay-out the
     partitions the chunks are cut from. Each: one line naming the key, before DeepSpeed starts."""
     from dist_llm.config import ConfigError, load_config
-    from dist_llm.parallel.data.deepspeed import merged_deepspeed_config
+    from dist_llm.parallel.data.deepspeed_config import merged_deepspeed_config
     from tests.conftest import tiny_overrides
 
     path = tmp_path / "ds_config.json"

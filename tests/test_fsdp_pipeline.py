@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from dist_llm import memory_suggest
+from dist_llm.memory import suggest as memory_suggest
 from dist_llm.config import load_config
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
@@ -49,7 +49,7 @@ def test_zero3_with_pipeline_matches_one_process(tmp_path: Path, tmp_path_factor
     # each unit gathered once (twice per micro-batch when resharding) and reduce-scattered once per step, not per
     # micro-batch (GPipe and 1F1B in the last backward, zb1 after its last W, interleaved's chunks at the end of
     # chunk 0's last backward): the last step's counted data-parallel bytes (and the tied embedding's all-reduce)
-    # are the planner's (memory_comm), to the byte
+    # are the planner's (memory/comm.py), to the byte
     cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False,
                                            train__max_steps=STEPS, **extra))
     for r in results[:2]:  # a rank of each stage

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from dist_llm import memory, memory_moe
+from dist_llm import memory
+from dist_llm.memory import moe as memory_moe
 from dist_llm.config import ConfigError, load_config
 from tests.conftest import tiny_overrides
 from tests.test_data_parallel import corpus, train  # noqa: F401
@@ -196,7 +197,7 @@ def test_ep_must_divide_dp_and_the_experts(tmp_path: Path) -> None:
 def test_suggest_keeps_to_the_forms_moe_allows_and_counts_active_flops(tmp_path: Path) -> None:
     """--suggest offered tp and pp layouts the config refuses for an MoE model, and charged every expert's FLOPs
     to every token; it now applies MoE's config rules and counts k of the E experts."""
-    from dist_llm import memory_suggest
+    from dist_llm.memory import suggest as memory_suggest
 
     cfg = load_config(None, tiny_overrides(tmp_path, **{**SHAPES, "train__global_batch_size": 16}))
     # (tp and pp compose with MoE: whole experts, the tokens split over tp; stages of whole blocks)

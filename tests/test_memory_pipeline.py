@@ -1,4 +1,4 @@
-"""What ZB-H1's held-back W's keep (memory_pipeline.py), against the state the split backward really leaves."""
+"""What ZB-H1's held-back W's keep (memory/pipeline.py), against the state the split backward really leaves."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 
 from dist_llm.config import load_config
 from dist_llm.memory import predict
-from dist_llm.memory_pipeline import pending_weight_bytes
+from dist_llm.memory.pipeline import pending_weight_bytes
 from dist_llm.model import GPT
 from dist_llm.parallel.pipeline.executor import StageModel
 from dist_llm.parallel.pipeline.split_backward import backward_input

@@ -5,11 +5,13 @@ layout, the cut said, --params honoured; the dp forms' predicted bytes equal com
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
 
-from dist_llm import memory, memory_suggest
+from dist_llm import memory
+from dist_llm.memory import suggest as memory_suggest
 from dist_llm.cli import main
 from dist_llm.config import load_config
 from tests.conftest import tiny_overrides
@@ -76,8 +78,8 @@ def test_ranking_follows_the_cost_model(capsys: pytest.CaptureFixture[str], tmp_
     assert pp2["bubble"] == pytest.approx(1 / (32 // (pp2["dp"] * pp2["micro_batch_size"]) + 1))
     assert pp2["est_step_s"] > rows[0]["est_step_s"]
     # by hand: DDP over 8 ranks sends 2 * 7/8 of the fp32 gradients once per step
-    n = memory_suggest.memory._model_params(load_config(None, over))
-    assert rows[0]["comm_bytes_per_step"] == round(2 * 7 / 8 * 4 * sum(memory.math.prod(s) for _, s, _ in n))
+    n = memory._model_params(load_config(None, over))
+    assert rows[0]["comm_bytes_per_step"] == round(2 * 7 / 8 * 4 * sum(math.prod(s) for _, s, _ in n))
 
 
 def test_too_big_for_one_rank_lists_only_layouts_that_fit(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
@@ -123,7 +125,7 @@ def test_scale_model_keeps_the_architecture() -> None:
     m = memory_suggest.scale_model(cfg.model, 7e9)
     assert (m.head_dim, m.norm, m.mlp, m.pos_emb, m.vocab_size) == (128, "rmsnorm", "swiglu", "rope", 50304)
     assert 6.5e9 < memory_suggest._approx_params(m) < 7.5e9 and m.n_head % 8 == 0
-    assert memory_suggest._approx_params(cfg.model) == sum(memory.math.prod(s) for _, s, _ in memory._model_params(cfg))
+    assert memory_suggest._approx_params(cfg.model) == sum(math.prod(s) for _, s, _ in memory._model_params(cfg))
 
 
 @pytest.mark.parametrize(("zero_stage", "precision", "extra"),
@@ -163,7 +165,7 @@ def test_tensor_and_pipeline_bytes_equal_the_counted(tmp_path: Path, corpus: Pat
 def test_a_group_within_a_node_is_priced_at_the_node_bandwidth() -> None:
     """Hand-computed: 600 GB of tp traffic, 50 GB of p2p, 100 GB of dp traffic, 10 calls. Ranks are numbered tp
     innermost, then pp, dp outermost, so a group is in one node when tp, tp x pp or the world fits one."""
-    from dist_llm.memory_comm import BANDWIDTH, LATENCY, NODE_BANDWIDTH, Comm
+    from dist_llm.memory.comm import BANDWIDTH, LATENCY, NODE_BANDWIDTH, Comm
 
     comm = Comm(bytes={"tp_all_reduce": 600 * 10**9, "p2p": 50 * 10**9, "all_reduce": 100 * 10**9}, calls=10)
     node, net, lat = NODE_BANDWIDTH, BANDWIDTH, 10 * LATENCY

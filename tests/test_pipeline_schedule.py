@@ -207,7 +207,7 @@ def test_activation_memory(stages: int, micro: int) -> None:
 @pytest.mark.parametrize("stages", range(2, 9))
 def test_zb1_pending_weights_peak_with_the_graphs(stages: int) -> None:
     """ZB-H1's stage s has at most s + 1 B's without their W (the first stage's W follows its B at once), and the
-    moment it has them all is one where it holds its peak of graphs too: memory_pipeline adds the two peaks."""
+    moment it has them all is one where it holds its peak of graphs too: memory/pipeline.py adds the two peaks."""
     for micro in range(1, 25):
         for s, plan in enumerate(zb1(stages, micro)):
             graphs = pending = 0

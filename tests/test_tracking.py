@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dist_llm.config import ConfigError, load_config
-from dist_llm.parallel.data.deepspeed import merged_deepspeed_config
+from dist_llm.parallel.data.deepspeed_config import merged_deepspeed_config
 from tests.conftest import tiny_overrides
 from tests.test_data_parallel import STEPS, corpus, train  # noqa: F401
 

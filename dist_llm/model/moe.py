@@ -117,7 +117,7 @@ class _Combine(torch.autograd.Function):
     `token`, the row's token). Autograd's own form (mul, then index_add_) allocates one more (M, C) gradient and
     forms the weights' gradient in two passes; here the gathered output gradient is scaled in place and the
     weights' gradient is one row-wise dot product. Same sums. It saves rows, weights and token; autograd's form
-    also kept the gated (M, C) product, which index_add_ holds for its shape alone (memory_moe.py counts this)."""
+    also kept the gated (M, C) product, which index_add_ holds for its shape alone (memory/moe.py counts this)."""
 
     @staticmethod
     def forward(ctx, rows: torch.Tensor, weights: torch.Tensor, token: torch.Tensor,  # type: ignore[override]

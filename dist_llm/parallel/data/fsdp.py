@@ -196,7 +196,7 @@ class FSDPDataParallel(DataParallel):
             return contextlib.nullcontext()
         # Reduce-scatter on every micro-step, not only the last: FSDP2 then adds each result into the sharded
         # fp32 gradient, so between micro-steps a rank holds 4/dp bytes of gradient per parameter, as ZeRO-3
-        # promises (and memory.py predicts). Skipping the sync would save accumulation-1 reduce-scatters a step
+        # promises (and memory/ predicts). Skipping the sync would save accumulation-1 reduce-scatters a step
         # but keep a whole unsharded fp32 gradient (4 bytes per parameter) alive across micro-steps.
         for unit in self.fsdp_units:
             unit.set_requires_gradient_sync(True, recurse=False)

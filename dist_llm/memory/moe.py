@@ -1,4 +1,4 @@
-"""Mixture-of-Experts terms of the memory calculator (memory.py): expert parameters under expert parallelism,
+"""Mixture-of-Experts terms of the memory calculator (this package): expert parameters under expert parallelism,
 what an MoE block saves for backward, and the all-to-all buffers.
 
 Parameters. Expert weights are stacked along dim 0 (`blocks.i.moe.experts.w_*`, (E, ...)); with

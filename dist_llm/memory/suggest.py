@@ -6,9 +6,9 @@ pp at most n_layer; the forms MoE allows; the config's parallel.ep kept, not
 searched: expert parallelism's all-to-all is not in the cost model yet); each ZeRO stage the layout allows
 (one at dp=1: they are the same there); each micro-batch size that divides a rank's share of the global batch (up to 64); each
 activation-checkpointing mode. Nothing is built per candidate: the model's parameter shapes come from one
-meta-device build (memory._model_params), and each (dp, tp, pp, stage, ZeRO) is counted once.
+meta-device build (params.py's `_model_params`), and each (dp, tp, pp, stage, ZeRO) is counted once.
 
-Memory: `memory.predict`'s own count, unchanged (a test compares every candidate with it).
+Memory: `predict`'s own count (peak.py), unchanged (a test compares every candidate with it).
 
 Cost model, the ranking (`cost_model`, printed as the output's header): a candidate must fit the memory
 budget; then the one with the least estimated step time comes first,
@@ -23,7 +23,7 @@ budget; then the one with the least estimated step time comes first,
     communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for a group whose ranks share a
                    node, --gpus-per-node of them, BANDWIDTH for one that spans nodes; ranks numbered tp
                    innermost, then pp, dp outermost) + LATENCY per collective or exchange, counted as
-                   comm.py counts them (ring all-reduce 2(n-1)/n of the tensor, all-gather (n-1) x the input,
+                   parallel/comm.py counts them (ring all-reduce 2(n-1)/n of the tensor, all-gather (n-1) x the input,
                    reduce-scatter (n-1)/n of the input, p2p the tensor), for the busiest pipeline stage:
       DDP            all-reduce of the fp32 gradients once per step (after the last micro-step)
       ZeRO-1         reduce-scatter of the accumulated gradients once, all-gather of the parameters once
@@ -38,12 +38,12 @@ budget; then the one with the least estimated step time comes first,
                      vocabulary-parallel embedding and head; full recomputation repeats the forward's
       pp             each micro-batch's activations forward and their gradients backward, b*s*h each
       clipping       the gradient norm's two floats over dp (sharded forms), pp and tp
-The counting lives in memory_comm.py. The counts are exact: tests compare them, kind by kind and to the byte, with comm.py's counters on 2-rank runs
-with gradient accumulation (DDP, ZeRO-1/2, FSDP2 tied and untied; tp with and without sequence parallelism;
-pp; fp32 and bf16). Left approximate: DDP's buckets are counted as one (a rounding of under a byte each),
-SP's replicated gradients under ZeRO are counted whole (each rank reduces its shard's piece), DeepSpeed's
-engine by volume. FLOPS, the bandwidths and LATENCY are assumptions stated here, not measurements: the
-ranking, not the times, is the point.
+The counting lives in comm.py. The counts are exact: tests compare them, kind by kind and to the byte, with
+parallel/comm.py's counters on 2-rank runs with gradient accumulation (DDP, ZeRO-1/2, FSDP2 tied and untied; tp
+with and without sequence parallelism; pp; fp32 and bf16). Left approximate: DDP's buckets are counted as one (a
+rounding of under a byte each), SP's replicated gradients under ZeRO are counted whole (each rank reduces its
+shard's piece), DeepSpeed's engine by volume. FLOPS, the bandwidths and LATENCY are assumptions stated here, not
+measurements: the ranking, not the times, is the point.
 """
 
 from __future__ import annotations
@@ -53,10 +53,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from dist_llm import memory, memory_moe
 from dist_llm.config import (Config, ConfigError, ModelConfig, _check_finetuning, _check_grad_accum_dtype, _check_moe,
                              _check_pipeline, _check_tensor_parallel)
-from dist_llm.memory_comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWIDTH, Comm, step_comm
+from dist_llm.memory import moe as memory_moe
+from dist_llm.memory.activations import activation_bytes
+from dist_llm.memory.comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWIDTH, Comm, step_comm
+from dist_llm.memory.estimate import Estimate, GiB
+from dist_llm.memory.model_states import model_state_bytes
+from dist_llm.memory.params import _model_params
+from dist_llm.memory.transients import pipelined_zero3_bytes, temporary_bytes
 
 FLOPS = 200e12  # achieved per device (about 40-60% of an H100's dense bf16 peak)
 MAX_MICRO = 64
@@ -71,11 +76,10 @@ def cost_model(gpus_per_node: int = GPUS_PER_NODE) -> str:
             f"for m micro-batches; ZeRO-2 reduce-scatters and FSDP2 gathers at every micro-step")
 
 
-
 @dataclass
 class Suggestion:
     cfg: Config
-    est: memory.Estimate
+    est: Estimate
     comm: Comm
     bubble: float  # fraction of the step a stage idles
     compute_s: float
@@ -94,7 +98,7 @@ class Suggestion:
 
     def reason(self, budget: int) -> str:
         fits = "fits" if self.est.peak_bytes <= budget else "does not fit"
-        return (f"{fits}: peak {self.est.peak_bytes / memory.GiB:.3g} of {budget / memory.GiB:.3g} GiB; comm "
+        return (f"{fits}: peak {self.est.peak_bytes / GiB:.3g} of {budget / GiB:.3g} GiB; comm "
                 f"{_size(self.comm.total)}/step in {self.comm.calls} calls ({_time(self.comm_s)}); bubble "
                 f"{100 * self.bubble:.1f}% ({_time(self.bubble_s)}); compute {_time(self.compute_s)}")
 
@@ -131,7 +135,7 @@ def _divisors(n: int) -> list[int]:
 # -- compute and bubble -----------------------------------------------------------------------------------
 def compute_seconds(cfg: Config, world_size: int) -> float:
     m, t = cfg.model, cfg.train
-    params = memory._model_params(cfg)
+    params = _model_params(cfg)
 
     def active(name: str, shape: tuple[int, ...]) -> float:  # a token meets k of an MoE layer's E experts
         return math.prod(shape) * (m.moe_top_k / m.n_experts if memory_moe.is_expert(name) else 1)
@@ -190,7 +194,7 @@ def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]
 def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS_PER_NODE) -> Plan:
     """Every candidate layout of `world_size` ranks counted; those whose peak fits `budget`, best first."""
     t, p = cfg.train, cfg.parallel
-    states: dict[tuple[int, ...], memory.Estimate] = {}
+    states: dict[tuple[int, ...], Estimate] = {}
     comms: dict[tuple[Any, ...], Comm] = {}
     computes: dict[str, float] = {}
     own_dp = p.dp or world_size // (p.tp * p.pp)
@@ -203,14 +207,14 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
             for ckpt in CHECKPOINTING:
                 c = _with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=micro, ckpt=ckpt)
                 est = None
-                for s in range(pp):  # as memory.predict: the stage that needs the most
+                for s in range(pp):  # as predict: the stage that needs the most
                     key = (dp, tp, pp, s, zero)
                     if key not in states:
-                        states[key] = memory.model_state_bytes(c, dp=dp, tp=tp, pp=pp, pp_rank=s)
+                        states[key] = model_state_bytes(c, dp=dp, tp=tp, pp=pp, pp_rank=s)
                     e = dataclasses.replace(states[key], notes=[])
-                    e.activation_bytes = memory.activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
-                    e.temporary_bytes = max(e.temporary_bytes, memory.temporary_bytes(c, dp=dp, tp=tp))
-                    e.temporary_bytes += memory.pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
+                    e.activation_bytes = activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
+                    e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp))
+                    e.temporary_bytes += pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
                     e.offloaded = c.parallel.offload == "cpu"
                     if est is None or e.peak_bytes > est.peak_bytes:
                         est = e
@@ -325,7 +329,7 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
                      "checkpointing is not one of this layout's (train.global_batch_size must split into dp x "
                      "train.micro_batch_size)")
     elif own is not None and own.est.peak_bytes > plan.budget:
-        lines.append(f"as configured it needs a peak of {own.est.peak_bytes / memory.GiB:.3g} GiB: does not fit")
+        lines.append(f"as configured it needs a peak of {own.est.peak_bytes / GiB:.3g} GiB: does not fit")
     elif own is not None:
         lines.append(f"as configured (zero {own.cfg.parallel.zero_stage}, micro batch {own.cfg.train.micro_batch_size},"
                      f" checkpointing {own.cfg.train.activation_checkpointing}): est. step {_time(own.step_s)}; "

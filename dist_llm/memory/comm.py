@@ -1,6 +1,6 @@
-"""Bytes one rank sends in one training step, per collective kind, counted as comm.py counts them, for any
-layout, without running anything (memory_suggest's cost model; its docstring lists what each form sends).
-Tests compare these counts, kind by kind and to the byte, with comm.py's counters on 2-rank runs."""
+"""Bytes one rank sends in one training step, per collective kind, counted as parallel/comm.py counts them, for
+any layout, without running anything (suggest.py's cost model; its docstring lists what each form sends).
+Tests compare these counts, kind by kind and to the byte, with parallel/comm.py's counters on 2-rank runs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from dist_llm import memory
 from dist_llm.config import Config, reshard_after_forward
+from dist_llm.memory.model_states import zero_buckets
+from dist_llm.memory.params import _local_shape, _stage_layers, _stage_params
 
 NODE_BANDWIDTH = 300e9  # bytes a rank sends per second to ranks of its own node (NVLink)
 BANDWIDTH = 50e9  # ... to ranks of other nodes (one 400 Gb/s NIC per device)
@@ -66,7 +67,7 @@ def _local_params(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> list[tuple[
         if len(_LOCAL) >= 1024:
             _LOCAL.clear()
             _BUCKETS.clear()  # (keyed by the lists' ids)
-        _LOCAL[key] = [(n, memory._local_shape(n, s, cfg, tp), g) for n, s, g in memory._stage_params(cfg, pp, pp_rank)]
+        _LOCAL[key] = [(n, _local_shape(n, s, cfg, tp), g) for n, s, g in _stage_params(cfg, pp, pp_rank)]
     return _LOCAL[key]
 
 
@@ -94,8 +95,7 @@ def _dp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
 
         key = (id(params), dp, pp, p.bucket_mb, t.precision)
         if key not in _BUCKETS:
-            buckets = memory.zero_buckets(cfg, trainable, dp=dp, pp=pp,
-                                          has_wte=any(n == "wte.weight" for n, _, _ in params))
+            buckets = zero_buckets(cfg, trainable, dp=dp, pp=pp, has_wte=any(n == "wte.weight" for n, _, _ in params))
             _BUCKETS[key] = [(b.numel, b.shard_numel) for b in buckets]
         rs_size, times = (accum_dtype(cfg).itemsize, 1) if stage == 1 else (size, micro_steps)
         for numel, shard in _BUCKETS[key]:
@@ -182,7 +182,7 @@ def _tp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
     sp = p.sequence_parallel
     part = (tp - 1) / tp  # an all-gather or reduce-scatter of a whole tensor; an all-reduce is twice that
     bsh = t.micro_batch_size * m.block_size * m.n_embd
-    layers = len(memory._stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
+    layers = len(_stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer
     lora = cfg.peft.targets if cfg.peft.method in ("lora", "qlora") else ()
     cols = 3 if m.mlp == "swiglu" and "mlp_up" in lora else 2  # (a LoRA's hook calls gate and up apart)
     rows = 2

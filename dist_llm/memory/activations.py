@@ -1,0 +1,271 @@
+"""What a rank saves for backward: activation bytes per layer, stage and micro-batches in flight.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models"): per layer, in 16-bit, s*b*h*(34 + 5*a*s/h) bytes without recomputation, divided by t with tensor
+plus sequence parallelism, 34*s*b*h/t with selective recomputation (the a*s*s attention scores dropped),
+2*s*b*h with full recomputation (`korthikanti_layer_bytes`). Our kernels hold less and somewhat different
+tensors, so `predict` counts what our GPT really saves for backward (`our_layer_values`): SDPA's flash and
+memory-efficient kernels never store the a*s*s scores or the softmax dropout mask (only a log-sum-exp per
+head and token), so selective recomputation saves almost nothing here; RoPE keeps rotated copies of q and
+k; RMSNorm keeps its normalised output besides its input where it runs PyTorch's composite (the CPU), not on a
+GPU, whose fused kernel keeps its input and statistics only (`rms_norm_saves_normalised`); with sequence parallelism
+a column-parallel layer keeps the all-gathered input (b*s*h, not b*s*h/t), as a plain F.linear does.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+from dist_llm.config import Config
+from dist_llm.memory import moe as memory_moe
+from dist_llm.memory.estimate import _runs_on_gloo
+from dist_llm.memory.params import _params16, _stage_layers
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, sequence_parallel: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes of one transformer layer in 16-bit, Korthikanti et al. 2022 (Table 2)."""
+    if recompute == "full":
+        return 2 * s * b * h / (t if sequence_parallel else 1)
+    if recompute == "selective":
+        return 34 * s * b * h / t if sequence_parallel else s * b * h * (10 + 24 / t)
+    if sequence_parallel:
+        return s * b * h * (34 + 5 * a * s / h) / t
+    return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+
+
+def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[float, float]:
+    """Values a block of our GPT saves for backward per token: (16-bit-able values, fp32 values). The first
+    are matmul outputs that autocast computes in the compute dtype; the second stay fp32 in mixed precision
+    (the residual stream, norm statistics, the attention log-sum-exp). A linear keeps its input only when
+    its weight is trained or carries LoRA; a frozen base (PEFT) keeps less."""
+    m, f = cfg.model, cfg.peft
+    c, hd = m.n_embd, m.head_dim
+    q, kv = m.n_head * hd / tp, (m.kv_heads * hd / tp if m.kv_heads >= tp else hd)
+    seq = tp if sequence_parallel else 1
+    rms = m.norm == "rmsnorm"
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    trained = {"qkv", "attn_out", "mlp_up", "mlp_down"} if f.method == "none" else lora
+    # per norm: its input (the residual, a 1/t slice of the tokens under SP) and statistics (LayerNorm keeps
+    # mean and rstd, RMSNorm rstd, and on the CPU its normalised output)
+    norm_in = c / seq + (c / seq if rms_norm_saves_normalised(cfg) else 0)
+    norm_stats = (1 if rms else 2) / seq
+    low = q + 2 * kv  # the fused qkv output (q, k, v are views of it), kept by attention
+    # the normalised input of qkv: under SP only the local slice, all-gathered again in backward (Megatron's way)
+    low += c / seq if "qkv" in trained else 0
+    if m.pos_emb == "rope":
+        low += q + kv  # rotated q and k, new tensors
+    low += q  # attention output: kept by the attention kernel, and the projection's input
+    low += sum(1 for x in lora if x in ("qkv", "attn_out")) * f.rank  # each LoRA's A x, the input of B
+    low += _mlp_low_values(cfg, tp, seq)
+    if f.method == "adapter":  # after attention and MLP: its input, the bottleneck, and its activation
+        low += 2 * (c / seq + 2 * f.rank)
+    high = 2 * norm_in + 2 * norm_stats + m.n_head / tp  # log-sum-exp per head
+    return low, high
+
+
+def rms_norm_saves_normalised(cfg: Config) -> bool:
+    """Whether each RMSNorm keeps its normalised output x * rstd for backward, besides its input and rstd.
+
+    nn.RMSNorm calls aten's rms_norm, which runs `_fused_rms_norm`: on CUDA (and XPU) a fused kernel whose backward
+    takes the input, rstd and weight (derivatives.yaml), nothing else; elsewhere (the CPU) its composite,
+    pow -> mean -> rsqrt -> mul(x, rstd) -> mul(., weight), whose last product keeps x * rstd for the weight's
+    gradient, so only where that weight trains: PEFT freezes the norms (autograd then saves no input of a product
+    for a factor that needs no gradient). On an H200 (torch 2.11) configs/tiny.yaml fp32 saved 18.00 MiB less
+    than on the CPU, and moe.yaml bf16 18.00 MiB less: one (B, T, C) fp32 tensor for each of the 9 norms (4
+    blocks x 2 and the final one); the SDPA kernels (efficient, cuDNN, flash-cpu) save the same q, k, v, output
+    and log-sum-exp there. Which device: train.device, or with "auto" whether CUDA is present here, as the
+    trainer picks it. Torch without `_fused_rms_norm_backward` (before its CUDA kernel) runs the composite
+    everywhere."""
+    if cfg.model.norm != "rmsnorm" or cfg.peft.method != "none":
+        return False
+    return _runs_on_gloo(cfg) or not hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+
+
+def _mlp_low_values(cfg: Config, tp: int, seq: int = 1) -> float:
+    """The dense MLP's part of `our_layer_values`' 16-bit values (an MoE block has moe.py's instead): its
+    normalised input (1/seq of it: under SP the local slice), its hidden values, the down projection's input,
+    its LoRAs' A x."""
+    m, f = cfg.model, cfg.peft
+    hidden = m.ffn_hidden / tp
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    trained = {"qkv", "attn_out", "mlp_up", "mlp_down"} if f.method == "none" else lora
+    gated = m.mlp == "swiglu"
+    low = m.n_embd / seq if "mlp_up" in trained else 0  # the normalised input of mlp.up (and gate: one for both)
+    low += 3 * hidden if gated else hidden  # gate, silu, up / up: kept by the activation (and the product)
+    low += hidden if "mlp_down" in trained else 0  # the down projection's input
+    low += sum({"mlp_up": 2 if gated else 1, "mlp_down": 1}.get(x, 0) for x in lora) * f.rank
+    return low
+
+
+def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
+    """Bytes per token one block saves. In mixed precision matmul outputs are 16-bit; the residual stream
+    stays fp32 unless the parameters themselves are 16-bit (our ZeRO-1/2 keep them so, with fp32 masters)."""
+    low, high = our_layer_values(cfg, tp, sequence_parallel=sequence_parallel)
+    dropout = _lora_dropout_bytes(cfg, cfg.peft.targets, tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
+    if cfg.train.precision == "fp32":
+        return 4 * (low + high) + dropout
+    # our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage
+    params16 = _params16(cfg, dp)
+    fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
+                                                / (tp if sequence_parallel else 1))
+    return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats + dropout
+
+
+def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False) -> float:
+    """Bytes per token an MoE block saves: the dense block's without its MLP, plus router, routed and shared
+    experts (moe.py) for one micro-batch, at the balanced or the worst-case load."""
+    tokens = cfg.train.micro_batch_size * cfg.model.block_size
+    dense = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
+    mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp) + _lora_dropout_bytes(
+        cfg, {"mlp_up", "mlp_down"} & set(cfg.peft.targets), tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
+    # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py)
+    moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp),
+                                     worst=worst)
+    return dense - mlp + moe / tokens
+
+
+def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
+    """Values per token saved by the final norm, the LM head and the loss (fp32), and the embedding's ids."""
+    m = cfg.model
+    seq = tp if sequence_parallel else 1
+    rms = m.norm == "rmsnorm"
+    vocab = m.padded_vocab / tp
+    norm = m.n_embd / seq * (2 if rms_norm_saves_normalised(cfg) else 1) + (1 if rms else 2) / seq
+    # a frozen head needs no input for its gradient; under SP the head keeps its input's local slice
+    head_input = m.n_embd / seq if cfg.peft.method == "none" else 0
+    return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
+
+
+def _blocks(cfg: Config, pp: int, pp_rank: int) -> list[int] | range:
+    """The blocks of this pipeline stage."""
+    return _stage_layers(cfg, pp, pp_rank) if pp > 1 else range(cfg.model.n_layer)
+
+
+def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> float:
+    """Micro-batches whose activations a stage holds at once: all of them with GPipe, pp - rank with 1F1B, p
+    with ZB-H1, with interleaving the schedule's peak of chunk forwards over v."""
+    t = cfg.train
+    micro = t.global_batch_size // (t.micro_batch_size * dp)
+    p = cfg.parallel
+    if pp == 1:
+        return 1
+    if p.pp_schedule == "gpipe":
+        return micro
+    if p.pp_schedule == "zb1":  # a held-back W keeps its micro-batch: every stage up to the first's p
+        return min(micro, pp)
+    if p.pp_schedule == "interleaved" and micro % pp == 0:  # chunk forwards at the peak, each 1/v of the blocks
+        from dist_llm.parallel.pipeline.schedule import interleaved, peak_in_flight
+
+        return peak_in_flight(interleaved(pp, micro, p.pp_virtual)[pp_rank]) / p.pp_virtual
+    return min(micro, pp - pp_rank)
+
+
+def _values_bytes(cfg: Config, dp: int, low: float, norm: float = 0.0, fp32: float = 0.0) -> float:
+    """Bytes of values per token as `_layer_bytes` sizes them: matmul outputs (`low`, 16-bit in mixed precision),
+    norm inputs (`norm`, 16-bit only with 16-bit parameters), statistics and log-sum-exps (`fp32`)."""
+    if cfg.train.precision == "fp32":
+        return 4 * (low + norm + fp32)
+    return 2 * low + (2 if _params16(cfg, dp) else 4) * norm + 4 * fp32
+
+
+def _lora_dropout_bytes(cfg: Config, targets: Iterable[str], *, tp: int, dp: int, seq: int,
+                        masks_only: bool = False) -> float:
+    """Bytes per token the dropout of the LoRAs on `targets` keeps (peft.dropout > 0, inputs that need a gradient):
+    its mask, a bool an element on CUDA (the fused kernel's, by derivatives.yaml; not yet measured on a GPU), on
+    the CPU a tensor of the input's dtype (dropout there multiplies by a scaled noise tensor, which the product
+    keeps): the norm outputs that qkv and mlp_up read are
+    fp32 unless the parameters are 16-bit, the others the compute dtype. Each A then keeps the dropped copy of its
+    input instead of the input: a copy more where something else keeps the input too (attn_out's, which the
+    attention keeps as its output; the second of a gated MLP's up and gate LoRAs, which share it without
+    dropout). `masks_only`: the masks alone."""
+    f, m = cfg.peft, cfg.model
+    if f.method not in ("lora", "qlora") or f.dropout == 0:
+        return 0.0
+    gated = m.mlp == "swiglu"
+    cuda = not _runs_on_gloo(cfg)
+    width = {"qkv": m.n_embd / seq, "attn_out": m.n_head * m.head_dim / tp,
+             "mlp_up": (2 if gated else 1) * m.n_embd / seq, "mlp_down": m.ffn_hidden / tp}
+    out = 0.0
+    for t in set(targets) & width.keys():
+        norm_input = t in ("qkv", "mlp_up")
+        size = 4 if cfg.train.precision == "fp32" or (norm_input and not _params16(cfg, dp)) else 2
+        out += width[t] * (1 if cuda else size)
+        if t == "mlp_up" and gated and not masks_only:  # (the second A's own dropped input)
+            out += _values_bytes(cfg, dp, m.n_embd / seq)
+        if t == "attn_out" and not masks_only:  # (the dropped copy of the attention's output)
+            out += _values_bytes(cfg, dp, width[t])
+    return out
+
+
+def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
+    """Bytes per token that block 0 does not save under LoRA/QLoRA, against `_layer_bytes`. PEFT freezes the
+    embeddings and the norms, so the residual stream entering block 0 needs no gradient, and autograd keeps
+    nothing for an op none of whose inputs needs one: every value before the first LoRA of the block (qkv, then
+    attn_out, mlp_up, mlp_down, in the order the block runs them) goes unsaved, and that LoRA's dropout keeps no
+    mask. The LoRA's A keeps its input whatever (counted in `our_layer_values`); after it the stream needs a
+    gradient again and the rest of the model saves as counted. Checked against the activation meter for each
+    first target (tests/test_memory.py). Not taken off (an upper bound there): a first block that holds no LoRA,
+    or is MoE with none on its attention, adapters (whose first input needs no gradient either), full activation
+    checkpointing (which keeps block inputs instead). Only the first pipeline stage holds block 0."""
+    f, m = cfg.peft, cfg.model
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    order = [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
+    if not order or (m.is_moe_block(0) and order[0] not in ("qkv", "attn_out")):
+        return 0.0  # (an MoE block's attention is a dense block's; its MLP part is moe.py's)
+    first = order[0]
+    seq = tp if sequence_parallel else 1
+    rms = m.norm == "rmsnorm"
+    q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
+    norm_in = m.n_embd / seq  # (as `our_layer_values`: its input; a frozen RMSNorm keeps no normalised output)
+    stats = (1 if rms else 2) / seq
+    low, norm, fp32 = 0.0, norm_in, stats  # ln_1
+    if first != "qkv":  # attention: q, k, v (and RoPE's rotated q, k), the log-sum-exp; its output unless kept
+        low += q + 2 * kv + (q + kv if m.pos_emb == "rope" else 0) + (q if first != "attn_out" else 0)
+        fp32 += m.n_head / tp
+    if first in ("mlp_up", "mlp_down"):
+        norm, fp32 = norm + norm_in, fp32 + stats  # ln_2
+    if first == "mlp_down":  # the activation's saved values (gate, silu, up / up)
+        low += (3 if m.mlp == "swiglu" else 1) * m.ffn_hidden / tp
+    # the first LoRA's dropout keeps no mask; attn_out's dropped copy is the only one (the attention keeps nothing)
+    return (_values_bytes(cfg, dp, low, norm, fp32)
+            + _lora_dropout_bytes(cfg, [first], tp=tp, dp=dp, seq=seq, masks_only=first != "attn_out"))
+
+
+def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
+                     cp: int = 1) -> int:
+    """Peak bytes saved for backward on this rank: its stage's layers for the micro-batches in flight (MoE
+    blocks at the balanced routed load, or with `worst` every ep rank's routed tokens on this one). A
+    context-parallel rank holds block_size/cp tokens of each sequence, and saves only those (ring attention keeps
+    its own q, k, v, output and log-sum-exp, no other rank's blocks)."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    sp = p.sequence_parallel and tp > 1
+    tokens = t.micro_batch_size * m.block_size // cp
+    layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+    blocks = _blocks(cfg, pp, pp_rank)
+    layers = len(blocks)
+    n_moe = sum(1 for i in blocks if m.is_moe_block(i))
+    moe_layer = _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp, worst=worst) if n_moe else 0.0
+    mode = t.activation_checkpointing
+    if mode == "full":  # each block keeps its input (its recomputation in backward is a temporary)
+        per_micro = layers * m.n_embd / (tp if sp else 1) * 4
+    elif mode == "selective":  # only the attention core is recomputed: it held just the log-sum-exp
+        per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * m.n_head / tp * 4
+    else:
+        per_micro = (layers - n_moe) * layer + n_moe * moe_layer
+    if pp_rank == 0 and mode != "full":
+        per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+    if pp_rank == pp - 1:
+        per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
+    elif pp_rank == 0:
+        per_micro += 2  # token ids
+    in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
+    held = per_micro * in_flight
+    if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
+        # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets
+        # above the LM head are freed at B (executor.py), so all but the one in its forward hold less (under PEFT
+        # with a frozen head more is freed: an upper bound there)
+        held -= (in_flight - 1) * (cfg.model.padded_vocab / tp + 2) * 4
+    return round(held * tokens)
