@@ -59,8 +59,11 @@ def test_moe_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, 
 
 
 def _train_counting_rows(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
-                         extra: dict[str, Any]) -> dict[str, Any]:
-    """One training step; what the rank holds, and the rows its experts computed in each MoE layer."""
+                         extra: dict[str, Any], selection_bias: list[float] | None = None) -> dict[str, Any]:
+    """One training step; what the rank holds, and the rows its experts computed in each MoE layer. A
+    `selection_bias` is set as every MoE layer's expert bias first (it steers the top-k choice, not the weights)."""
+    import torch
+
     from dist_llm.model.moe import moe_layers
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.train.trainer import Trainer
@@ -69,6 +72,9 @@ def _train_counting_rows(rank: int, world_size: int, out_dir: Path, corpus: Path
     ctx = ParallelContext.from_config(cfg)
     try:
         trainer = Trainer(cfg, ctx)
+        if selection_bias is not None:
+            for layer in moe_layers(trainer.module):
+                layer.expert_bias.copy_(torch.tensor(selection_bias))
         received: list[int] = []
         for layer in moe_layers(trainer.module):  # (after the all-to-all: the rows this rank's experts got)
             layer.experts.register_forward_hook(lambda _m, args, _out: received.append(args[0].shape[0]))
@@ -86,6 +92,26 @@ def test_ep2_prediction_matches_each_rank_at_its_load(tmp_path: Path, corpus: Pa
     left is 646 bytes a layer (0.16%). Before, the dispatch's index_copy kept the experts' outputs for backward
     (4C bytes a received row no one counted): rank 0 measured 7% above this figure."""
     _check_at_load(tmp_path, corpus, 2, {**MOE, "parallel__ep": 2}, rel=0.01)
+
+
+def test_ep2_worst_case_is_what_the_loaded_rank_holds(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """The worst case `dist-llm memory` prints (every ep rank's routed rows on one rank) measured: a selection bias
+    sends every token of both ranks to experts 0 and 1, both on rank 0 at ep=2, so rank 0's experts compute all
+    2 x N*k rows a layer and rank 1's none (but a zero row). Rank 0's saved activations equal the worst-case figure and rank 1's
+    the balanced one less its routed rows, within the 1% of the other checks (measured: 1,292 bytes over 1.07 MB, the
+    uncounted 646 bytes a layer of the check at load)."""
+    extra = {**MOE, "parallel__ep": 2, "train__max_steps": 1}
+    ranks = run_distributed(_train_counting_rows, 2, tmp_path, corpus, extra, [9.0, 9.0, 0.0, 0.0],
+                            init_group=False)
+    cfg = _config(tmp_path, corpus, extra)
+    est = memory.predict(cfg, 2, pp_rank=0)
+    assert est.moe is not None
+    balanced = est.moe["received_rows_balanced"]
+    # (rank 1's experts run one zero row, which keeps them in the graph: parallel/expert/dispatch.py)
+    assert ranks[0]["received"] == [2 * balanced] * cfg.model.n_layer and ranks[1]["received"] == [1] * cfg.model.n_layer
+    assert ranks[0]["activation_bytes"] == pytest.approx(est.moe["activation_bytes_worst"], rel=0.01)
+    assert ranks[1]["activation_bytes"] == pytest.approx(
+        est.activation_bytes - est.moe["routed_activation_bytes_balanced"], rel=0.01)
 
 
 def _check_at_load(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, rel: float) -> None:  # noqa: F811
