@@ -4,11 +4,13 @@ active parameters) each trained for the same seconds on the default corpus; both
     python scripts/compare_moe_dense.py [--seconds 600] [--nproc 1] [--json out.json] [--moe-override KEY=VALUE]
 
 Both models first run a short probe (--probe-steps), one after the other before either real run (so both
-speeds are read under the same machine load), to measure their seconds per step; each real run then gets
+speeds are read under the same machine load), to measure their seconds per step (the tokens of a step of the
+run's resolved config, overrides included, over the probe's tokens/s); each real run then gets
 max_steps = seconds / that (so its LR schedule decays within the budget, as a run planned for that time would)
 and train.max_time_s = seconds (the hard cap: the run ends at the first step past it, evaluated there). A
 warm-up longer than a tenth of those steps is cut to a tenth, for both alike. Everything else is the config's
-(--moe-override, repeatable, changes the MoE run's config: a candidate moe.yaml without editing it).
+(--moe-override, repeatable, changes the MoE run's config, probe and plan included: a candidate moe.yaml without
+editing it).
 The run's threads: the machine's cores over --nproc.
 
 The table says, per run, the steps done against those planned: a run cut by the time cap before its planned
@@ -22,21 +24,49 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import yaml
 from bench_runs import ROOT, train_run
+
+if TYPE_CHECKING:
+    from dist_llm.config import Config
 
 MODELS = {"dense": "configs/tiny.yaml", "moe": "configs/moe.yaml"}
 
 
-def planned(config: str, seconds: float, seconds_per_step: float) -> list[str]:
-    steps = max(10, int(seconds / seconds_per_step))
-    warmup = yaml.safe_load((ROOT / config).read_text())["optim"]["warmup_steps"]
-    return [f"train.max_steps={steps}", f"train.max_time_s={seconds}", f"train.eval_interval={steps}",
-            f"optim.warmup_steps={min(warmup, steps // 10)}", "train.log_interval=10"]
+@dataclass(frozen=True)
+class Plan:
+    """A real run's plan from its probe: the seconds a step took and the overrides that fit the run in `seconds`."""
+
+    seconds_per_step: float
+    steps: int
+    overrides: list[str]
+
+
+def resolved(config: str, extra: list[str]) -> Config:
+    """The config a run of `config` with overrides `extra` trains with (file, overrides, an hf: start's
+    architecture): where its tokens per step and warm-up come from, not the file alone (an override of
+    train.global_batch_size or model.block_size changes the step the probe timed)."""
+    from dist_llm.config import load_config
+    from dist_llm.train.init_from import resolve_architecture
+
+    return resolve_architecture(load_config(ROOT / config, extra))
+
+
+def plan(cfg: Config, seconds: float, probe_tokens_per_s: float) -> Plan:
+    """Plan a run of the resolved config `cfg` for `seconds` from its probe's tokens/s: a step is
+    global_batch_size * block_size tokens (the trainer's tokens per step, of which it reports tokens/s); the LR
+    schedule is set to decay over the steps that fit, its warm-up cut to a tenth of them."""
+    per_step = cfg.train.global_batch_size * cfg.model.block_size / probe_tokens_per_s
+    steps = max(10, int(seconds / per_step))
+    return Plan(per_step, steps, [f"train.max_steps={steps}", f"train.max_time_s={seconds}",
+                                  f"train.eval_interval={steps}",
+                                  f"optim.warmup_steps={min(cfg.optim.warmup_steps, steps // 10)}",
+                                  "train.log_interval=10"])
 
 
 def main() -> None:
@@ -48,23 +78,24 @@ def main() -> None:
     ap.add_argument("--moe-override", action="append", default=[], metavar="KEY=VALUE",
                     help="a config override of the MoE run (repeatable), e.g. model.moe_every=2")
     args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))  # (the plan reads configs with this checkout's dist_llm, which the runs train)
     threads = max(1, (os.cpu_count() or 1) // args.nproc)
     extra = {"dense": [], "moe": list(args.moe_override)}
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="compare_moe_dense_") as tmp:
-        plans: dict[str, tuple[float, list[str]]] = {}
+        plans: dict[str, Plan] = {}
         for name, config in MODELS.items():  # (both probes first: the same machine load for both)
-            probe = train_run(config, [f"train.max_steps={args.probe_steps}", "optim.warmup_steps=1", *extra[name]],
+            probe = train_run(config, [*extra[name], f"train.max_steps={args.probe_steps}", "optim.warmup_steps=1"],
                               args.nproc, Path(tmp) / f"{name}-probe", threads=threads)
-            cfg = yaml.safe_load((ROOT / config).read_text())
-            per_step = cfg["train"]["global_batch_size"] * cfg["model"]["block_size"] / probe["tokens_per_s"]
-            plans[name] = (per_step, [*planned(config, args.seconds, per_step), *extra[name]])
-            print(f"{name}: {per_step:.3f} s a step in the probe; {' '.join(plans[name][1])}", flush=True)
-        for name, config in MODELS.items():
-            per_step, overrides = plans[name]
+            plans[name] = plan(resolved(config, extra[name]), args.seconds, probe["tokens_per_s"])
+            print(f"{name}: {plans[name].seconds_per_step:.3f} s a step in the probe; "
+                  f"{' '.join([*extra[name], *plans[name].overrides])}", flush=True)
+        for name, config in MODELS.items():  # (the plan's keys after the run's own: they are the method)
+            p = plans[name]
+            overrides = [*extra[name], *p.overrides]
             run = train_run(config, overrides, args.nproc, Path(tmp) / name, threads=threads)
-            results[name] = {**run, "config": config, "overrides": overrides, "probe_s_per_step": per_step,
-                             "planned_steps": int(overrides[0].split("=")[1])}
+            results[name] = {**run, "config": config, "overrides": overrides, "probe_s_per_step": p.seconds_per_step,
+                             "planned_steps": p.steps}
     print(f"\n{'model':<6} {'config':<18} {'steps':>6} {'planned':>7} {'seconds':>8} {'tokens/s':>9} {'val loss':>9}")
     for name, r in results.items():
         print(f"{name:<6} {r['config']:<18} {r['steps']:>6} {r['planned_steps']:>7} {r['elapsed_s']:>8.1f} "

@@ -63,6 +63,7 @@ SLOW_S: dict[str, float] = {
     "test_stop_during_build.py::test_a_sigterm_after_the_last_save_lets_the_complete_run_exit_0": 15,
     "test_deepspeed.py::test_deepspeed_zero1_bf16_resume_gives_uninterrupted_losses": 15,
     "test_moe_deepspeed.py::test_zero2_matches_one_process_and_resumes_at_ep2": 15,
+    "test_moe_deepspeed_hf.py::test_zero3_from_hf_mixtral_and_qwen2_moe_is_the_file_and_trains_as_one_process": 8,
     "test_readme.py::test_every_readme_command_runs_as_written": 12,
     "test_deepspeed_qlora.py::test_qlora_at_zero3_trains_to_the_one_process_losses": 12,
     "test_reliability.py::test_a_stuck_rank_becomes_an_error_naming_the_collective_and_rank": 12,

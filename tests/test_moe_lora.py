@@ -299,14 +299,21 @@ def test_experts_only_lora_under_a_pipeline_at_zero0(tmp_path: Path, tmp_path_fa
     assert_same_run(got, reference(tmp_path_factory, corpus, **extra), rtol=1e-5)
 
 
+# The test's own corpus, fixed here (a README edit changed what a corpus made of it checked): runs of one letter and of
+# spaces, few distinct bytes, on which both first steps overload the same two experts: after 2 steps every expert's
+# bias has moved twice the same way (+-2 x the rate, as measured). On other text two sign steps can cancel: on
+# "the router sends every token to an expert. " * 500 every bias comes back exactly 0.
+UNEVEN_TEXT = "".join("a" * (i % 7) + " " * (i % 5) + "\n" for i in range(4000))
+
+
 def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
     """The aux-free expert bias is state the run trains though it is no parameter: a PEFT checkpoint, which keeps
     the trained tensors only, must keep it too, or a resumed run routes with a bias back at zero (it came back
     zero before) and sampling and export route otherwise than training did."""
     from dist_llm.train.trainer import Trainer
 
-    corpus = tmp_path / "corpus.txt"  # (text on which the first steps' loads are uneven: the bias moves at once)
-    corpus.write_text((Path(__file__).resolve().parent.parent / "README.md").read_text() * 3)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(UNEVEN_TEXT)
 
     def trainer(steps: int) -> Trainer:
         cfg = load_config(None, tiny_overrides(tmp_path / "run", **{
