@@ -370,7 +370,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         est = memory.predict(cfg, world)
         p = cfg.parallel
         cp = f", cp={p.cp}" if p.cp > 1 else ""
-        title = (f"{cfg.name}: world {world} (dp={world // (p.cp * p.tp * p.pp)}{cp}, tp={p.tp}, pp={p.pp}), zero_stage "
+        ep = f", ep={p.ep}" if cfg.model.n_experts else ""  # (an MoE model's, 1 too; a dense one has none)
+        title = (f"{cfg.name}: world {world} (dp={world // (p.cp * p.tp * p.pp)}{cp}, tp={p.tp}, pp={p.pp}{ep}), zero_stage "
                  f"{p.zero_stage}, {cfg.train.precision}, checkpointing {cfg.train.activation_checkpointing}, "
                  f"micro batch {cfg.train.micro_batch_size} x {cfg.model.block_size}, {memory.assumed_device(cfg)}")
         extra = {"assumed_device": memory.assumed_device(cfg)}

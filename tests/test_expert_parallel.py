@@ -45,6 +45,7 @@ def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPat
             torch.testing.assert_close(r["params"][name], p, rtol=0, atol=0)
     for a, b in zip(results[0]["records"], ref["records"], strict=True):
         assert a["moe_imbalance"] == pytest.approx(b["moe_imbalance"], rel=1e-5)
+        assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"]  # summed over dp and ep: exact counts
         assert a["moe_aux_loss"] == pytest.approx(b["moe_aux_loss"], rel=1e-5)
         assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)  # each expert counted once
 

@@ -204,11 +204,13 @@ def test_routed_activations_balanced_and_worst_case(tmp_path: Path) -> None:
 def test_memory_command_on_moe_yaml_states_the_load_it_assumes() -> None:
     out = cli("--config", "configs/moe.yaml")
     assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("moe: world 1 (dp=1, tp=1, pp=1, ep=1), zero_stage 0")  # (ep stated at 1 too)
     assert "the activations and peak above assume the balanced load" in out.stdout
     assert "MoE: 8 experts, top-2, ep=1 (8 experts a rank), 4 MoE layers" in out.stdout
     assert "peak, worst routing" in out.stdout
     dense = cli("--config", "configs/tiny.yaml")
     assert "MoE" not in dense.stdout and "worst" not in dense.stdout
+    assert dense.stdout.startswith("tiny: world 1 (dp=1, tp=1, pp=1), zero_stage 0")  # (no experts: no ep)
 
 
 def test_ep_must_divide_dp_and_the_experts(tmp_path: Path) -> None:

@@ -5,6 +5,7 @@ data parallelism (DDP, ZeRO-1/2) equal to one process."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 from pathlib import Path
 
@@ -137,10 +138,32 @@ def test_capacity_drops_overflow_tokens_in_order() -> None:
     metrics = take_metrics([layer])
     assert metrics["moe_dropped_fraction"] == pytest.approx(6 / 8)
     assert metrics["moe_imbalance"] == pytest.approx(4.0)  # 8 tokens on one of 4 experts: max/mean = 8/2
+    # the counts before the capacity, exact, one list per layer; and each layer's figure beside the worst
+    assert metrics["moe_tokens_per_expert"] == [[8, 0, 0, 0]] and metrics["moe_layer_imbalance"] == [4.0]
+    assert take_metrics([layer]) == {}  # the sums were reset: no forward since, nothing to report
     # a generous capacity drops nothing and equals the dropless layer
     layer.capacity_factor = 4.0
     torch.testing.assert_close(layer(x), want, rtol=1e-6, atol=1e-6)
     assert take_metrics([layer])["moe_dropped_fraction"] == 0.0
+
+
+def test_take_metrics_runs_its_collectives_whatever_this_rank_recorded() -> None:
+    """Under pp a stage can list a layer it has not run since the last log step beside stand-ins for the others':
+    every rank still issues the same two all-reduces (NCCL would hang on a rank that skipped them), and the
+    sums decide. Before, a first layer without records returned before the collectives."""
+    layer, _ = _moe("gelu", "topk_softmax", experts=4, top_k=1)
+    calls: list[torch.dtype] = []
+    assert take_metrics([layer], all_reduce=lambda t: calls.append(t.dtype)) == {}
+    assert calls == [torch.float32, torch.int64]  # (the counts travel as integers: exact at any size)
+
+    def other_rank_ran_it(t: torch.Tensor) -> None:  # the sum over two ranks, the other of which ran 8 tokens
+        if t.dtype == torch.int64:
+            t += torch.tensor([[2, 2, 4, 0]])
+        else:
+            t[:, 3] += 1
+
+    metrics = take_metrics([layer], all_reduce=other_rank_ran_it)
+    assert metrics["moe_tokens_per_expert"] == [[2, 2, 4, 0]] and metrics["moe_layer_imbalance"] == [2.0]
 
 
 def test_bias_update_moves_toward_balance() -> None:
@@ -238,19 +261,30 @@ def test_loss_is_the_lm_loss_and_gradient_carries_balancing() -> None:
     assert not torch.allclose(with_aux, model.blocks[0].moe.router.weight.grad)
 
 
-def test_trainer_trains_and_logs(tmp_path: Path, corpus_file: Path) -> None:
+def test_trainer_trains_and_logs(tmp_path: Path, corpus_file: Path, caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "run"
     cfg = load_config(None, tiny_overrides(out, data__source=str(corpus_file), train__max_steps=12,
                                            model__n_experts=4, model__moe_top_k=2, model__moe_bias_update_rate=0.01,
                                            model__moe_z_loss_coef=0.001, model__moe_capacity_factor=1.25,
                                            train__eval_interval=6))
-    Trainer(cfg, ParallelContext.from_config(cfg)).fit()
+    with caplog.at_level(logging.INFO, logger="dist_llm"):
+        Trainer(cfg, ParallelContext.from_config(cfg)).fit()
+    # the first line and the start record state the ep layout at ep=1 too
+    assert "| world 1 (dp 1, tp 1, pp 1, ep 1: 4 of 4 experts a rank) |" in caplog.text
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert records[0]["n_active_params"] < records[0]["n_params"]
+    assert records[0]["layout"] == {"world_size": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1}
     steps = [r for r in records if "loss" in r]
-    for r in steps:
+    assignments = cfg.train.global_batch_size * cfg.model.block_size * cfg.model.moe_top_k  # a step's, a layer's
+    for before, r in zip([0] + [s["step"] for s in steps], steps):
         assert 0 < r["moe_aux_loss"] < 4  # (1 when selection and probabilities are both uniform; at most E)
         assert r["moe_z_loss"] > 0 and r["moe_imbalance"] >= 1.0 and 0.0 <= r["moe_dropped_fraction"] < 1.0
+        # every training forward's assignments since the last log step, before the capacity; evaluation none
+        tokens = r["moe_tokens_per_expert"]
+        assert len(tokens) == cfg.model.n_layer and all(len(t) == 4 for t in tokens)
+        assert [sum(t) for t in tokens] == [assignments * (r["step"] - before)] * cfg.model.n_layer
+        assert r["moe_layer_imbalance"] == [round(max(t) / (sum(t) / 4), 4) for t in tokens]
+        assert r["moe_imbalance"] == max(r["moe_layer_imbalance"])
     assert steps[-1]["loss"] < steps[0]["loss"] - 0.5
 
 

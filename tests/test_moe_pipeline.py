@@ -31,6 +31,9 @@ def assert_same(results: list[dict[str, Any]], ref: dict[str, Any], *, atol: flo
     for a, b in zip(got["records"], ref["records"], strict=True):
         for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_imbalance", "moe_dropped_fraction"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+        # every stage's layers gathered in block order, each counted over dp (and ep) as one process counts them
+        assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"], a["step"]
+        assert a["moe_layer_imbalance"] == pytest.approx(b["moe_layer_imbalance"], rel=1e-5), a["step"]
     params = merged(results)
     assert params.keys() == ref["params"].keys()
     for name, p in ref["params"].items():

@@ -5,7 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dist_llm.train.metrics import plot_losses, plot_moe
+import pytest
+
+from dist_llm.train import metrics
+from dist_llm.train.metrics import imbalance_lines, plot_losses, plot_moe, read_metrics
 
 PNG = b"\x89PNG\r\n\x1a\n"
 
@@ -16,8 +19,10 @@ def _write(run: Path, moe: bool) -> Path:
     for step in range(1, 6):
         rec = {"step": step, "loss": 5.0 - 0.1 * step, "lr": 1e-3}
         if moe:  # the fields the trainer writes at log steps of an MoE run
-            rec.update(moe_aux_loss=1.0 + 0.1 / step, moe_z_loss=0.5, moe_imbalance=3.0 - 0.3 * step,
-                       moe_dropped_fraction=0.05 / step)
+            layers = [3.0 - 0.3 * step, 2.0, 1.5]  # three MoE layers' max/mean
+            rec.update(moe_aux_loss=1.0 + 0.1 / step, moe_z_loss=0.5, moe_imbalance=max(layers),
+                       moe_dropped_fraction=0.05 / step, moe_layer_imbalance=layers,
+                       moe_tokens_per_expert=[[4, 1, 1, 2]] * 3)
         lines.append(rec)
     lines.append({"step": 5, "val_loss": 4.6})
     path = run / "metrics.jsonl"
@@ -36,6 +41,25 @@ def test_moe_run_gets_an_imbalance_plot_and_a_dense_run_none(tmp_path: Path) -> 
     assert not (dense.parent / "moe.png").exists()
     assert plot_moe(dense, dense.parent / "moe.png") is False
     assert sorted(p.name for p in dense.parent.iterdir()) == ["loss.png", "metrics.jsonl"]  # (no temporary left)
+
+
+def test_moe_plot_draws_each_layers_imbalance_and_the_max(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    path = _write(tmp_path / "moe", moe=True)
+    lines = imbalance_lines(read_metrics(path))
+    assert list(lines) == ["MoE layer 0", "MoE layer 1", "MoE layer 2", "max over layers"]
+    assert lines["MoE layer 0"] == {s: 3.0 - 0.3 * s for s in range(1, 6)} and lines["MoE layer 1"][5] == 2.0
+    assert lines["max over layers"] == {1: 2.7, 2: 2.4, 3: 2.1, 4: 2.0, 5: 2.0}
+    drawn: list[list[str]] = []  # the labels of the upper panel's curves, as the figure holds them
+    save = metrics._save
+    monkeypatch.setattr(metrics, "_save", lambda fig, png: (drawn.append([ln.get_label() for ln in fig.axes[0].lines]),
+                                                            save(fig, png)))
+    assert plot_moe(path, tmp_path / "moe.png")
+    assert drawn == [["MoE layer 0", "MoE layer 1", "MoE layer 2", "max over layers", "balanced"]]
+    assert (tmp_path / "moe.png").read_bytes().startswith(PNG)
+    # a run logged before the per-layer field: the max alone, as before
+    old = [{"step": 1, "loss": 5.0, "moe_imbalance": 2.5}]
+    assert imbalance_lines(old) == {"max over layers": {1: 2.5}}
+    assert imbalance_lines([{"step": 1, "loss": 5.0}]) == {}
 
 
 def test_report_links_the_moe_plot_only_for_an_moe_run(tmp_path: Path) -> None:

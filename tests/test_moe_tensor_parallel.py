@@ -47,6 +47,7 @@ def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPat
     for a, b in zip(results[0]["records"], ref["records"], strict=True):
         for key in ("moe_imbalance", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+        assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"]  # every token once, not once per tp rank
     if variant:
         assert all(r["moe_dropped_fraction"] > 0 for r in ref["records"])  # the capacity did drop rows
 

@@ -29,7 +29,7 @@ losses, the load and the capacity are those of the whole micro-batch.
 from __future__ import annotations
 
 import math
-from typing import Callable, Literal, Protocol
+from typing import Any, Callable, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -286,8 +286,10 @@ class MoE(nn.Module):
 
     @torch.no_grad()
     def _record(self, name: str, value: torch.Tensor) -> None:
+        # counts stay int64: a float32 sum stops counting exactly at 2**24 tokens per expert and log interval
+        value = value.detach() if not value.is_floating_point() else value.detach().float()
         old = self.stats.get(name)
-        self.stats[name] = value.detach().float() if old is None else old + value.detach().float()
+        self.stats[name] = value if old is None else old + value
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         split = self.tokens
@@ -396,24 +398,35 @@ def update_expert_bias(layers: list[MoE], rate: float, all_reduce: AllReduce = N
         layer.expert_bias += rate * torch.sign(load.mean() - load)
 
 
-def take_metrics(layers: list[MoE], all_reduce: AllReduce = None) -> dict[str, float]:
-    """Means since the last call over layers and forwards (and over ranks, with `all_reduce` summing over them):
-    moe_aux_loss, moe_z_loss, moe_imbalance (max/mean tokens per expert, the worst layer),
-    moe_dropped_fraction. Resets the sums."""
-    if not layers or not layers[0].stats:
+def take_metrics(layers: list[MoE], all_reduce: AllReduce = None) -> dict[str, Any]:
+    """The MoE fields of a log step, since the last call (and over ranks, with `all_reduce` summing over them):
+    moe_aux_loss, moe_z_loss and moe_dropped_fraction (means over layers and forwards); moe_tokens_per_expert
+    (per layer in block order, the (token, slot) assignments routed to each global expert id: whole numbers);
+    moe_layer_imbalance (per layer, max/mean of those counts; 1 is perfect balance) and moe_imbalance (the worst
+    layer's). Resets the sums. `layers` must be the same list on every rank that sums (a pipeline stage lists the
+    other stages' layers as zero stand-ins): the collectives run whatever this rank recorded, and the decision to
+    report nothing (no training forward anywhere) is made from the sums, so no rank skips a collective the others
+    issue."""
+    if not layers:
         return {}
     device = layers[0].expert_bias.device
-    scalars = torch.stack([torch.stack([m.stats["aux"], m.stats["z"], m.stats["dropped"], m.stats["forwards"]])
+    zero = torch.zeros((), device=device)
+    scalars = torch.stack([torch.stack([m.stats.get(k, zero).float() for k in ("aux", "z", "dropped", "forwards")])
                            for m in layers]).to(device)  # (L, 4)
-    loads = torch.stack([m.stats["load"] for m in layers]).to(device)  # (L, E)
+    loads = torch.stack([m.stats.get("load", torch.zeros_like(m.expert_bias)).to(torch.int64)
+                         for m in layers]).to(device)  # (L, E) exact counts
     if all_reduce is not None:
         all_reduce(scalars)
         all_reduce(loads)
-    n = scalars[:, 3].clamp(min=1)
-    imbalance = (loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)).max()
     for m in layers:
         m.stats = {}
+    if not scalars[:, 3].any():
+        return {}
+    n = scalars[:, 3].clamp(min=1)
+    per_layer = loads.max(dim=1).values / loads.double().mean(dim=1).clamp(min=1e-9)  # (L,)
     return {"moe_aux_loss": round((scalars[:, 0] / n).mean().item(), 6),
             "moe_z_loss": round((scalars[:, 1] / n).mean().item(), 6),
-            "moe_imbalance": round(imbalance.item(), 4),
-            "moe_dropped_fraction": round((scalars[:, 2] / n).mean().item(), 6)}
+            "moe_imbalance": round(per_layer.max().item(), 4),
+            "moe_dropped_fraction": round((scalars[:, 2] / n).mean().item(), 6),
+            "moe_layer_imbalance": [round(x, 4) for x in per_layer.tolist()],
+            "moe_tokens_per_expert": loads.tolist()}

@@ -128,20 +128,40 @@ def _save(fig: Any, png_path: Path) -> None:
 MOE_PLOT = "moe.png"
 
 
+def imbalance_lines(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
+    """The imbalance curves of moe.png, label -> {step: value}: "MoE layer i" for each MoE layer in block order
+    (`moe_layer_imbalance`; a run logged before that field has none), then "max over layers" (`moe_imbalance`).
+    A resumed run's records override the earlier run's at the same step."""
+    lines: dict[str, dict[int, float]] = {}
+    worst: dict[int, float] = {}
+    for rec in records:
+        for i, value in enumerate(rec.get("moe_layer_imbalance") or []):
+            if math.isfinite(value):
+                lines.setdefault(f"MoE layer {i}", {})[rec["step"]] = value
+        if "moe_imbalance" in rec and math.isfinite(rec["moe_imbalance"]):
+            worst[rec["step"]] = rec["moe_imbalance"]
+    return {**lines, "max over layers": worst} if worst else lines
+
+
 def plot_moe(metrics_path: Path, png_path: Path) -> bool:
-    """An MoE run's expert load against step: moe_imbalance (max/mean tokens per expert, the worst layer; 1 is
-    perfect balance) above, the aux loss and the dropped-token fraction below. Nothing for a dense run's
-    metrics (no moe_imbalance): returns whether it drew."""
-    series: dict[str, dict[int, float]] = {"moe_imbalance": {}, "moe_aux_loss": {}, "moe_dropped_fraction": {}}
-    for rec in read_metrics(metrics_path):
+    """An MoE run's expert load against step: each MoE layer's imbalance (max/mean tokens per expert; 1 is perfect
+    balance) and the worst layer's above, the aux loss and the dropped-token fraction below. Nothing for a dense
+    run's metrics (no moe_imbalance): returns whether it drew."""
+    records = read_metrics(metrics_path)
+    imbalance = imbalance_lines(records)
+    if "max over layers" not in imbalance:
+        return False
+    series: dict[str, dict[int, float]] = {"moe_aux_loss": {}, "moe_dropped_fraction": {}}
+    for rec in records:
         for key, points in series.items():
             if key in rec and math.isfinite(rec[key]):
                 points[rec["step"]] = rec[key]
-    if not series["moe_imbalance"]:
-        return False
     plt = _pyplot()
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), dpi=100, sharex=True)
-    top.plot(*zip(*sorted(series["moe_imbalance"].items())), label="imbalance (max/mean load)", linewidth=1.2)
+    for label, points in imbalance.items():
+        worst = label == "max over layers"  # (drawn last, on top of the layers', thicker and black)
+        top.plot(*zip(*sorted(points.items())), label=label, linewidth=1.6 if worst else 0.9,
+                 **({"color": "black"} if worst else {"alpha": 0.8}))
     top.axhline(1.0, color="gray", linestyle="--", linewidth=0.8, label="balanced")
     top.set_ylabel("max / mean tokens per expert")
     top.set_title(f"{metrics_path.parent.name}: expert load")
@@ -151,7 +171,8 @@ def plot_moe(metrics_path: Path, png_path: Path) -> bool:
     bottom.set_xlabel("step")
     for ax in (top, bottom):
         ax.grid(alpha=0.3)
-        ax.legend()
+    top.legend(fontsize="small", ncol=1 + len(imbalance) // 10)  # (a deep model's layers in a few columns)
+    bottom.legend()
     fig.tight_layout()
     _save(fig, png_path)
     return True

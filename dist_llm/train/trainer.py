@@ -349,9 +349,13 @@ class Trainer:
         os.replace(tmp, folder / f"rank_{self.ctx.rank}.json")
 
     # -- the loop -----------------------------------------------------------------------------------------
+    def _layout(self) -> dict[str, int]:
+        """The context's degrees; an MoE model's always with its ep (1 too: where its experts are is part of it)."""
+        return self.ctx.layout() | ({"ep": self.ctx.ep} if self.cfg.model.n_experts else {})
+
     def header(self) -> dict[str, Any]:
         return {"event": "start", "step": self.step, "n_params": self.n_params, "n_active_params": self.n_active_params,
-                "layout": self.ctx.layout(), "device": str(self.device), "precision": self.cfg.train.precision,
+                "layout": self._layout(), "device": str(self.device), "precision": self.cfg.train.precision,
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
@@ -440,11 +444,18 @@ class Trainer:
         log.info("dist_llm | %.2fM parameters%s | world %d (dp %d, tp %d, pp %d%s) | data-parallel form %s | backend "
                  "%s | %s | %s | global batch %d x %d tokens in %d micro-step(s) | out %s", self.n_params / 1e6, active,
                  self.ctx.world_size, self.ctx.dp, self.ctx.tp, self.ctx.pp,
-                 (f", ep {self.ctx.ep}" if self.ctx.ep > 1 else "") + (f", cp {self.ctx.cp}" if self.ctx.cp > 1 else ""),
+                 self._ep_layout() + (f", cp {self.ctx.cp}" if self.ctx.cp > 1 else ""),
                  self.dp.name, self.ctx.backend, self.device, t.precision,
                  t.global_batch_size, self.cfg.model.block_size, self.accum_steps, self.out_dir)
         for line in self.ctx.placement():
             log.info(line)
+
+    def _ep_layout(self) -> str:
+        """', ep 2: 4 of 8 experts a rank' for an MoE model, whatever its ep; nothing for a dense one."""
+        m = self.cfg.model
+        if not m.n_experts:
+            return ""
+        return f", ep {self.ctx.ep}: {m.n_experts // self.ctx.ep} of {m.n_experts} experts a rank"
 
     def _measured_step(self, start_step: int) -> StepOutput:
         """train_step; the run's first one also measures the activations saved for backward."""
