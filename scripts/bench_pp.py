@@ -200,7 +200,7 @@ class Run:
         for step in self.exchanges:
             for n, seconds in exchange_excess(plans, step).items():
                 excess.setdefault(n, []).extend(seconds)
-        per_size = {n: statistics.median(x) for n, x in sorted(excess.items())}
+        per_size = {n: statistics.median_low(x) for n, x in sorted(excess.items())}  # (low: a spike is never negative)
         cost: float | dict[int, float] = per_size if exchange_cost == "measured" and per_size else (latency or 0.0)
         makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
         parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
