@@ -3,7 +3,8 @@ for GPipe, 1F1B, ZB-H1 (zb1) and interleaved 1F1B.
 
     python scripts/bench_pp.py [--pp 2 4] [--micro-batches 4 8 16] [--schedules gpipe 1f1b [zb1] [interleaved]]
                                [--virtual 2] [--layers 8] [--width 256] [--seq 128] [--micro-batch 2] [--steps 3]
-                               [--threads N] [--predict measured|units] [--json PATH]
+                               [--threads N] [--predict measured|units] [--exchange-cost measured|latency]
+                               [--json PATH]
 
 What it measures, through dist_llm's Trainer (fp32, dp=1, tp=1, one process per stage, cores // stages torch
 threads each unless --threads: one on a 2-core machine at p=2):
@@ -16,9 +17,12 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              closed form beside: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
                              2(p-1)/(3m+2(p-1)) ZB-H1);
                   predicted  each stage's measured seconds per action (mean of its F, B, W; F1, B1 ... for later
-                             chunks), the measured p2p latency per exchange and the work after the schedule
-                             (gradient completion, the norm: the shortest stage tail). Like against like: what the
-                             schedule costs with the stages' real action times;
+                             chunks), each exchange's measured cost by its number of messages (the median of what
+                             this run's exchanges of that size took after the last of their other sides was
+                             posted: transfers and wake-ups; --exchange-cost latency: the ping-pong latency
+                             instead) and the work after the schedule (gradient completion, the norm: the
+                             shortest stage tail). Like against like: what the schedule costs with the stages'
+                             real action and exchange times;
                   replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
                              waiting that means hide), median over the steps.
                   Then where each stage's idle went (in exchanges, after its last action, executor overhead), the
@@ -79,6 +83,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--predict", choices=["measured", "units"], default="measured",
                    help="the margins' prediction: the simulator with this run's per-action seconds and p2p latency "
                         "(measured), or with unit costs (F 1, B 2, W half of B)")
+    p.add_argument("--exchange-cost", choices=["measured", "latency"], default="measured",
+                   help="what an exchange costs in the predicted and replayed figures: what this run's exchanges of "
+                        "each size took beyond the rendezvous (measured), or the ping-pong latency of one activation")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # set when started under torchrun
     return p.parse_args(argv)
@@ -117,7 +124,7 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
         for _ in range(args.steps):
             for r in [run] if run is not None else runs:
                 r.timed_step()
-    return [run.row(latency) for run in runs]
+    return [run.row(latency, args.exchange_cost) for run in runs]
 
 
 class Run:
@@ -158,6 +165,7 @@ class Run:
         self.times: list[dict[str, list[float]]] = []  # per timed step, Trainer.pipeline_times()
         self.parts: list[list[dict[str, float]]] = []  # per timed step, every stage's clock breakdown
         self.timelines: list[list[list[tuple[str, int, float]]]] = []  # per step and stage, each action's seconds
+        self.exchanges: list[list[list[tuple[float, float]]]] = []  # per step and stage, each exchange's (start, end)
 
     def timed_step(self) -> None:
         import torch
@@ -172,19 +180,28 @@ class Run:
         clock = self.trainer.runtime.stage_clock
         every: list[Any] = [None] * self.pp  # (CPU: perf_counter is one monotonic clock for the host)
         torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(), clock.start,
-                                                    faults, in_gc[0]))
-        first = min(start for _, _, start, _, _ in every)
+                                                    faults, in_gc[0], clock.exchanges))
+        first = min(start for _, _, start, _, _, _ in every)
         self.parts.append([{**b, "start_offset": start - first, "page_faults": f, "gc": g}
-                           for b, _, start, f, g in every])
-        self.timelines.append([t for _, t, _, _, _ in every])
+                           for b, _, start, f, g, _ in every])
+        self.timelines.append([t for _, t, _, _, _, _ in every])
+        self.exchanges.append([x for *_, x in every])
 
-    def row(self, latency: float | None) -> dict[str, Any]:
+    def row(self, latency: float | None, exchange_cost: str = "measured") -> dict[str, Any]:
         import torch
 
         from dist_llm.parallel.pipeline.schedule import bubble_fraction, build_plans, simulate
 
         pp, m, v, schedule = self.pp, self.m, self.v, self.schedule
         plans = build_plans(schedule, pp, m, v)
+        # what an exchange of n messages cost beyond waiting for the neighbour's side (median over stages and
+        # steps): the simulator's exchange cost for `predicted` and `replayed`, or the ping-pong latency
+        excess: dict[int, list[float]] = {}
+        for step in self.exchanges:
+            for n, seconds in exchange_excess(plans, step).items():
+                excess.setdefault(n, []).extend(seconds)
+        per_size = {n: statistics.median_low(x) for n, x in sorted(excess.items())}  # (low: a spike is never negative)
+        cost: float | dict[int, float] = per_size if exchange_cost == "measured" and per_size else (latency or 0.0)
         makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
         parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
                  for i in range(pp)]
@@ -192,8 +209,8 @@ class Run:
         # the measured step also holds the work after the schedule (gradient completion, the norm) that the
         # stage finishing last did alone: its tail, the shortest
         post = min(b["tail"] for b in parts)
-        pred_span, pred_busy = simulate(plans, costs=costs, exchange_cost=latency or 0.0)
-        replayed = [replay(plans, costs, t, latency or 0.0, post=min(b["tail"] for b in st))
+        pred_span, pred_busy = simulate(plans, costs=costs, exchange_cost=cost)
+        replayed = [replay(plans, costs, t, cost, post=min(b["tail"] for b in st))
                     for t, st in zip(self.timelines, self.parts)]
         med = {k: [statistics.median(t[f"pp_{k}"][i] for t in self.times) for i in range(pp)]
                for k in ("idle_fraction", "busy_s", "idle_s")}
@@ -204,7 +221,9 @@ class Run:
                 "measured_prediction": [round(1 - b / (pred_span + post), 4) for b in pred_busy],
                 "predicted_step_s": pred_span + post, "action_s": costs, "breakdown": parts,
                 "replayed": [statistics.median(r[i] for r in replayed) for i in range(pp)],
-                "p2p_latency_s": latency, "threads": torch.get_num_threads(),
+                "p2p_latency_s": latency, "exchange_s": {str(n): c for n, c in per_size.items()},
+                "exchange_count": {str(n): len(x) // (len(self.exchanges) * pp) for n, x in sorted(excess.items())},
+                "threads": torch.get_num_threads(),
                 "first_stage_saved_bytes": self.held, "peak_bytes": self.peaks}
 
 
@@ -231,10 +250,46 @@ def action_seconds(breakdown: dict[str, float]) -> dict[str, float]:
     return {k: breakdown[k] / breakdown[f"count_{k}"] for k in breakdown if f"count_{k}" in breakdown}
 
 
+def exchange_excess(plans: list[list[Any]], exchanges: list[list[tuple[float, float]]]) -> dict[int, list[float]]:
+    """Seconds each exchange of one step took after the last of its messages' other sides was posted (its own
+    post or the neighbour's exchange holding the matching send or receive, paired in order per direction as
+    NCCL and gloo pair them), by the number of messages in it: the transfers and the wake-ups that the simulator's
+    rendezvous leaves out. `exchanges` is every stage's (start, end) per exchange, on one clock (the host's)."""
+    from dist_llm.parallel.pipeline.schedule import Exchange, peer_offset
+
+    p = len(plans)
+    posted: dict[tuple[int, int], list[float]] = {}  # (from, to) -> post times of its sends, in order
+    wanted: dict[tuple[int, int], list[float]] = {}  # (from, to) -> post times of the receives, in order
+    mine: list[list[tuple[Exchange, float, float, list[tuple[bool, tuple[int, int], int]]]]] = []
+    for s, (plan, times) in enumerate(zip(plans, exchanges)):
+        xs = [x for x in plan if isinstance(x, Exchange)]
+        if len(xs) != len(times):
+            raise RuntimeError(f"stage {s}: {len(times)} exchanges timed, its plan has {len(xs)}")
+        rows = []
+        for x, (start, end) in zip(xs, times):
+            ops = []
+            for a in x.ops:
+                peer = (s + peer_offset(a.kind)) % p
+                send = a.kind.startswith("SEND")
+                key = (s, peer) if send else (peer, s)
+                queue = (posted if send else wanted).setdefault(key, [])
+                ops.append((send, key, len(queue)))
+                queue.append(start)
+            rows.append((x, start, end, ops))
+        mine.append(rows)
+    out: dict[int, list[float]] = {}
+    for rows in mine:
+        for x, start, end, ops in rows:
+            # the other side of a send is the receive posted in the same place of that direction, and back
+            ready = max([start] + [(wanted if send else posted)[key][i] for send, key, i in ops])
+            out.setdefault(len(x.ops), []).append(end - ready)
+    return out
+
+
 def replay(plans: list[Any], means: list[dict[str, float]], timeline: list[list[tuple[str, int, float]]],
-           latency: float, *, post: float) -> list[float]:
+           latency: float | dict[int, float], *, post: float) -> list[float]:
     """Each stage's idle fraction had the step's plans run with the durations its actions really took (not their
-    means: the neighbours' ups and downs add waiting), the p2p latency and the work after the schedule."""
+    means: the neighbours' ups and downs add waiting), the exchanges' cost and the work after the schedule."""
     from dist_llm.parallel.pipeline.schedule import simulate
 
     tables = [{**mean, **{(kind, micro): sec for kind, micro, sec in actions}}
@@ -311,6 +366,8 @@ def actions(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
                 f"start +{1e3 * b['start_offset']:.0f} faults {b['page_faults'] / 1e3:.1f}k gc {1e3 * b['gc']:.0f}"
                 for b in r["breakdown"]]
         lines.append(f"{_name(r):>15} {r['m']:>3}  " + " | ".join(f"{a}; {i}" for a, i in zip(per, idle)))
+        lines.append(f"{'':>19} exchanges a stage by messages in them: " + ", ".join(
+            f"{n}: {r['exchange_count'][n]} x {1e3 * c:.2f} ms" for n, c in r["exchange_s"].items()))
     return "\n".join(lines)
 
 

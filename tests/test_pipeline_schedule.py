@@ -193,6 +193,37 @@ def test_simulate_with_measured_costs() -> None:
         simulate(build_plans("zb1", 2, 2), costs=units)  # (a KeyError from deep inside, before)
 
 
+def test_simulate_with_a_cost_per_exchange_size() -> None:
+    """An exchange costs what one of its size costs (bench_pp measures them: more messages, more transfers and
+    wake-ups). 1F1B p=2 m=2 by hand, F 1 and B 2: stage 0 F0, {SEND_F 0} (1 message), F1, then {SEND_F 1, RECV_B 0}
+    (2) waits for stage 1's F0 and B0; B0, {RECV_B 1} (1) waits for stage 1's F1 and B1; B1: 9 + 2 c1 + c2."""
+    plans = build_plans("1f1b", 2, 2)
+    assert simulate(plans)[0] == 9.0
+    assert simulate(plans, exchange_cost={1: 0.5, 2: 1.5})[0] == 9 + 2 * 0.5 + 1.5
+    # a size without an entry costs the nearest below (a float is every size's cost), else the nearest above
+    assert simulate(plans, exchange_cost={1: 0.5})[0] == simulate(plans, exchange_cost=0.5)[0] == 9 + 3 * 0.5
+    assert simulate(plans, exchange_cost={2: 1.5})[0] == 9 + 3 * 1.5
+
+
+def test_bench_measures_what_an_exchange_costs_beyond_the_rendezvous() -> None:
+    """bench_pp's exchange cost: each exchange's end minus the later of its own post and the posts of the other
+    sides of its messages (paired in order per direction). GPipe p=2 m=1 timed by hand: stage 0 posts {SEND_F 0,
+    RECV_B 0} at 1.0, done at 5.2; stage 1 waits for F0 from 0.0 to 1.3, and sends B0 at 5.0, done at 5.2. Stage 0's
+    exchange was ready at 5.0 (stage 1's send), stage 1's receive at 1.0 (stage 0's post)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bench_pp", Path(__file__).parent.parent / "scripts" / "bench_pp.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    plans = build_plans("gpipe", 2, 1)
+    got = bench.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3), (5.0, 5.2)]])
+    assert got.keys() == {1, 2} and got[2] == pytest.approx([0.2]) and got[1] == pytest.approx([0.3, 0.2])
+    with pytest.raises(RuntimeError, match="stage 1: 1 exchanges timed, its plan has 2"):
+        bench.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3)]])
+
+
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
 def test_activation_memory(stages: int, micro: int) -> None:
     """GPipe holds all m micro-batches on every stage; 1F1B at most p - s on stage s."""

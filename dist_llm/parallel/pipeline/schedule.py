@@ -242,7 +242,7 @@ def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1) -> 
 def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cost: float = 2.0,
              weight_cost: float | None = None,
              costs: Sequence[Mapping[str | tuple[str, int], float]] | None = None,
-             exchange_cost: float = 0.0,
+             exchange_cost: float | Mapping[int, float] = 0.0,
              trace: list[tuple[int, Action, float]] | None = None) -> tuple[float, list[float]]:
     """Run the plans on an idealised machine with NCCL's rendezvous semantics and return the makespan and each
     stage's busy time. Raises ValueError if the plans deadlock or a receive would get another message.
@@ -257,9 +257,11 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
 
     An `Exchange` posts its actions together and the stage waits until all of them complete; a bare
     send or receive action is an exchange of its own (one `batch_isend_irecv` per action). A send completes
-    only when the peer has posted the matching receive, and a receive when the send is posted, plus
-    `exchange_cost` (a transfer's latency; 0: free). Messages between two stages pair in the order posted
-    (NCCL has no tags)."""
+    only when the peer has posted the matching receive, and a receive when the send is posted; the exchange
+    completes `exchange_cost` after the last of its messages could (a transfer's latency; 0: free), or, given a
+    mapping, the cost of an exchange of that many messages (the real cost grows with them: several transfers
+    and wake-ups, measured by bench_pp; a count without an entry costs the nearest one below it, or above).
+    Messages between two stages pair in the order posted (NCCL has no tags)."""
     stages = len(plans)
     if costs is not None:
         if len(costs) != stages:
@@ -299,11 +301,11 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
                 elif not posted[s]:
                     posted[s] = True
                     _post(s, x, clock[s], stages, sends, recvs)
-                    _pair(sends, recvs, done, exchange_cost)
+                    _pair(sends, recvs, done)
                 elif len(done[s]) < len(x.ops):
                     break  # waiting on a peer to post its side
                 else:
-                    clock[s] = max(clock[s], *done[s])
+                    clock[s] = max(clock[s], max(done[s]) + _exchange_cost(exchange_cost, len(x.ops)))
                     posted[s], done[s] = False, []
                     pos[s] += 1
                 progressed = True
@@ -311,6 +313,15 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
             waiting = {s: steps[s][pos[s]] for s in range(stages) if pos[s] < len(steps[s])}
             raise ValueError(f"the schedule deadlocks: stages wait on {waiting}")
     return max(clock), busy
+
+
+def _exchange_cost(cost: float | Mapping[int, float], messages: int) -> float:
+    if not isinstance(cost, Mapping):
+        return cost
+    if not cost:
+        return 0.0
+    below = [n for n in cost if n <= messages]
+    return cost[max(below)] if below else cost[min(cost)]
 
 
 def _cost(table: Mapping[str | tuple[str, int], float], a: Action) -> float:
@@ -337,10 +348,9 @@ def _post(s: int, x: Exchange, now: float, stages: int, sends: dict[tuple[int, i
 
 
 def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
-          recvs: dict[tuple[int, int], list[tuple[int, Action, float]]], done: list[list[float]],
-          latency: float = 0.0) -> None:
-    """Pair the posted sends and receives of each direction in order; both complete `latency` after the later
-    is posted."""
+          recvs: dict[tuple[int, int], list[tuple[int, Action, float]]], done: list[list[float]]) -> None:
+    """Pair the posted sends and receives of each direction in order; both can complete once the later is
+    posted (the exchange's cost comes on top)."""
     stages = len(done)
     for key, queue in sends.items():
         waiting = recvs.get(key, [])
@@ -351,8 +361,8 @@ def _pair(sends: dict[tuple[int, int], list[tuple[int, Action, float]]],
             if ((send.kind[-1], send.micro, send.chunk * stages + src + step)
                     != (recv.kind[-1], recv.micro, recv.chunk * stages + dst)):
                 raise ValueError(f"stage {dst}'s {recv} would receive stage {src}'s {send}")
-            done[src].append(max(t_send, t_recv) + latency)
-            done[dst].append(max(t_send, t_recv) + latency)
+            done[src].append(max(t_send, t_recv))
+            done[dst].append(max(t_send, t_recv))
 
 
 def peak_in_flight(plan: list[Action]) -> int:
