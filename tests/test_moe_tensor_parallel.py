@@ -19,12 +19,21 @@ from dist_llm.config import ConfigError, load_config
 from dist_llm.parallel.context import ParallelContext
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
-from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401 - corpus: fixture
+from tests.test_data_parallel import (  # noqa: F401 - corpus: fixture
+    PARAM_ATOL,
+    STEPS,
+    assert_same_run,
+    corpus,
+    reference,
+    train,
+)
 
-# SwiGLU experts and shared expert, aux loss + z-loss + the aux-free bias: every balancing term at once
+# SwiGLU experts and shared expert, aux loss + z-loss + the aux-free bias: every balancing term at once (one cell
+# below runs without the shared expert and the bias: PLAIN)
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__mlp": "swiglu", "model__n_shared_experts": 1,
        "model__moe_aux_loss_coef": 0.01, "model__moe_z_loss_coef": 0.001, "model__moe_bias_update_rate": 0.01}
 CAPACITY = {"model__moe_capacity_factor": 1.0}  # tight: rows dropped every step, placed as one process orders them
+PLAIN = {"model__n_shared_experts": 0, "model__moe_bias_update_rate": 0.0}  # routed experts alone, no selection bias
 
 
 @pytest.mark.parametrize("world,layout,variant", [
@@ -32,9 +41,10 @@ CAPACITY = {"model__moe_capacity_factor": 1.0}  # tight: rows dropped every step
     (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}, CAPACITY),
     (4, {"parallel__tp": 2, "parallel__ep": 2}, CAPACITY),  # DDP; experts reduced over their expert-dp group
     (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 2, "parallel__sequence_parallel": True,
-         "parallel__bucket_mb": 0.01}, {}),
+         "parallel__bucket_mb": 0.01}, PLAIN),
     (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 3, "parallel__sequence_parallel": True}, {}),
-], ids=["tp2-recompute", "tp2-sp-capacity", "dp2-tp2-ep2-capacity", "dp2-tp2-ep2-sp-zero2", "dp2-tp2-ep2-sp-zero3"])
+], ids=["tp2-recompute", "tp2-sp-capacity", "dp2-tp2-ep2-capacity", "dp2-tp2-ep2-sp-zero2-plain",
+        "dp2-tp2-ep2-sp-zero3"])
 def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                 world: int, layout: dict[str, Any], variant: dict[str, Any]) -> None:
     extra = {**MOE, **variant, "train__micro_batch_size": 2}  # (one reference for the layouts of each variant)
@@ -47,8 +57,27 @@ def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPat
     for a, b in zip(results[0]["records"], ref["records"], strict=True):
         for key in ("moe_imbalance", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
-    if variant:
+    if variant == CAPACITY:
         assert all(r["moe_dropped_fraction"] > 0 for r in ref["records"])  # the capacity did drop rows
+
+
+def test_dp4_tp2_ep4_on_eight_ranks(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:
+    """ep=4 with tp=2 needs 8 ranks (dp=4 x tp=2, ZeRO-1: the tp row's ZeRO-1 cell), so 4 steps only: each ep group
+    holds one expert a rank at each tp position. Losses, grad norms and parameters equal one process as above."""
+    extra = {**MOE, "train__micro_batch_size": 2, "train__max_steps": 4}
+    results = run_distributed(train, 8, tmp_path, corpus, {**extra, "parallel__tp": 2, "parallel__ep": 4,
+                                                           "parallel__zero_stage": 1}, init_group=False)
+    ref = reference(tmp_path_factory, corpus, **extra)
+    assert results[0]["dp"] == "zero1+ep" and len(ref["losses"]) == 4
+    for a, b in zip(results[0]["records"], ref["records"], strict=True):
+        for key in ("loss", "grad_norm", "moe_imbalance", "moe_aux_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], p, rtol=1e-5, atol=PARAM_ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    for r in results[1:]:
+        for name, p in results[0]["params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _one_step(rank: int, world_size: int, tp: int, ep: int) -> dict[str, Any]:
