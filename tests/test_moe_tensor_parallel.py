@@ -63,7 +63,11 @@ def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPat
 
 def test_dp4_tp2_ep4_on_eight_ranks(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:
     """ep=4 with tp=2 needs 8 ranks (dp=4 x tp=2, ZeRO-1: the tp row's ZeRO-1 cell), so 4 steps only: each ep group
-    holds one expert a rank at each tp position. Losses, grad norms and parameters equal one process as above."""
+    holds one expert a rank at each tp position. Losses, grad norms and parameters equal one process as above.
+    Its end-of-run checkpoint (step 4: each rank's expert at its global id, its ZeRO-1 shard of Adam's moments,
+    the aux-free bias buffers) resumes in one process to step 8: steps 5-8 are the uninterrupted 8-step run's.
+    The saved state is step 4's whole fp32 state, so the resumed steps differ only by the rounding the 8 ranks'
+    reordered sums left in it: 1e-5 on the losses, PARAM_ATOL on the parameters, as every resume test."""
     extra = {**MOE, "train__micro_batch_size": 2, "train__max_steps": 4}
     results = run_distributed(train, 8, tmp_path, corpus, {**extra, "parallel__tp": 2, "parallel__ep": 4,
                                                            "parallel__zero_stage": 1}, init_group=False)
@@ -78,6 +82,17 @@ def test_dp4_tp2_ep4_on_eight_ranks(tmp_path: Path, tmp_path_factory: pytest.Tem
     for r in results[1:]:
         for name, p in results[0]["params"].items():
             torch.testing.assert_close(r["params"][name], p, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    whole = {**MOE, "train__micro_batch_size": 2}
+    uninterrupted = reference(tmp_path_factory, corpus, **whole)
+    # steps 1-4 are warmup (optim.warmup_steps=5), whose learning rates do not depend on train.max_steps: the 4-step
+    # run is the 8-step run's first half, bit for bit
+    assert uninterrupted["losses"][:4] == ref["losses"]
+    got = train(0, 1, tmp_path, corpus, {**whole, "train__resume": str(tmp_path / "checkpoints" / "step_000004")})
+    assert len(got["losses"]) == STEPS  # steps 1-4 from the 8 ranks, then 5-8 after the resume
+    for a, b in zip(got["losses"][4:], uninterrupted["losses"][4:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    for name, p in uninterrupted["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _one_step(rank: int, world_size: int, tp: int, ep: int) -> dict[str, Any]:
