@@ -68,6 +68,7 @@ SLOW_S: dict[str, float] = {
     "test_deepspeed_qlora.py::test_qlora_at_zero3_trains_to_the_one_process_losses": 12,
     "test_reliability.py::test_a_stuck_rank_becomes_an_error_naming_the_collective_and_rank": 12,
     "test_qlora_zero3.py::test_a_zero3_checkpoint_resumes_at_zero3_and_in_one_process": 12,
+    "test_moe_zero3.py::test_an_ep4_run_matches_and_its_checkpoint_resumes_at_tp2_and_pp2": 12,
     "test_launch.py::test_single_node_script": 12,
     "test_reliability.py::test_consolidated_file_of_any_layout": 11,
     "test_reliability.py::test_3d_checkpoint_resumes_at_other_layouts": 11,

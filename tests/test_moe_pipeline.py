@@ -20,9 +20,11 @@ from tests.distributed import run_distributed
 from tests.test_data_parallel import STEPS, corpus, reference, train  # noqa: F401 - corpus: fixture
 from tests.test_pipeline import merged
 
-# two MoE blocks, one per stage at pp=2: aux loss, z-loss, a shared expert and the aux-free bias on both
+# two MoE blocks, one per stage at pp=2: aux loss, z-loss, a shared expert and the aux-free bias on both (one cell
+# below runs without the shared expert and the bias: PLAIN)
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_z_loss_coef": 0.001,
        "model__n_shared_experts": 1, "model__moe_bias_update_rate": 0.01, "train__micro_batch_size": 2}
+PLAIN = {"model__n_shared_experts": 0, "model__moe_bias_update_rate": 0.0}  # routed experts alone, no selection bias
 
 
 def assert_same(results: list[dict[str, Any]], ref: dict[str, Any], *, atol: float) -> None:
@@ -53,10 +55,10 @@ def test_pp2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPa
 @pytest.mark.parametrize("zero_stage,schedule,layers", [
     (0, "gpipe", {}),  # the flat all-reduce over dp leaves the experts to their expert-dp group (mixed them before)
     (1, "1f1b", {"model__moe_every": 2}),  # stage 0 holds a dense block alone: no experts, stand-in metric rows
-    (2, "zb1", {}),  # the attached term inside the split backward; expert reduce-scatters from the W passes
+    (2, "zb1", PLAIN),  # the attached term inside the split backward; expert reduce-scatters from the W passes
     (1, "interleaved", {"model__n_layer": 4, "parallel__pp_virtual": 2}),  # two chunks a rank, each its own term
     (3, "1f1b", {}),  # FSDP2 per stage: routers and experts units of their own, one reduce-scatter a step
-], ids=["ddp-flat-gpipe", "zero1-1f1b-dense-stage0", "zero2-zb1", "zero1-interleaved", "zero3-1f1b"])
+], ids=["ddp-flat-gpipe", "zero1-1f1b-dense-stage0", "zero2-zb1-plain", "zero1-interleaved", "zero3-1f1b"])
 def test_dp2_pp2_ep2_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                          zero_stage: int, schedule: str, layers: dict[str, Any]) -> None:
     """World 4: dp=2 x pp=2, ep=2 inside each stage's dp pair (experts 0-1 on dp rank 0, 2-3 on dp rank 1), with
@@ -71,6 +73,24 @@ def test_dp2_pp2_ep2_matches_one_process(tmp_path: Path, tmp_path_factory: pytes
                                                            "parallel__bucket_mb": 0.01}, init_group=False)
     assert_same(results, reference(tmp_path_factory, corpus, **extra), atol=3e-6)
     assert {r["dp"] for r in results} == {{0: "ddp-flat", 3: "fsdp2"}.get(zero_stage, f"zero{zero_stage}+ep")}
+
+
+def test_dp4_pp2_ep4_on_eight_ranks(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:
+    """ep=4 with pp=2 needs 8 ranks (dp=4 x pp=2, ZeRO-1, two micro-batches a pipeline), so 4 steps only: each
+    stage's ep group holds one expert a rank. Losses, balancing terms, grad norms and parameters equal one process
+    as above."""
+    extra = {**MOE, "train__micro_batch_size": 1, "train__max_steps": 4}
+    results = run_distributed(train, 8, tmp_path, corpus, {**extra, "parallel__pp": 2, "parallel__ep": 4,
+                                                           "parallel__zero_stage": 1}, init_group=False)
+    ref = reference(tmp_path_factory, corpus, **extra)
+    assert {r["dp"] for r in results} == {"zero1+ep"} and len(ref["losses"]) == 4
+    for a, b in zip(results[0]["records"], ref["records"], strict=True):
+        for key in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss", "moe_imbalance"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-6), key
+    params = merged(results)
+    assert params.keys() == ref["params"].keys()
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(params[name], p, rtol=1e-5, atol=3e-6, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_pp2_checkpoint_resumes_at_pp1_and_ep2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,

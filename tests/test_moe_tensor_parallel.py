@@ -19,12 +19,21 @@ from dist_llm.config import ConfigError, load_config
 from dist_llm.parallel.context import ParallelContext
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
-from tests.test_data_parallel import STEPS, assert_same_run, corpus, reference, train  # noqa: F401 - corpus: fixture
+from tests.test_data_parallel import (  # noqa: F401 - corpus: fixture
+    PARAM_ATOL,
+    STEPS,
+    assert_same_run,
+    corpus,
+    reference,
+    train,
+)
 
-# SwiGLU experts and shared expert, aux loss + z-loss + the aux-free bias: every balancing term at once
+# SwiGLU experts and shared expert, aux loss + z-loss + the aux-free bias: every balancing term at once (one cell
+# below runs without the shared expert and the bias: PLAIN)
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__mlp": "swiglu", "model__n_shared_experts": 1,
        "model__moe_aux_loss_coef": 0.01, "model__moe_z_loss_coef": 0.001, "model__moe_bias_update_rate": 0.01}
 CAPACITY = {"model__moe_capacity_factor": 1.0}  # tight: rows dropped every step, placed as one process orders them
+PLAIN = {"model__n_shared_experts": 0, "model__moe_bias_update_rate": 0.0}  # routed experts alone, no selection bias
 
 
 @pytest.mark.parametrize("world,layout,variant", [
@@ -32,9 +41,10 @@ CAPACITY = {"model__moe_capacity_factor": 1.0}  # tight: rows dropped every step
     (2, {"parallel__tp": 2, "parallel__sequence_parallel": True}, CAPACITY),
     (4, {"parallel__tp": 2, "parallel__ep": 2}, CAPACITY),  # DDP; experts reduced over their expert-dp group
     (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 2, "parallel__sequence_parallel": True,
-         "parallel__bucket_mb": 0.01}, {}),
+         "parallel__bucket_mb": 0.01}, PLAIN),
     (4, {"parallel__tp": 2, "parallel__ep": 2, "parallel__zero_stage": 3, "parallel__sequence_parallel": True}, {}),
-], ids=["tp2-recompute", "tp2-sp-capacity", "dp2-tp2-ep2-capacity", "dp2-tp2-ep2-sp-zero2", "dp2-tp2-ep2-sp-zero3"])
+], ids=["tp2-recompute", "tp2-sp-capacity", "dp2-tp2-ep2-capacity", "dp2-tp2-ep2-sp-zero2-plain",
+        "dp2-tp2-ep2-sp-zero3"])
 def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,
                                 world: int, layout: dict[str, Any], variant: dict[str, Any]) -> None:
     extra = {**MOE, **variant, "train__micro_batch_size": 2}  # (one reference for the layouts of each variant)
@@ -48,8 +58,42 @@ def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPat
         for key in ("moe_imbalance", "moe_aux_loss", "moe_z_loss", "moe_dropped_fraction", "grad_norm"):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
         assert a["moe_tokens_per_expert"] == b["moe_tokens_per_expert"]  # every token once, not once per tp rank
-    if variant:
+    if variant == CAPACITY:
         assert all(r["moe_dropped_fraction"] > 0 for r in ref["records"])  # the capacity did drop rows
+
+
+def test_dp4_tp2_ep4_on_eight_ranks(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:
+    """ep=4 with tp=2 needs 8 ranks (dp=4 x tp=2, ZeRO-1: the tp row's ZeRO-1 cell), so 4 steps only: each ep group
+    holds one expert a rank at each tp position. Losses, grad norms and parameters equal one process as above.
+    Its end-of-run checkpoint (step 4: each rank's expert at its global id, its ZeRO-1 shard of Adam's moments,
+    the aux-free bias buffers) resumes in one process to step 8: steps 5-8 are the uninterrupted 8-step run's.
+    The saved state is step 4's whole fp32 state, so the resumed steps differ only by the rounding the 8 ranks'
+    reordered sums left in it: 1e-5 on the losses, PARAM_ATOL on the parameters, as every resume test."""
+    extra = {**MOE, "train__micro_batch_size": 2, "train__max_steps": 4}
+    results = run_distributed(train, 8, tmp_path, corpus, {**extra, "parallel__tp": 2, "parallel__ep": 4,
+                                                           "parallel__zero_stage": 1}, init_group=False)
+    ref = reference(tmp_path_factory, corpus, **extra)
+    assert results[0]["dp"] == "zero1+ep" and len(ref["losses"]) == 4
+    for a, b in zip(results[0]["records"], ref["records"], strict=True):
+        for key in ("loss", "grad_norm", "moe_imbalance", "moe_aux_loss"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5), key
+    for name, p in ref["params"].items():
+        torch.testing.assert_close(results[0]["params"][name], p, rtol=1e-5, atol=PARAM_ATOL,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    for r in results[1:]:
+        for name, p in results[0]["params"].items():
+            torch.testing.assert_close(r["params"][name], p, rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+    whole = {**MOE, "train__micro_batch_size": 2}
+    uninterrupted = reference(tmp_path_factory, corpus, **whole)
+    # steps 1-4 are warmup (optim.warmup_steps=5), whose learning rates do not depend on train.max_steps: the 4-step
+    # run is the 8-step run's first half, bit for bit
+    assert uninterrupted["losses"][:4] == ref["losses"]
+    got = train(0, 1, tmp_path, corpus, {**whole, "train__resume": str(tmp_path / "checkpoints" / "step_000004")})
+    assert len(got["losses"]) == STEPS  # steps 1-4 from the 8 ranks, then 5-8 after the resume
+    for a, b in zip(got["losses"][4:], uninterrupted["losses"][4:], strict=True):
+        assert a == pytest.approx(b, rel=1e-5)
+    for name, p in uninterrupted["params"].items():
+        torch.testing.assert_close(got["params"][name], p, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _one_step(rank: int, world_size: int, tp: int, ep: int) -> dict[str, Any]:

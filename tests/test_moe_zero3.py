@@ -30,6 +30,7 @@ from tests.test_data_parallel import PARAM_ATOL, STEPS, _full, assert_same_run, 
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_z_loss_coef": 0.001,
        "model__n_shared_experts": 1, "model__moe_bias_update_rate": 0.01, "model__bias": False}
 ZERO3 = {"parallel__zero_stage": 3}
+PLAIN = {"model__n_shared_experts": 0, "model__moe_bias_update_rate": 0.0}  # routed experts alone, no selection bias
 
 
 def _expert_rows(module: torch.nn.Module) -> dict[str, Any]:
@@ -89,18 +90,10 @@ def _expected_rows(n_experts: int, dp: int, ep: int, expert_dp_rank: int) -> int
     return max(0, min(chunk, local - expert_dp_rank * chunk))
 
 
-@pytest.mark.parametrize("world,ep,recompute", [(2, 1, "none"), (2, 2, "none"), (4, 2, "full")])
-def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
-                                world: int, ep: int, recompute: str) -> None:
-    """ZeRO-3 with a shared expert and the aux-free bias: 8 steps' losses, grad norms (each expert counted once)
-    and final parameters equal one process; each rank holds exactly its (E/ep)/(dp/ep) experts' rows. At dp=4
-    with full recompute too (backward runs each block's forward again: its all-to-alls and the experts' gather),
-    against the same one-process run without it (recomputing changes no value)."""
-    extra = {"train__micro_batch_size": 8 // world}
-    ranks = run_distributed(_train, world, tmp_path, corpus, {**extra, **ZERO3, "parallel__ep": ep,
-                                                              "train__activation_checkpointing": recompute},
-                            init_group=False)
-    ref = _reference(tmp_path_factory, corpus, **extra)
+def _assert_matches(ranks: list[dict[str, Any]], ref: dict[str, Any], *, world: int, ep: int, tmp_path: Path,
+                    corpus: Path, extra: dict[str, Any]) -> None:  # noqa: F811
+    """8 steps' losses, grad norms (each expert counted once) and final parameters equal one process; each rank
+    holds exactly its (E/ep)/(dp/ep) experts' rows, and the model-state bytes `dist-llm memory` predicts."""
     assert ranks[0]["dp"] == "fsdp2"
     assert_same_run(ranks[0], ref, rtol=1e-5)
     for a, b in zip(ranks[0]["records"], ref["records"], strict=True):
@@ -133,6 +126,67 @@ def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPat
         shard += min(rows, math.ceil(rows / parts)) * math.prod(p.shape[1:])
     assert held["params"] == held["grads"] == 4 * shard
     assert held["optimizer"] == 8 * shard + 4 * len(ref["params"])
+
+
+@pytest.mark.parametrize("world,ep,recompute,variant", [(2, 1, "none", {}), (2, 2, "none", PLAIN),
+                                                        (4, 2, "full", {})], ids=["dp2", "dp2-ep2-plain",
+                                                                                  "dp4-ep2-recompute"])
+def test_matches_single_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
+                                world: int, ep: int, recompute: str, variant: dict[str, Any]) -> None:
+    """ZeRO-3 with a shared expert and the aux-free bias (at dp=2 ep=2 without either: the routed experts alone)
+    equals one process (_assert_matches). At dp=4 with full recompute too (backward runs each block's forward
+    again: its all-to-alls and the experts' gather), against the same one-process run without it (recomputing
+    changes no value). ep=4: test_an_ep4_run_matches_and_its_checkpoint_resumes_at_tp2_and_pp2."""
+    extra = {"train__micro_batch_size": 8 // world, **variant}
+    ranks = run_distributed(_train, world, tmp_path, corpus, {**extra, **ZERO3, "parallel__ep": ep,
+                                                              "train__activation_checkpointing": recompute},
+                            init_group=False)
+    _assert_matches(ranks, _reference(tmp_path_factory, corpus, **extra), world=world, ep=ep, tmp_path=tmp_path,
+                    corpus=corpus, extra=extra)
+
+
+def test_an_ep4_run_matches_and_its_checkpoint_resumes_at_tp2_and_pp2(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> None:  # noqa: F811
+    """dp=4 ZeRO-3 ep=4 (one expert a rank, whole: expert-dp is 1), shared expert and aux-free bias: the 8 steps
+    equal one process (_assert_matches), and its step-4 checkpoint (each rank's expert at its global id, its
+    quarter of the dense rows) resumes in one process, at tp=2 and at pp=2: steps 5-8 and the final parameters
+    are the uninterrupted run's. The checkpoint holds the whole fp32 state of step 4 (weights, Adam's moments,
+    the aux-free bias buffers, the data position), so what differs after the resume is only the order of the
+    fp32 gradient sums in the new layout, the same rounding as the equalities above: 1e-5 on the losses,
+    PARAM_ATOL on the parameters. Micro-batches of 2 everywhere, so every layout runs the same forwards."""
+    import torch.distributed.checkpoint as dcp
+
+    from tests.test_pipeline import merged
+
+    extra = {"train__micro_batch_size": 2}
+    first = tmp_path / "first"
+    ranks = run_distributed(_train, 4, first, corpus, {**extra, **ZERO3, "parallel__ep": 4,
+                                                       "train__ckpt_interval": 4}, init_group=False)
+    ref = _reference(tmp_path_factory, corpus, **extra)
+    _assert_matches(ranks, ref, world=4, ep=4, tmp_path=tmp_path, corpus=corpus, extra=extra)
+    saved = first / "checkpoints" / "step_000004"
+    meta = dcp.FileSystemReader(str(saved)).read_metadata().state_dict_metadata
+    expert = next(k for k in meta if k.endswith("moe.experts.w_up") and not k.startswith("optim"))
+    # one chunk per ep rank, each one expert at its global id: written shard by shard, never gathered
+    assert sorted(c.offsets[0] for c in meta[expert].chunks) == [0, 1, 2, 3]
+    assert {tuple(c.sizes)[0] for c in meta[expert].chunks} == {1}
+    shutil.rmtree(first / "checkpoints" / "step_000008")
+    for name, world, layout in (("one", 1, {}), ("tp2", 2, {"parallel__tp": 2}), ("pp2", 2, {"parallel__pp": 2})):
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        # named, so that a run that found no checkpoint fails instead of training steps 1-8 afresh (which would
+        # pass); the metrics after step 4 are dropped by the resume and written again
+        resume = {**extra, **layout, "train__resume": str(out / "checkpoints" / "step_000004")}
+        got = (_train(0, 1, out, corpus, resume) if world == 1 else
+               run_distributed(_train, world, out, corpus, resume, init_group=False))
+        results = got if isinstance(got, list) else [got]
+        assert len(results[0]["losses"]) == STEPS  # steps 1-4 from the ep=4 run, then 5-8 after the resume
+        for a, b in zip(results[0]["losses"][4:], ref["losses"][4:], strict=True):
+            assert a == pytest.approx(b, rel=1e-5), name
+        params = merged(results)  # (each pp stage its own blocks; elsewhere every rank the whole model)
+        assert params.keys() == ref["params"].keys()
+        for n, p in ref["params"].items():
+            torch.testing.assert_close(params[n], p, rtol=1e-5, atol=PARAM_ATOL, msg=lambda m, n=n: f"{name} {n}: {m}")
 
 
 def test_bf16_routers_gather_in_fp32(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
