@@ -98,8 +98,7 @@ def test_ep2_worst_case_is_what_the_loaded_rank_holds(tmp_path: Path, corpus: Pa
     """The worst case `dist-llm memory` prints (every ep rank's routed rows on one rank) measured: a selection bias
     sends every token of both ranks to experts 0 and 1, both on rank 0 at ep=2, so rank 0's experts compute all
     2 x N*k rows a layer and rank 1's none (but a zero row). Rank 0's saved activations equal the worst-case figure and rank 1's
-    the balanced one less its routed rows, within the 1% of the other checks (measured: 1,292 bytes over 1.07 MB, the
-    uncounted 646 bytes a layer of the check at load)."""
+    the balanced one less its routed rows."""
     extra = {**MOE, "parallel__ep": 2, "train__max_steps": 1}
     ranks = run_distributed(_train_counting_rows, 2, tmp_path, corpus, extra, [9.0, 9.0, 0.0, 0.0],
                             init_group=False)
@@ -109,9 +108,11 @@ def test_ep2_worst_case_is_what_the_loaded_rank_holds(tmp_path: Path, corpus: Pa
     balanced = est.moe["received_rows_balanced"]
     # (rank 1's experts run one zero row, which keeps them in the graph: parallel/expert/dispatch.py)
     assert ranks[0]["received"] == [2 * balanced] * cfg.model.n_layer and ranks[1]["received"] == [1] * cfg.model.n_layer
-    assert ranks[0]["activation_bytes"] == pytest.approx(est.moe["activation_bytes_worst"], rel=0.01)
+    # rank 0 measured 1.2e-3 over (the 646 uncounted bytes a layer of the check at load); rank 1 4.4e-3 over (the
+    # same and its zero row's activations a layer, on a smaller total): each bound just above what was measured
+    assert ranks[0]["activation_bytes"] == pytest.approx(est.moe["activation_bytes_worst"], rel=2e-3)
     assert ranks[1]["activation_bytes"] == pytest.approx(
-        est.activation_bytes - est.moe["routed_activation_bytes_balanced"], rel=0.01)
+        est.activation_bytes - est.moe["routed_activation_bytes_balanced"], rel=6e-3)
 
 
 def _check_at_load(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, rel: float) -> None:  # noqa: F811

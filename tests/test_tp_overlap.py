@@ -103,3 +103,38 @@ def test_ring_overlap_equals_plain_and_one_process(tp: int) -> None:
         for a, b in zip(ring["grads"], r["ref_grads"]):
             # gradients of squares reach ~100: a few fp32 ulps of reordered sums there are ~1e-5 relative
             torch.testing.assert_close(a, b, rtol=5e-5, atol=1e-4)
+
+
+class _Done:
+    def wait(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_the_ring_keeps_two_pieces_alive(tp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever tp, at most two received pieces are alive when the ring posts a transfer (the one being computed on
+    and the one arriving): the point of the ring is never to hold the gathered (B, T, C). A caller that kept its
+    reference to the last piece while the ring allocated the next buffer held three at tp >= 4 (found in review)."""
+    import weakref
+
+    received: list[weakref.ref[torch.Tensor]] = []
+    alive_at_send: list[int] = []
+
+    def shift(send: list[torch.Tensor], recv: list[torch.Tensor], group: Any, stats: Any) -> _Done:
+        alive_at_send.append(sum(r() is not None for r in received) + 1)  # (+ the buffer being received into)
+        recv[0].copy_(send[0])  # (one process stands for the ring: what arrives is irrelevant here)
+        received.append(weakref.ref(recv[0]))
+        return _Done()
+
+    monkeypatch.setattr(comm, "group_size", lambda group: tp)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(comm, "ring_shift", shift)
+    x, w = torch.randn(2, 3, 8), torch.randn(5, 8)
+    with torch.no_grad():
+        overlap.ring_gather_linears(x, [(w, None)], None, None)
+        assert len(alive_at_send) == tp - 1 and max(alive_at_send) <= 2, alive_at_send
+        alive_at_send.clear()
+        received.clear()
+        overlap.ring_gather_row_backward(torch.randn(2, 3, 5), x.repeat(1, tp, 1), w, None, None, input_grad=True,
+                                         dtypes=(torch.float32, torch.float32))
+        assert len(alive_at_send) == tp - 1 and max(alive_at_send) <= 2, alive_at_send

@@ -26,6 +26,22 @@ def test_tensorboard_event_files_hold_the_losses(tmp_path: Path, corpus: Path) -
     assert "grad_norm" in events.Tags()["scalars"] and "tokens_per_s" in events.Tags()["scalars"]
 
 
+def test_tensorboard_gets_each_moe_layers_imbalance(tmp_path: Path) -> None:
+    """A flat list of numbers (moe_layer_imbalance: one per MoE layer) reaches TensorBoard as one scalar per item;
+    the nested per-expert counts stay in metrics.jsonl alone (hundreds of series at real sizes)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dist_llm.train.metrics import MetricsLog
+
+    log = MetricsLog(tmp_path / "metrics.jsonl", enabled=True, fresh=True, tensorboard_dir=tmp_path / "tb")
+    log.write({"step": 3, "loss": 2.5, "moe_layer_imbalance": [1.25, 2.0], "moe_tokens_per_expert": [[3, 1], [4, 0]]})
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert sorted(events.Tags()["scalars"]) == ["loss", "moe_layer_imbalance/0", "moe_layer_imbalance/1"]
+    assert [(e.step, e.value) for e in events.Scalars("moe_layer_imbalance/1")] == [(3, 2.0)]
+
+
 def test_wandb_offline_run_beside_the_metrics(tmp_path: Path, corpus: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811
     monkeypatch.setenv("WANDB_SILENT", "true")
     train(0, 1, tmp_path, corpus, {"train__wandb": "offline", "train__max_steps": 3})

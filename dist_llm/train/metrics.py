@@ -47,8 +47,10 @@ class MetricsLog:
         step = record.get("step")
         if step is None or record.get("event"):
             return
-        numbers = {k: float(v) for k, v in record.items()
-                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        numbers = {k: float(v) for k, v in record.items() if k != "step" and _number(v)}
+        for k, v in record.items():  # a flat list of numbers (moe_layer_imbalance: one per MoE layer) as k/0, k/1...
+            if isinstance(v, list) and v and all(_number(x) for x in v):
+                numbers.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
         if self._tb is not None:
             for k, v in numbers.items():
                 self._tb.add_scalar(k, v, step)
@@ -66,6 +68,10 @@ class MetricsLog:
         if self._wandb is not None:
             self._wandb.finish()
             self._wandb = None
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def truncate_after(path: Path, step: int) -> int:

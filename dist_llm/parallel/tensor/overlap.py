@@ -50,6 +50,7 @@ def ring_gather_linears(x: torch.Tensor, params: list[tuple[torch.Tensor, torch.
     for src, held in _ring_pieces(x, group, stats):
         for (w, b), out in zip(params, outs):
             out[:, src * s:(src + 1) * s] = F.linear(held, w, b)  # (B, T/tp, out_i)
+        del held  # (before the ring allocates the next piece's buffer: two pieces alive, not three)
     return tuple(outs)
 
 
@@ -57,7 +58,8 @@ def _ring_pieces(x: torch.Tensor, group: dist.ProcessGroup | None,
                  stats: comm.CommStats | None) -> Iterator[tuple[int, torch.Tensor]]:
     """(rank, that rank's piece) for every piece of the sequence-split x around the ring, this rank's first: while
     the caller works on a piece, it is already on its way to the next rank and the previous rank's is arriving.
-    Counted as the all-gather it replaces."""
+    Counted as the all-gather it replaces. The caller drops its reference to a piece before asking for the next
+    (else three pieces are alive at tp >= 4, not two) and runs the ring to its end (its peers wait for it)."""
     n, me = comm.group_size(group), dist.get_rank(group)
     held = x.contiguous()  # the piece of rank (me - k) % n at step k
     for k in range(n):
@@ -145,4 +147,5 @@ def ring_gather_row_backward(g: torch.Tensor, x: torch.Tensor | None, wc: torch.
         if x is not None:
             part = torch.tensordot(held, x[:, src * s:(src + 1) * s], dims=([0, 1], [0, 1])).float()  # (out, in/tp)
             gw = part if gw is None else gw.add_(part)
+        del held  # (as in ring_gather_linears)
     return (None if gx is None else gx.to(dtypes[0]), None if gw is None else gw.to(dtypes[1]))
