@@ -13,9 +13,9 @@ from dist_llm.train.metrics import imbalance_lines, plot_losses, plot_moe, read_
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-def _write(run: Path, moe: bool) -> Path:
+def _write(run: Path, moe: bool, blocks: list[int] | None = None) -> Path:
     run.mkdir()
-    lines = [{"event": "start", "step": 0, "n_params": 1000}]
+    lines = [{"event": "start", "step": 0, "n_params": 1000, **({"moe_blocks": blocks} if blocks else {})}]
     for step in range(1, 6):
         rec = {"step": step, "loss": 5.0 - 0.1 * step, "lr": 1e-3}
         if moe:  # the fields the trainer writes at log steps of an MoE run
@@ -56,6 +56,10 @@ def test_moe_plot_draws_each_layers_imbalance_and_the_max(tmp_path: Path, monkey
     assert plot_moe(path, tmp_path / "moe.png")
     assert drawn == [["MoE layer 0", "MoE layer 1", "MoE layer 2", "max over layers", "balanced"]]
     assert (tmp_path / "moe.png").read_bytes().startswith(PNG)
+    # the start record says which blocks the MoE layers are (model.moe_every=2 of 6 blocks: 1, 3, 5): labelled so
+    by_block = imbalance_lines(read_metrics(_write(tmp_path / "every2", moe=True, blocks=[1, 3, 5])))
+    assert list(by_block) == ["block 1", "block 3", "block 5", "max over layers"]
+    assert by_block["block 1"] == lines["MoE layer 0"]
     # a run logged before the per-layer field: the max alone, as before
     old = [{"step": 1, "loss": 5.0, "moe_imbalance": 2.5}]
     assert imbalance_lines(old) == {"max over layers": {1: 2.5}}

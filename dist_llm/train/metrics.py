@@ -135,15 +135,20 @@ MOE_PLOT = "moe.png"
 
 
 def imbalance_lines(records: list[dict[str, Any]]) -> dict[str, dict[int, float]]:
-    """The imbalance curves of moe.png, label -> {step: value}: "MoE layer i" for each MoE layer in block order
-    (`moe_layer_imbalance`; a run logged before that field has none), then "max over layers" (`moe_imbalance`).
-    A resumed run's records override the earlier run's at the same step."""
+    """The imbalance curves of moe.png, label -> {step: value}: "block b" for each MoE layer in block order
+    (`moe_layer_imbalance`, its blocks from the start record's `moe_blocks`; "MoE layer i", the i-th MoE layer, where
+    a run logged before that field), then "max over layers" (`moe_imbalance`). A resumed run's records override the
+    earlier run's at the same step."""
     lines: dict[str, dict[int, float]] = {}
     worst: dict[int, float] = {}
+    blocks: list[int] = []
     for rec in records:
+        if rec.get("event") == "start":
+            blocks = rec.get("moe_blocks") or []
         for i, value in enumerate(rec.get("moe_layer_imbalance") or []):
             if math.isfinite(value):
-                lines.setdefault(f"MoE layer {i}", {})[rec["step"]] = value
+                label = f"block {blocks[i]}" if i < len(blocks) else f"MoE layer {i}"
+                lines.setdefault(label, {})[rec["step"]] = value
         if "moe_imbalance" in rec and math.isfinite(rec["moe_imbalance"]):
             worst[rec["step"]] = rec["moe_imbalance"]
     return {**lines, "max over layers": worst} if worst else lines

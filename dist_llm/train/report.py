@@ -113,7 +113,9 @@ def build_report(run_dir: Path) -> str:
     lines = [f"# Run report: {cfg.name}", "",
              "## Layout", "",
              f"- world size {layout.get('world_size', '?')}: dp {layout.get('dp', '?')} x tp {layout.get('tp', '?')} x "
-             f"pp {layout.get('pp', '?')} (mesh order dp, pp, tp), zero_stage {p.zero_stage}, backend {p.backend}"
+             f"pp {layout.get('pp', '?')} (mesh order dp, pp, tp)"
+             + (f", ep {layout['ep']} (experts split over ep of the dp ranks)" if "ep" in layout else "")
+             + f", zero_stage {p.zero_stage}, backend {p.backend}"
              + (f", {p.pp_schedule} schedule" if p.pp > 1 else "")
              + (", sequence parallel" if p.sequence_parallel else ""),
              f"- device {start.get('device', '?')}, precision {t.precision}, activation checkpointing "

@@ -356,6 +356,8 @@ class Trainer:
     def header(self) -> dict[str, Any]:
         return {"event": "start", "step": self.step, "n_params": self.n_params, "n_active_params": self.n_active_params,
                 "layout": self._layout(), "device": str(self.device), "precision": self.cfg.train.precision,
+                **({"moe_blocks": [i for i in range(self.cfg.model.n_layer) if self.cfg.model.is_moe_block(i)]}
+                   if self.cfg.model.n_experts else {}),  # (which block each moe_layer_imbalance entry is)
                 "global_batch_size": self.cfg.train.global_batch_size, "micro_batch_size": self.cfg.train.micro_batch_size,
                 "accum_steps": self.accum_steps, "block_size": self.cfg.model.block_size,
                 "resumed_from": str(self.resumed_from) if self.resumed_from else None,
