@@ -47,9 +47,11 @@ class MetricsLog:
         step = record.get("step")
         if step is None or record.get("event"):
             return
-        numbers = {k: float(v) for k, v in record.items() if k != "step" and _number(v)}
-        for k, v in record.items():  # a flat list of numbers (moe_layer_imbalance: one per MoE layer) as k/0, k/1...
-            if isinstance(v, list) and v and all(_number(x) for x in v):
+        numbers: dict[str, float] = {}
+        for k, v in record.items():
+            if k != "step" and _number(v):
+                numbers[k] = float(v)
+            elif isinstance(v, list) and v and all(_number(x) for x in v):  # (moe_layer_imbalance: k/0, k/1, ...)
                 numbers.update({f"{k}/{i}": float(x) for i, x in enumerate(v)})
         if self._tb is not None:
             for k, v in numbers.items():
