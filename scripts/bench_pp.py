@@ -86,6 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--exchange-cost", choices=["measured", "latency"], default="measured",
                    help="what an exchange costs in the predicted and replayed figures: what this run's exchanges of "
                         "each size took beyond the rendezvous (measured), or the ping-pong latency of one activation")
+    p.add_argument("--until-decided", action="store_true",
+                   help="after --steps rounds, take more rounds at each m until every margin's verdict is met or "
+                        "not met, or --max-minutes runs out")
+    p.add_argument("--max-minutes", type=float, default=10.0,
+                   help="with --until-decided: the worker's time budget per --pp value (the m values share what is "
+                        "left in turn)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # set when started under torchrun
     return p.parse_args(argv)
@@ -104,9 +110,14 @@ def worker(args: argparse.Namespace) -> None:
         for m in set(args.micro_batches) | ({1} if v == 1 else set()):
             if v == 1 or m % pp == 0:
                 runs_of.setdefault(m, []).append((schedule, v))
+    deadline = time.perf_counter() + 60 * args.max_minutes  # (--until-decided)
+    judged = [m for m in sorted(runs_of) if m in args.micro_batches]  # (m=1 is only the memory's unit)
     with tempfile.TemporaryDirectory() as tmp:
         for m in sorted(runs_of):
-            rows += measure(args, runs_of[m], m, pp, Path(tmp))
+            # each judged m may use its share of the time left: one decided early leaves its time to the next
+            now = time.perf_counter()
+            until = now + ((deadline - now) / (len(judged) - judged.index(m)) if m in judged else 0.0)
+            rows += measure(args, runs_of[m], m, pp, Path(tmp), until=until)
             gc.collect()  # (the trainers of this m)
     if int(os.environ["RANK"]) == 0:
         args.worker.write_text(json.dumps(rows))
@@ -114,16 +125,42 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, pp: int,
-            tmp: Path) -> list[dict[str, Any]]:
+            tmp: Path, *, until: float = 0.0) -> list[dict[str, Any]]:
     """Every schedule at this m built and warmed up, then their timed steps taken in turn (round robin, unless
     --sequential): a load that comes and goes on a shared machine falls on each schedule alike, so their ratios
-    hold better than the figures."""
+    hold better than the figures, and step i of each schedule is a pair with step i of 1F1B. With
+    --until-decided, more rounds until every margin's verdict is decided or the next round would end after `until`
+    (a time.perf_counter() reading)."""
+    import torch
+
     runs = [Run(args, schedule, v, m, pp, tmp) for schedule, v in schedules]
     latency = p2p_latency((args.micro_batch, args.seq, args.width))  # one activation's trip between two stages
+    if not args.sequential:
+        # one untimed round in turn: a schedule's first step after the others' faults in its memory again (~12k
+        # pages), an outlier that a median left out but a mean over the pairs would not
+        for run in runs:
+            run.trainer.train_step()
+    began = time.perf_counter()
     for run in runs if args.sequential else [None]:
         for _ in range(args.steps):
             for r in [run] if run is not None else runs:
                 r.timed_step()
+    if args.until_decided and m in args.micro_batches:
+        from pp_stats import undecided
+
+        round_s = (time.perf_counter() - began) / max(1, args.steps)
+        while True:
+            go_on = torch.tensor([0], dtype=torch.int64)
+            if int(os.environ["RANK"]) == 0 and time.perf_counter() + round_s < until:
+                rows = [run.row(latency, args.exchange_cost) for run in runs]
+                go_on[0] = int(bool(undecided(rows, args.predict)))
+            torch.distributed.broadcast(go_on, src=0)  # (rank 0's clock and rows decide for every stage)
+            if not go_on.item():
+                break
+            start = time.perf_counter()
+            for r in runs:
+                r.timed_step()
+            round_s = time.perf_counter() - start
     return [run.row(latency, args.exchange_cost) for run in runs]
 
 
@@ -221,6 +258,8 @@ class Run:
                 "measured_prediction": [round(1 - b / (pred_span + post), 4) for b in pred_busy],
                 "predicted_step_s": pred_span + post, "action_s": costs, "breakdown": parts,
                 "replayed": [statistics.median(r[i] for r in replayed) for i in range(pp)],
+                # per timed step, every stage's figure: the margins' pairs (pp_stats)
+                "idle_fraction_steps": [t["pp_idle_fraction"] for t in self.times], "replayed_steps": replayed,
                 "p2p_latency_s": latency, "exchange_s": {str(n): c for n, c in per_size.items()},
                 "exchange_count": {str(n): len(x) // (len(self.exchanges) * pp) for n, x in sorted(excess.items())},
                 "threads": torch.get_num_threads(),
@@ -371,36 +410,16 @@ def actions(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     return "\n".join(lines)
 
 
-def margins(rows: list[dict[str, Any]], wanted: list[int], predict: str) -> str:
-    """Issue 20's target: each schedule's idle (mean of the stages) below 1F1B's at the same m, measured against
-    the prediction (measured: the simulator run on this run's per-action seconds and p2p latency; units: F 1,
-    B 2, W 1), and the ratio measured / predicted (target 0.8-1.2). Step seconds beside: a schedule can idle
-    less only because its actions got slower."""
-    mean = statistics.fmean
-    base = {r["m"]: r for r in rows if r["schedule"] == "1f1b"}
-    key = "measured_prediction" if predict == "measured" else "predicted_idle_fraction"
-    head = (f"{'schedule':>15} {'m':>3}  {'idle':>6} {'1f1b':>6} {'margin':>7} {'predicted':>9} {'ratio':>6}  "
-            f"{'units':>6} {'ratio':>6}  {'step s':>7} {'1f1b s':>7}")
-    lines = [f"margin over 1F1B at the same m (idle fraction, mean of the stages; ratio against the {predict} "
-             "prediction, target within 20%)", head, "-" * len(head)]
-    for r in rows:
-        b = base.get(r["m"])
-        if r["m"] not in wanted or b is None or r["schedule"] in ("1f1b", "gpipe"):
-            continue
-        got = mean(b["idle_fraction"]) - mean(r["idle_fraction"])
-        pred = mean(b[key]) - mean(r[key])
-        units = mean(b["predicted_idle_fraction"]) - mean(r["predicted_idle_fraction"])
-        lines.append(f"{_name(r):>15} {r['m']:>3}  {mean(r['idle_fraction']):6.3f} {mean(b['idle_fraction']):6.3f} "
-                     f"{got:7.3f} {pred:9.3f} {got / pred if pred else float('nan'):6.2f}  {units:6.3f} "
-                     f"{got / units if units else float('nan'):6.2f}  {r['step_s']:7.3f} {b['step_s']:7.3f}")
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
         worker(args)
         return
+    if args.until_decided and (args.sequential or "1f1b" not in args.schedules
+                               or not {"zb1", "interleaved"} & set(args.schedules)):
+        sys.exit("bench_pp: --until-decided needs 1f1b and zb1 or interleaved in --schedules, and no --sequential "
+                 "(it judges margins over 1F1B from steps taken in turn)")
+    from pp_stats import RatioCI, margin_stats, margins_table
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     every: list[dict[str, Any]] = []
     for pp in args.pp:
@@ -419,7 +438,13 @@ def main(argv: list[str] | None = None) -> None:
               f"{1e3 * rows[0]['p2p_latency_s']:.2f} ms (one activation, ranks 0-1)")
         print(table(rows, pp, args.micro_batches))
         print(actions(rows, pp, args.micro_batches))
-        print(margins(rows, args.micro_batches, args.predict))
+        print(margins_table(rows, args.micro_batches, args.predict))
+        if args.sequential:
+            print("(--sequential: a pair's two steps were not taken side by side, so load that came and went does "
+                  "not cancel in its margin)")
+        for e in margin_stats(rows, args.predict):  # (the JSON's rows carry their margin's figures)
+            row = next(r for r in rows if (r["schedule"], r["m"]) == (e["schedule"], e["m"]))
+            row["margin_vs_1f1b"] = {k: (v.__dict__ if isinstance(v, RatioCI) else v) for k, v in e.items()}
         every += rows
     if args.json:
         args.json.write_text(json.dumps(every, indent=1))
