@@ -4,14 +4,15 @@ for GPipe, 1F1B, ZB-H1 (zb1) and interleaved 1F1B.
     python scripts/bench_pp.py [--pp 2 4] [--micro-batches 4 8 16] [--schedules gpipe 1f1b [zb1] [interleaved]]
                                [--virtual 2] [--layers 8] [--width 256] [--seq 128] [--micro-batch 2] [--steps 3]
                                [--threads N] [--predict measured|units] [--exchange-cost measured|latency]
-                               [--json PATH]
+                               [--until-decided [--max-minutes 10]] [--json PATH]
 
 What it measures, through dist_llm's Trainer (fp32, dp=1, tp=1, one process per stage, cores // stages torch
 threads each unless --threads: one on a 2-core machine at p=2):
   busy / idle     per stage, the seconds of a step it spent in forward, backward (B, W) actions and the rest
                   (`Trainer.pipeline_times()`, the stage clock metrics.jsonl carries as pp_busy_s/pp_idle_s), the
-                  median over --steps timed steps after two warm-up steps (the schedules at one m built together
-                  and their steps taken in turn, unless --sequential), beside three figures of the simulator
+                  median over --steps timed steps after two warm-up steps (the schedules at one m built together,
+                  one untimed round of their steps in turn, then their timed steps in turn, unless --sequential),
+                  beside three figures of the simulator
                   (schedule.simulate, the same plans, sends that wait for their receive):
                   simulated  unit costs: a backward twice a forward, W half of it, chunks 1/v of a stage (and the
                              closed form beside: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
@@ -25,11 +26,26 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              real action and exchange times;
                   replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
                              waiting that means hide), median over the steps.
-                  Then where each stage's idle went (in exchanges, after its last action, executor overhead), the
-                  seconds per action, and the issue-20 margins: each schedule's idle (mean of the stages) below
-                  1F1B's at the same m, measured against the predicted (--predict measured) or simulated
-                  (--predict units) margin, with the step seconds (a schedule can idle less only because its
-                  actions got slower).
+                  Then where each stage's idle went (in exchanges, after its last action, executor overhead) and the
+                  seconds per action.
+  margins         issue 20's target (scripts/pp_stats.py): each schedule's idle (mean of the stages) below 1F1B's at
+                  the same m, per pair of timed steps (step i of the schedule and step i of 1F1B, taken one after
+                  the other), the mean over the pairs with its 95% t interval; beside it the replayed margin of the
+                  same pairs, the predicted one (means: one figure) and the simulated one (units), each with the
+                  ratio measured / predicted and its 95% interval (Fieller's: the ratios the paired t-test does
+                  not reject; unbounded when the prediction is not clearly away from zero), and the step seconds
+                  (a schedule can idle less only because its actions got slower). The verdict, from the ratio to
+                  the replayed margin (--predict measured: the simulator on the same two steps' own action
+                  seconds, so the jitter that moves a measured pair moves its prediction too and the pairs'
+                  covariance narrows the interval; the means-based figure is one number whose own uncertainty its
+                  interval leaves out) or to the unit-cost one (--predict units): "met" when the interval lies
+                  inside [0.8, 1.2], "not met" when it misses it, "undecided" otherwise; and how many pairs would
+                  make the interval +-0.2 (what decides a ratio of 1) or decide at the current estimate, with the
+                  minutes those rounds take. --until-decided adds rounds at each m until every verdict is met or
+                  not met on 99% intervals with at least 10 pairs (it looks again and again: 95% would stop on a
+                  wrong decision too often), within --max-minutes of the worker (per --pp value; each m may use its
+                  share of what is left, so one decided early leaves its time to the next). With --sequential a pair's two steps
+                  are not side by side and load that comes and goes does not cancel in its margin.
   p2p latency     half the median round trip of one activation between ranks 0 and 1 (batch_isend_irecv, gloo).
   activations     the most bytes autograd held saved for backward on the first stage during the first step
                   (saved_tensors_hooks, each storage once, parameters and buffers left out), and that figure in
@@ -88,7 +104,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "each size took beyond the rendezvous (measured), or the ping-pong latency of one activation")
     p.add_argument("--until-decided", action="store_true",
                    help="after --steps rounds, take more rounds at each m until every margin's verdict is met or "
-                        "not met, or --max-minutes runs out")
+                        "not met (on 99%% intervals, 10 pairs at least), or --max-minutes runs out")
     p.add_argument("--max-minutes", type=float, default=10.0,
                    help="with --until-decided: the worker's time budget per --pp value (the m values share what is "
                         "left in turn)")
@@ -149,18 +165,21 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
         from pp_stats import undecided
 
         round_s = (time.perf_counter() - began) / max(1, args.steps)
+        pairs, check_at, still = args.steps, args.steps, True
         while True:
             go_on = torch.tensor([0], dtype=torch.int64)
             if int(os.environ["RANK"]) == 0 and time.perf_counter() + round_s < until:
-                rows = [run.row(latency, args.exchange_cost) for run in runs]
-                go_on[0] = int(bool(undecided(rows, args.predict)))
+                if pairs >= check_at:  # (a check replays every step so far: every tenth more rounds, not each)
+                    rows = [run.row(latency, args.exchange_cost) for run in runs]
+                    still, check_at = bool(undecided(rows, args.predict)), pairs + max(1, pairs // 10)
+                go_on[0] = int(still)
             torch.distributed.broadcast(go_on, src=0)  # (rank 0's clock and rows decide for every stage)
             if not go_on.item():
                 break
             start = time.perf_counter()
             for r in runs:
                 r.timed_step()
-            round_s = time.perf_counter() - start
+            round_s, pairs = time.perf_counter() - start, pairs + 1
     return [run.row(latency, args.exchange_cost) for run in runs]
 
 

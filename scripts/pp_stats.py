@@ -172,12 +172,12 @@ def pair_margins(base: dict[str, Any], row: dict[str, Any], key: str) -> list[fl
     return [mean(x) - mean(y) for x, y in zip(base[key], row[key])]
 
 
-def margin_stats(rows: list[dict[str, Any]], predict: str = "measured") -> list[dict[str, Any]]:
+def margin_stats(rows: list[dict[str, Any]], predict: str = "measured", level: float = LEVEL) -> list[dict[str, Any]]:
     """One entry per (schedule, m) other than GPipe and 1F1B, against 1F1B at the same m: the measured margin with
     its t interval; the replayed (per-step), predicted (means) and unit-cost margins; each one's ratio set; and
     the verdict against the replayed margin (--predict measured: the simulator run on the same two steps' own
     action seconds, so a step's jitter moves the prediction with the measurement) or the unit-cost one
-    (--predict units)."""
+    (--predict units). The intervals and the verdict at `level`; the pairs needed at 95%."""
     mean = statistics.fmean
     base = {r["m"]: r for r in rows if r["schedule"] == "1f1b"}
     out = []
@@ -197,11 +197,11 @@ def margin_stats(rows: list[dict[str, Any]], predict: str = "measured") -> list[
             e["verdict"] = "undecided"
             out.append(e)
             continue
-        e["margin"] = mean_ci(got)
-        e["replayed"] = mean_ci(replayed)
-        e["ratio_replayed"] = fieller(got, replayed)
-        e["ratio_predicted"] = fieller(got, [predicted] * len(got))
-        e["ratio_units"] = fieller(got, [units] * len(got))
+        e["margin"] = mean_ci(got, level)
+        e["replayed"] = mean_ci(replayed, level)
+        e["ratio_replayed"] = fieller(got, replayed, level)
+        e["ratio_predicted"] = fieller(got, [predicted] * len(got), level)
+        e["ratio_units"] = fieller(got, [units] * len(got), level)
         judged = replayed if predict == "measured" else [units] * len(got)
         ci = e["ratio_replayed"] if predict == "measured" else e["ratio_units"]
         e["verdict"] = verdict(ci)
@@ -211,9 +211,18 @@ def margin_stats(rows: list[dict[str, Any]], predict: str = "measured") -> list[
     return out
 
 
-def undecided(rows: list[dict[str, Any]], predict: str) -> list[str]:
-    """The (schedule, m) whose verdict is still undecided."""
-    return [f"{e['schedule']} m={e['m']}" for e in margin_stats(rows, predict) if e["verdict"] == "undecided"]
+#: --until-decided looks again and again and stops at the first decision, which a 95% interval at every look
+#: would reach wrongly far more often than 5% of the time: it stops on 99% intervals (about Pocock's per-look level
+#: for 20 looks at 5% overall) and not before MIN_PAIRS pairs (a t interval on a handful of jittery steps is
+#: fragile). A decision at 99% is one at 95% too: the printed verdict agrees.
+STOP_LEVEL = 0.99
+MIN_PAIRS = 10
+
+
+def undecided(rows: list[dict[str, Any]], predict: str, level: float = STOP_LEVEL) -> list[str]:
+    """The (schedule, m) whose verdict is not yet decided at `level` with MIN_PAIRS pairs."""
+    return [f"{e['schedule']} m={e['m']}" for e in margin_stats(rows, predict, level)
+            if e["verdict"] == "undecided" or e["pairs"] < MIN_PAIRS]
 
 
 def _pairs(n: int | None, round_s: float) -> str:

@@ -129,3 +129,22 @@ def test_margin_stats_pairs_step_i_with_step_i() -> None:
     assert u["verdict"] == "undecided" and u["ratio_units"].lo == pytest.approx(1 - 4.302653 * 0.2 / math.sqrt(3))
     assert pp_stats.undecided([base, zb1], "units") == ["zb1 m=4"]
     assert "met" in pp_stats.margins_table([base, zb1], [4], "measured")
+
+
+def test_until_decided_stops_on_99_percent_and_ten_pairs() -> None:
+    """Margins 0.05 +- 0.0114 (sd 0.01202) over 10 pairs against a constant 0.05 (--predict units): the ratio's
+    half-width is 2.262 * 0.01202 / sqrt(10) / 0.05 = 0.172 at 95% (met), 3.250 * ... = 0.247 at 99% (not yet)."""
+    got = [0.05 + (0.0114 if i % 2 else -0.0114) for i in range(10)]
+    base = _row("1f1b", [[0.2, 0.2]] * 10, [[0.2, 0.2]] * 10)
+    zb1 = _row("zb1", [[0.2 - g, 0.2 - g] for g in got], [[0.2 - g, 0.2 - g] for g in got])
+    (e,) = pp_stats.margin_stats([base, zb1], "units")
+    ci = e["ratio_units"]
+    assert e["verdict"] == "met" and ci.hi - 1 == pytest.approx(2.262157 * statistics.stdev(got) / math.sqrt(10) / 0.05)
+    assert pp_stats.undecided([base, zb1], "units") == ["zb1 m=4"]
+    assert pp_stats.undecided([base, zb1], "units", level=0.95) == []
+    # 9 pairs of half that spread: decided even at 99%, but fewer than MIN_PAIRS: not done
+    got = [0.05, *([0.045, 0.055] * 4)]
+    short = [_row("1f1b", [[0.2, 0.2]] * 9, [[0.2, 0.2]] * 9),
+             _row("zb1", [[0.2 - g, 0.2 - g] for g in got], [[0.2 - g, 0.2 - g] for g in got])]
+    assert pp_stats.margin_stats(short, "units", level=0.99)[0]["verdict"] == "met"
+    assert pp_stats.undecided(short, "units") == ["zb1 m=4"]
