@@ -147,8 +147,6 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
     hold better than the figures, and step i of each schedule is a pair with step i of 1F1B. With
     --until-decided, more rounds until every margin's verdict is decided or the next round would end after `until`
     (a time.perf_counter() reading)."""
-    import torch
-
     runs = [Run(args, schedule, v, m, pp, tmp) for schedule, v in schedules]
     latency = p2p_latency((args.micro_batch, args.seq, args.width))  # one activation's trip between two stages
     if not args.sequential:
@@ -162,25 +160,37 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
             for r in [run] if run is not None else runs:
                 r.timed_step()
     if args.until_decided and m in args.micro_batches:
-        from pp_stats import undecided
-
-        round_s = (time.perf_counter() - began) / max(1, args.steps)
-        pairs, check_at, still = args.steps, args.steps, True
-        while True:
-            go_on = torch.tensor([0], dtype=torch.int64)
-            if int(os.environ["RANK"]) == 0 and time.perf_counter() + round_s < until:
-                if pairs >= check_at:  # (a check replays every step so far: every tenth more rounds, not each)
-                    rows = [run.row(latency, args.exchange_cost) for run in runs]
-                    still, check_at = bool(undecided(rows, args.predict)), pairs + max(1, pairs // 10)
-                go_on[0] = int(still)
-            torch.distributed.broadcast(go_on, src=0)  # (rank 0's clock and rows decide for every stage)
-            if not go_on.item():
-                break
-            start = time.perf_counter()
-            for r in runs:
-                r.timed_step()
-            round_s, pairs = time.perf_counter() - start, pairs + 1
+        more_rounds(args, runs, m, latency, until, round_s=(time.perf_counter() - began) / max(1, args.steps))
     return [run.row(latency, args.exchange_cost) for run in runs]
+
+
+def more_rounds(args: argparse.Namespace, runs: list[Run], m: int, latency: float, until: float, *,
+                round_s: float) -> None:
+    """--until-decided: rounds of timed steps in turn until pp_stats.undecided() names none of this m's margins,
+    or the next round would end after `until`. Rank 0 decides (its clock, its rows) and tells every stage."""
+    import torch
+
+    from pp_stats import undecided
+
+    pairs, check_at, left = args.steps, args.steps, ["?"]
+    while True:
+        go_on = torch.tensor([0], dtype=torch.int64)
+        if int(os.environ["RANK"]) == 0:
+            if pairs >= check_at:  # (a check replays every step so far: after every tenth more rounds, not each)
+                left = undecided([run.row(latency, args.exchange_cost) for run in runs], args.predict)
+                check_at = pairs + max(1, pairs // 10)
+                print(f"bench_pp: m={m}, {pairs} pairs, undecided: {', '.join(left) or 'none'}", file=sys.stderr,
+                      flush=True)  # (the progress of a long run)
+            go_on[0] = int(bool(left) and time.perf_counter() + round_s < until)
+            if left and not go_on.item():
+                print(f"bench_pp: m={m}, time's up at {pairs} pairs", file=sys.stderr, flush=True)
+        torch.distributed.broadcast(go_on, src=0)
+        if not go_on.item():
+            return
+        start = time.perf_counter()
+        for r in runs:
+            r.timed_step()
+        round_s, pairs = time.perf_counter() - start, pairs + 1
 
 
 class Run:
