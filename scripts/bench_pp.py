@@ -42,10 +42,11 @@ threads each unless --threads: one on a 2-core machine at p=2):
                   inside [0.8, 1.2], "not met" when it misses it, "undecided" otherwise; and how many pairs would
                   make the interval +-0.2 (what decides a ratio of 1) or decide at the current estimate, with the
                   minutes those rounds take. --until-decided adds rounds at each m until every verdict is met or
-                  not met on 99% intervals with at least 10 pairs (it looks again and again: 95% would stop on a
-                  wrong decision too often), within --max-minutes of the worker (per --pp value; each m may use its
-                  share of what is left, so one decided early leaves its time to the next). With --sequential a pair's two steps
-                  are not side by side and load that comes and goes does not cancel in its margin.
+                  not met on 99% intervals with at least 10 pairs (it looks again and again: at 95% a ratio on the
+                  target's edge would be decided wrongly in 13-21% of runs, pp_stats.STOP_LEVEL), within
+                  --max-minutes of the worker (per --pp value; each m may use its share of what is left, so one
+                  decided early leaves its time to the next). With --sequential a pair's two steps are not side by
+                  side and load that comes and goes does not cancel in its margin.
   p2p latency     half the median round trip of one activation between ranks 0 and 1 (batch_isend_irecv, gloo).
   activations     the most bytes autograd held saved for backward on the first stage during the first step
                   (saved_tensors_hooks, each storage once, parameters and buffers left out), and that figure in

@@ -14,6 +14,7 @@ The statistics, for n pairs (a_i measured margin, b_i predicted margin):
               interval is then exactly the margin's t interval divided by it.
   verdict     "met" when the ratio's set lies inside [0.8, 1.2] (issue 20: within 20% of the predicted margin),
               "not met" when it misses [0.8, 1.2] entirely, "undecided" otherwise.
+  stopping    bench_pp --until-decided stops on 99% intervals and MIN_PAIRS pairs at least (STOP_LEVEL says why).
 """
 
 from __future__ import annotations
@@ -211,10 +212,12 @@ def margin_stats(rows: list[dict[str, Any]], predict: str = "measured", level: f
     return out
 
 
-#: --until-decided looks again and again and stops at the first decision, which a 95% interval at every look
-#: would reach wrongly far more often than 5% of the time: it stops on 99% intervals (about Pocock's per-look level
-#: for 20 looks at 5% overall) and not before MIN_PAIRS pairs (a t interval on a handful of jittery steps is
-#: fragile). A decision at 99% is one at 95% too: the printed verdict agrees.
+#: --until-decided looks again and again (after every tenth more pairs) and stops at the first decision. A ratio
+#: exactly at 0.8 or 1.2 (the worst case; the test at the boundary is the paired t-test of a_i - 1.2 b_i) is then
+#: decided wrongly in 13-21% of runs with 95% intervals at every look, from 10 pairs up to 100-1600, against 2.5%
+#: for one look; with 99% intervals in 3.4-6% (simulated: normal pairs, 10,000 runs). So it stops on 99% intervals,
+#: and not before MIN_PAIRS pairs (a t interval on a handful of jittery steps is fragile). A decision at 99% is one
+#: at 95% too: the printed verdict agrees.
 STOP_LEVEL = 0.99
 MIN_PAIRS = 10
 
