@@ -280,15 +280,46 @@ def test_no_import_circles() -> None:
         visit(m, [])
 
 
-@pytest.mark.parametrize("first", ["dist_llm.hf", "dist_llm.train.init_from", "dist_llm.sample",
-                                   "dist_llm.train.trainer", "dist_llm.convert", "dist_llm.cli"])
-def test_each_module_imports_first_in_a_fresh_interpreter(first: str) -> None:
+FIRSTS = ["dist_llm.hf", "dist_llm.train.init_from", "dist_llm.sample", "dist_llm.train.trainer", "dist_llm.convert",
+          "dist_llm.cli"]
+LOOP = ["dist_llm.train.trainer", "dist_llm.train.init_from", "dist_llm.hf", "dist_llm.sample", "dist_llm.convert"]
+# One fresh interpreter for all the orders: between them every dist_llm module leaves sys.modules, so each order
+# imports our modules from nothing while torch and the other libraries stay loaded (an import circle among our
+# modules fails the same way; six interpreters cost six imports of torch, ~30 s of the suite on 2 cores).
+_EACH_FIRST = """
+import importlib, sys
+for first in {firsts!r}:
+    for name in [n for n in sys.modules if n == "dist_llm" or n.startswith("dist_llm.")]:
+        del sys.modules[name]
+    try:
+        for name in [first, *[m for m in {loop!r} if m != first]]:
+            importlib.import_module(name)
+    except Exception as e:
+        sys.exit(f"{{first}} first: {{type(e).__name__}}: {{e}}")
+"""
+
+
+def each_first_in_a_fresh_interpreter(firsts: list[str], loop: list[str], root: Path = REPO) -> subprocess.CompletedProcess:
+    code = _EACH_FIRST.format(firsts=firsts, loop=loop)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)}, check=False)
+
+
+def test_each_module_imports_first_in_a_fresh_interpreter() -> None:
     """The old loop's members, each imported first by a fresh interpreter, then the rest of the loop."""
-    loop = ["dist_llm.train.trainer", "dist_llm.train.init_from", "dist_llm.hf", "dist_llm.sample", "dist_llm.convert"]
-    code = "; ".join(f"import {m}" for m in [first, *[m for m in loop if m != first]])
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
+    proc = each_first_in_a_fresh_interpreter(FIRSTS, LOOP)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_an_import_circle_fails_the_fresh_interpreter_check(tmp_path: Path) -> None:
+    """The check above can fail: two modules importing a name from each other at their top, each first in turn."""
+    pkg = tmp_path / "dist_llm"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("from dist_llm.b import B\nA = 1\n")
+    (pkg / "b.py").write_text("from dist_llm.a import A\nB = 2\n")
+    proc = each_first_in_a_fresh_interpreter(["dist_llm.b", "dist_llm.a"], ["dist_llm.a", "dist_llm.b"], tmp_path)
+    assert proc.returncode == 1 and "dist_llm.b first: ImportError" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("base", ["random", "ckpt"])
