@@ -21,6 +21,7 @@ def tiny_overrides(out_dir: Path, **extra: object) -> list[str]:
         "model.n_layer": 2, "model.n_head": 4, "model.n_embd": 32, "model.block_size": 32,
         "train.micro_batch_size": 4, "train.global_batch_size": 8, "train.max_steps": 20,
         "train.log_interval": 1, "train.eval_interval": 10, "train.eval_steps": 2,
+        "train.plot": False,  # (matplotlib: half a second a run; the tests of the plots ask for them)
         "train.out_dir": str(out_dir), "optim.warmup_steps": 5,
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})

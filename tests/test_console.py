@@ -152,7 +152,8 @@ def test_two_ranks_print_one_bar_val_loss_once_a_summary_and_log_every_step(tmp_
     on a line of their own, once; the summary once at the end; each rank's log has every log step's line."""
     out = tmp_path / "run"
     code, shown = run_in_terminal(["train", "--nproc-per-node", "2", *tiny_overrides(
-        out, model__n_layer=1, parallel__dp=2, train__max_steps=4, train__log_interval=2, train__eval_interval=2)])
+        out, model__n_layer=1, parallel__dp=2, train__max_steps=4, train__log_interval=2, train__eval_interval=2,
+        train__plot=True)])
     assert code == 0, shown[-3000:]
     summary = ["finished at step 4 of 4: train loss", "wall time ", "checkpoints:", "report:", "loss plot:", "sample:"]
     messages = ["attention: SDPA", "starting fresh", "dist_llm |", "data parallel:", "memory on rank 0",

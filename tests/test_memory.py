@@ -206,9 +206,10 @@ def test_offload_moves_model_states_off_the_device(tmp_path: Path) -> None:
 
 
 def test_run_writes_report_and_report_rebuilds_it(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    train(0, 1, tmp_path, corpus, {"train__max_steps": 3})
+    train(0, 1, tmp_path, corpus, {"train__max_steps": 3, "train__plot": True})
     report = (tmp_path / "report.md").read_text()
     assert "| model states |" in report and "tokens/s" in report and "![loss](loss.png)" in report
+    assert (tmp_path / "loss.png").is_file()
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     mem = next(r for r in records if r.get("event") == "memory")
     assert mem["predicted"]["model_states_bytes"] == mem["measured"]["model_states_bytes"]

@@ -75,3 +75,17 @@ def test_report_links_the_moe_plot_only_for_an_moe_run(tmp_path: Path) -> None:
         (path.parent / "config.yaml").write_text(load_config(None, [f"train.out_dir={path.parent}"]).to_yaml())
         report = write_report(path.parent).read_text()
         assert ("![expert load](moe.png)" in report) is moe
+
+
+def test_train_plot_false_draws_nothing_and_the_report_links_no_image(tmp_path: Path, corpus_file: Path) -> None:
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus_file), train__max_steps=2,
+                                           model__n_experts=4, model__moe_top_k=2, train__plot=False))
+    Trainer(cfg, ParallelContext.from_config(cfg)).fit()
+    assert not (tmp_path / "loss.png").exists() and not (tmp_path / "moe.png").exists()
+    report = (tmp_path / "report.md").read_text()
+    assert "| model states |" in report and "![" not in report

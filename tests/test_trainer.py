@@ -36,7 +36,7 @@ def losses(out_dir: Path) -> dict[int, float]:
 
 def test_outputs(tmp_path: Path, corpus_file: Path) -> None:
     out = tmp_path / "run"
-    last = make_trainer(out, corpus_file, train__max_steps=10, train__eval_interval=5).fit()
+    last = make_trainer(out, corpus_file, train__max_steps=10, train__eval_interval=5, train__plot=True).fit()
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     header = records[0]
     assert header["n_params"] > 0 and header["layout"] == {"world_size": 1, "dp": 1, "tp": 1, "pp": 1}

@@ -161,9 +161,10 @@ def build_report(run_dir: Path) -> str:
                                                             or "none"))
         lines.append(f"- last training loss {last['loss']:.4f}" + (f", validation loss {val[-1]['val_loss']:.4f} at step "
                                                                   f"{val[-1]['step']}" if val else ""))
-    lines += ["", "## Loss", "", "![loss](loss.png)", ""]
-    if any("moe_imbalance" in r for r in train):
-        lines += ["## Expert load", "", "![expert load](moe.png)", ""]
+    if cfg.train.plot:  # (a run with train.plot=false draws no image to link)
+        lines += ["", "## Loss", "", "![loss](loss.png)", ""]
+        if any("moe_imbalance" in r for r in train):
+            lines += ["## Expert load", "", "![expert load](moe.png)", ""]
     return "\n".join(lines)
 
 

@@ -632,7 +632,8 @@ class Trainer:
         try:  # (the handler stays through the report: a SIGTERM after the last save is recorded as one in training
             # is, not raised as a Terminated saying nothing was saved; the run is complete and exits 0)
             if self.ctx.is_main:
-                plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
+                if self.cfg.train.plot:
+                    plot_losses(self.out_dir / "metrics.jsonl", self.out_dir / "loss.png")
                 write_report(self.out_dir)
                 newest = ckpt.latest_checkpoint(self.ckpt_root)
                 for line in summary_lines(self.out_dir, step=self.step, stop=planned, newest=newest,
