@@ -4,6 +4,7 @@ F0 B0 F1 B1 W0 F2 B2 W1 ...; --stage first: each W right after its B), the two o
 
     python scripts/bench_pp_split.py [--stage last|first] [--micro-batches 4] [--steps 4] [--trim-mib N]
                                      [--layers 8] [--width 256] [--seq 128] [--micro-batch 2]
+                                     [--checkpointing none|full|selective]
 
 The model is bench_pp's (GPT n_layer 8, n_embd 256, seq 128, micro-batch 2, fp32; the stage is half of its blocks,
 with the head and loss on the last), one torch thread, glibc set as the trainer sets it (host_malloc:
@@ -35,6 +36,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=2)
+    p.add_argument("--checkpointing", choices=["none", "full", "selective"], default="none",
+                   help="train.activation_checkpointing of the stage's blocks (W recomputes them)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     import torch
@@ -54,6 +57,7 @@ def main(argv: list[str] | None = None) -> None:
         f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
         f"model.block_size={args.seq}"])
     model = GPT(cfg.model)
+    model.set_activation_checkpointing(args.checkpointing)  # type: ignore[arg-type]
     first, half = args.stage == "first", args.layers // 2
     stage = StageModel(model, range(0, half) if first else range(half, args.layers), first=first, last=not first)
     params = [prm for name, prm in model.named_parameters()
@@ -113,7 +117,7 @@ def main(argv: list[str] | None = None) -> None:
                 if i >= 2:
                     results[split].setdefault(kind, []).extend(rows)
     print(f"{args.stage} stage of {args.layers} x {args.width}, seq {args.seq}, micro-batch {args.micro_batch}, "
-          f"m={m}, trim threshold {'host_malloc' if args.trim_mib is None else f'{args.trim_mib} MiB'}: "
+          f"m={m}, checkpointing {args.checkpointing}, trim threshold {'host_malloc' if args.trim_mib is None else f'{args.trim_mib} MiB'}: "
           "per action median wall ms / CPU ms / mean faults")
     for split, name in ((False, "1F1B"), (True, "ZB-H1")):
         r = results[split]

@@ -73,7 +73,8 @@ def test_interleaved_matches_one_stage(tmp_path: Path, tmp_path_factory: pytest.
     {"model__n_layer": 3},  # uneven: 2 + 1 blocks
     {"parallel__pp_layers": [1, 3]},
     {"train__activation_checkpointing": "full"},
-], ids=["untied", "uneven", "explicit-layers", "checkpointing"])
+    {"train__activation_checkpointing": "full", "parallel__pp_schedule": "zb1"},  # W's branches in one recompute group
+], ids=["untied", "uneven", "explicit-layers", "checkpointing", "checkpointing-zb1"])
 def test_variants(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, corpus: Path,  # noqa: F811
                   variant: dict[str, Any]) -> None:
     model = {**LAYERS, **{k: v for k, v in variant.items() if k.startswith("model__")}}

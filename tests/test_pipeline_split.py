@@ -12,9 +12,9 @@ from dist_llm.parallel.pipeline.split_backward import backward_input, backward_w
 from dist_llm.train.saved_tensors import SavedTensorMeter
 
 
-def _blocks(checkpointing: str = "none") -> GPT:
+def _blocks(checkpointing: str = "none", *extra: str) -> GPT:
     torch.manual_seed(0)
-    cfg = load_config(None, ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16"])
+    cfg = load_config(None, ["model.n_layer=2", "model.n_embd=32", "model.n_head=4", "model.block_size=16", *extra])
     model = GPT(cfg.model)
     model.set_activation_checkpointing(checkpointing)  # type: ignore[arg-type]
     return model
@@ -28,12 +28,38 @@ def _run(model: GPT, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return inp, h
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
-def test_b_then_w_equals_one_backward(checkpointing: str) -> None:
+def test_w_recomputes_a_checkpointed_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under full activation checkpointing B recomputes each block once, and so does W (a backward per branch point
+    recomputed a block once per weight op in it: 6 times here); the gradients are the one backward's
+    (test_b_then_w_equals_one_backward)."""
+    model = _blocks("full")
+    runs: list[int] = []
+    for i, block in enumerate(model.blocks):
+        inner = block._forward
+        monkeypatch.setattr(block, "_forward", lambda x, inner=inner, i=i: (runs.append(i), inner(x))[1])
+    inp, out = _run(model, torch.randn(2, 16, 32))
+    assert runs == [0, 1]  # the forward
+    runs.clear()
+    d_inp, work = backward_input(out, torch.randn(2, 16, 32), inp, list(model.blocks.parameters()))
+    del out
+    assert sorted(runs) == [0, 1]  # B's recomputation
+    runs.clear()
+    backward_weights(work)
+    assert sorted(runs) == [0, 1]
+    assert all(p.grad is not None for p in model.blocks.parameters())
+
+
+MOE = ("model.n_experts=4", "model.moe_top_k=2", "model.n_shared_experts=1")
+
+
+@pytest.mark.parametrize("checkpointing,extra", [("none", ()), ("full", ()), ("selective", ()), ("full", MOE)],
+                         ids=["none", "full", "selective", "moe-full"])
+def test_b_then_w_equals_one_backward(checkpointing: str, extra: tuple[str, ...]) -> None:
     """A middle stage's two blocks: B's input gradient and W's weight gradients are the one backward's, bit for
     bit (the same terms; each parameter's gradient is one accumulation here), W's accumulate into .grad through
-    AccumulateGrad (the post-accumulate hooks ZeRO-1/2 count on fire once per parameter), and B leaves no .grad."""
-    model = _blocks(checkpointing)
+    AccumulateGrad (the post-accumulate hooks ZeRO-1/2 count on fire once per parameter), and B leaves no .grad.
+    MoE blocks under full checkpointing: W's branches in one recompute group read no saved tensor twice."""
+    model = _blocks(checkpointing, *extra)
     x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
     inp, out = _run(model, x)
     out.backward(g)
@@ -47,7 +73,9 @@ def test_b_then_w_equals_one_backward(checkpointing: str) -> None:
     d_inp, work = backward_input(out, g, inp, list(model.blocks.parameters()))
     del out
     assert all(p.grad is None for p in model.blocks.parameters()) and fired == []
-    assert work.root is None and len(work.branches) == 12  # per block: 2 norms, 4 linears (qkv, proj, fc, fc2)
+    assert work.root is None
+    if not extra:
+        assert len(work.branches) == 12  # per block: 2 norms, 4 linears (qkv, proj, fc, fc2)
     torch.testing.assert_close(d_inp, ref_inp, rtol=0, atol=0)
     backward_weights(work)
     assert sorted(fired) == sorted(id(p) for p in model.blocks.parameters())

@@ -11,6 +11,9 @@ again, and accumulates into `.grad` through the parameters' AccumulateGrad nodes
 post-accumulate hooks fire as in an ordinary backward. The sum is the one backward's, up to the order of
 floating-point additions into `.grad` (the same terms).
 
+Under non-reentrant activation checkpointing W's branches run in one `GraphExecGroup`, so that W recomputes each
+checkpointed region once, not once per branch point in it (B, a backward of its own, recomputes it once too).
+
 Where a parameter is reached both from a branch and from further down the input path (a weight used by two
 layers of the stage), starting at the branch would also run the input path below it; such a graph is not
 split: W then runs the whole backward, B nothing but that backward's input gradient (correct, not faster).
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch.autograd.graph import GradientEdge, Node
+from torch.utils.checkpoint import GraphExecGroup
 
 
 @dataclass
@@ -102,9 +106,13 @@ def backward_weights(work: WeightWork) -> None:
         if work.params:
             torch.autograd.backward(work.root, work.grad, inputs=work.params)
         return
-    for node, grads, params in work.branches:
-        edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
-        if edges:
-            # retain_graph: another branch point may share a node below it (a transpose, a cast)
-            torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params,
-                                    retain_graph=True)
+    # One group for all the branches: under non-reentrant activation checkpointing each backward recomputes the
+    # regions whose saved tensors it reads, so a backward per branch recomputed a block once per weight of it;
+    # in one group, once. (The branches read disjoint saved tensors, as the group requires.)
+    with GraphExecGroup():
+        for node, grads, params in work.branches:
+            edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
+            if edges:
+                # retain_graph: another branch point may share a node below it (a transpose, a cast)
+                torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params,
+                                        retain_graph=True)
