@@ -89,3 +89,10 @@ def test_train_plot_false_draws_nothing_and_the_report_links_no_image(tmp_path: 
     assert not (tmp_path / "loss.png").exists() and not (tmp_path / "moe.png").exists()
     report = (tmp_path / "report.md").read_text()
     assert "| model states |" in report and "![" not in report
+    # an earlier run's plot in the same out_dir is not named as this run's
+    from dist_llm.train.report import summary_lines
+
+    (tmp_path / "loss.png").write_bytes(b"earlier")
+    lines = summary_lines(tmp_path, step=2, stop=2, newest=None, command="")
+    assert any(line.lstrip().startswith("report:") for line in lines)
+    assert not any("loss plot:" in line or "MoE plot:" in line for line in lines), lines
