@@ -67,6 +67,7 @@ import argparse
 import contextlib
 import gc
 import json
+import math
 import os
 import resource
 import statistics
@@ -106,12 +107,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--until-decided", action="store_true",
                    help="after --steps rounds, take more rounds at each m until every margin's verdict is met or "
                         "not met (on 99%% intervals, 10 pairs at least), or --max-minutes runs out")
-    p.add_argument("--max-minutes", type=float, default=10.0,
-                   help="with --until-decided: the worker's time budget per --pp value (the m values share what is "
-                        "left in turn)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="with --until-decided: the worker's time budget per --pp value, default 10 (the m values "
+                        "share what is left in turn)")
     p.add_argument("--json", type=Path, help="also write the rows here")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)  # set when started under torchrun
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.max_minutes is not None and not args.until_decided:
+        p.error("--max-minutes is the budget of --until-decided: give both, or neither")
+    if args.max_minutes is not None and not args.max_minutes > 0:
+        p.error(f"--max-minutes: must be above 0, got {args.max_minutes}")
+    if args.max_minutes is None:
+        args.max_minutes = 10.0
+    return args
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -157,12 +165,18 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
             run.trainer.train_step()
     began = time.perf_counter()
     for run in runs if args.sequential else [None]:
-        for _ in range(args.steps):
-            for r in [run] if run is not None else runs:
+        for i in range(args.steps):
+            for r in [run] if run is not None else in_turn(runs, i):
                 r.timed_step()
     if args.until_decided and m in args.micro_batches:
         more_rounds(args, runs, m, latency, until, round_s=(time.perf_counter() - began) / max(1, args.steps))
     return [run.row(latency, args.exchange_cost) for run in runs]
+
+
+def in_turn(runs: list[Run], i: int) -> list[Run]:
+    """Round i's order: the schedules forwards on even rounds, backwards on odd ones, so that what a step leaves to
+    the next (the allocator's state, faults) falls on each schedule from both sides, not on one always."""
+    return runs if i % 2 == 0 else runs[::-1]
 
 
 def more_rounds(args: argparse.Namespace, runs: list[Run], m: int, latency: float, until: float, *,
@@ -189,7 +203,7 @@ def more_rounds(args: argparse.Namespace, runs: list[Run], m: int, latency: floa
         if not go_on.item():
             return
         start = time.perf_counter()
-        for r in runs:
+        for r in in_turn(runs, pairs):
             r.timed_step()
         round_s, pairs = time.perf_counter() - start, pairs + 1
 
@@ -449,7 +463,9 @@ def main(argv: list[str] | None = None) -> None:
                                or not {"zb1", "interleaved"} & set(args.schedules)):
         sys.exit("bench_pp: --until-decided needs 1f1b and zb1 or interleaved in --schedules, and no --sequential "
                  "(it judges margins over 1F1B from steps taken in turn)")
-    from pp_stats import RatioCI, margin_stats, margins_table
+    from pp_stats import LEVEL, MIN_PAIRS, STOP_LEVEL, RatioCI, margin_stats, margins_table
+    # --until-decided stopped on 99% intervals: its table, verdicts and JSON at that level (pp_stats.STOP_LEVEL)
+    level, min_pairs = (STOP_LEVEL, MIN_PAIRS) if args.until_decided else (LEVEL, 2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     every: list[dict[str, Any]] = []
     for pp in args.pp:
@@ -468,16 +484,27 @@ def main(argv: list[str] | None = None) -> None:
               f"{1e3 * rows[0]['p2p_latency_s']:.2f} ms (one activation, ranks 0-1)")
         print(table(rows, pp, args.micro_batches))
         print(actions(rows, pp, args.micro_batches))
-        print(margins_table(rows, args.micro_batches, args.predict))
+        print(margins_table(rows, args.micro_batches, args.predict, level, min_pairs))
         if args.sequential:
             print("(--sequential: a pair's two steps were not taken side by side, so load that came and went does "
                   "not cancel in its margin)")
-        for e in margin_stats(rows, args.predict):  # (the JSON's rows carry their margin's figures)
+        for e in margin_stats(rows, args.predict, level, min_pairs):  # (the JSON's rows carry their margin's figures)
             row = next(r for r in rows if (r["schedule"], r["m"]) == (e["schedule"], e["m"]))
             row["margin_vs_1f1b"] = {k: (v.__dict__ if isinstance(v, RatioCI) else v) for k, v in e.items()}
         every += rows
     if args.json:
-        args.json.write_text(json.dumps(every, indent=1))
+        args.json.write_text(json.dumps(_finite(every), indent=1))
+
+
+def _finite(x: Any) -> Any:
+    """x with every nan or infinite float as None: strict JSON (an unbounded ratio set has no ends)."""
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":

@@ -77,6 +77,16 @@ def test_fieller_unbounded_sets() -> None:
         fieller([1.0], [1.0])
 
 
+def test_fieller_against_a_prediction_of_exactly_zero() -> None:
+    """b all 0 (a means-based margin rounded to 0): the quadratic's A and B vanish, and (mean(a) - r 0)^2 <= t^2
+    var(a) / n holds for no r when the margin is clearly away from zero (0.025 +- 0.001: t = 0.025 / (0.001 /
+    sqrt(4)) = 50 > 3.18), for every r when it is not."""
+    ci = fieller([0.024, 0.026, 0.025, 0.025], [0.0] * 4)
+    assert ci.form == "empty" and ci.text() == "none" and verdict(ci) == "not met"
+    ci = fieller([0.01, -0.01, 0.005, -0.004], [0.0] * 4)
+    assert ci.form == "all" and verdict(ci) == "undecided"
+
+
 @pytest.mark.parametrize(("ci", "expected"), [
     (RatioCI(1.0, 0.85, 1.1, "interval"), "met"),
     (RatioCI(1.0, 0.8, 1.2, "interval"), "met"),  # (the ends count as inside)
@@ -87,6 +97,10 @@ def test_fieller_unbounded_sets() -> None:
     (RatioCI(9.0, 0.5, 1.5, "outside"), "not met"),
     (RatioCI(9.0, 0.9, 1.5, "outside"), "undecided"),
     (RatioCI(math.nan, math.nan, math.nan, "all"), "undecided"),
+    (RatioCI(math.nan, math.nan, math.nan, "empty"), "not met"),
+    (RatioCI(9.0, -math.inf, 1.5, "outside"), "not met"),  # one ray, [1.5, inf): clear of [0.8, 1.2]
+    (RatioCI(9.0, -math.inf, 1.0, "outside"), "undecided"),  # [1.0, inf)
+    (RatioCI(0.1, 0.5, math.inf, "outside"), "not met"),  # (-inf, 0.5]
 ])
 def test_verdict(ci: RatioCI, expected: str) -> None:
     assert verdict(ci) == expected
@@ -148,3 +162,9 @@ def test_until_decided_stops_on_99_percent_and_ten_pairs() -> None:
              _row("zb1", [[0.2 - g, 0.2 - g] for g in got], [[0.2 - g, 0.2 - g] for g in got])]
     assert pp_stats.margin_stats(short, "units", level=0.99)[0]["verdict"] == "met"
     assert pp_stats.undecided(short, "units") == ["zb1 m=4"]
+    # what bench_pp prints after --until-decided: the verdict at 99% and MIN_PAIRS pairs, so a budget that ran out
+    # on the 10 pairs above prints "undecided", not 95%'s "met"
+    (e,) = pp_stats.margin_stats([base, zb1], "units", pp_stats.STOP_LEVEL, pp_stats.MIN_PAIRS)
+    assert e["verdict"] == "undecided" and e["level"] == 0.99
+    table = pp_stats.margins_table([base, zb1], [4], "units", pp_stats.STOP_LEVEL, pp_stats.MIN_PAIRS)
+    assert "ratio [99% Fieller]" in table and "undecided" in table and "95%" not in table
