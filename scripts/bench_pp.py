@@ -115,8 +115,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_minutes is not None and not args.until_decided:
         p.error("--max-minutes is the budget of --until-decided: give both, or neither")
-    if args.max_minutes is not None and not args.max_minutes > 0:
-        p.error(f"--max-minutes: must be above 0, got {args.max_minutes}")
+    if args.max_minutes is not None and not (math.isfinite(args.max_minutes) and args.max_minutes > 0):
+        p.error(f"--max-minutes: must be a number of minutes above 0, got {args.max_minutes}")
     if args.max_minutes is None:
         args.max_minutes = 10.0
     return args
@@ -493,7 +493,7 @@ def main(argv: list[str] | None = None) -> None:
             row["margin_vs_1f1b"] = {k: (v.__dict__ if isinstance(v, RatioCI) else v) for k, v in e.items()}
         every += rows
     if args.json:
-        args.json.write_text(json.dumps(_finite(every), indent=1))
+        args.json.write_text(json.dumps(_finite(every), indent=1, allow_nan=False))
 
 
 def _finite(x: Any) -> Any:

@@ -206,7 +206,7 @@ def margin_stats(rows: list[dict[str, Any]], predict: str = "measured", level: f
         e: dict[str, Any] = {"schedule": r["schedule"], "v": r.get("v", 1), "m": r["m"], "pairs": len(got),
                              "idle": mean(r["idle_fraction"]), "idle_1f1b": mean(b["idle_fraction"]),
                              "predicted": predicted, "units": units, "step_s": r["step_s"], "step_s_1f1b": b["step_s"],
-                             "round_s": sum(x["step_s"] for x in rows if x["m"] == r["m"])}
+                             "round_s": sum(x["step_s"] for x in rows if x["m"] == r["m"]), "level": level}
         if len(got) < 2:
             e["verdict"] = "undecided"
             out.append(e)
@@ -219,7 +219,6 @@ def margin_stats(rows: list[dict[str, Any]], predict: str = "measured", level: f
         judged = replayed if predict == "measured" else [units] * len(got)
         ci = e["ratio_replayed"] if predict == "measured" else e["ratio_units"]
         e["verdict"] = verdict(ci) if len(got) >= min_pairs else "undecided"
-        e["level"] = level
         e["pairs_for_0.2"] = pairs_for(got, judged, 0.2, level)  # enough to decide a ratio of 1 (inside [0.8, 1.2])
         e["pairs_to_decide"] = pairs_for(got, judged, decide_distance(ci.ratio), level)
         out.append(e)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
+
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from dist_llm.config import load_config
 from dist_llm.model import GPT
@@ -47,6 +51,51 @@ def test_w_recomputes_a_checkpointed_block_once(monkeypatch: pytest.MonkeyPatch)
     backward_weights(work)
     assert sorted(runs) == [0, 1]
     assert all(p.grad is not None for p in model.blocks.parameters())
+
+
+class _LiveTensors(TorchDispatchMode):
+    """Counts the tensors the ops under it make that are still alive (weakref.finalize: a tensor a saved-tensor
+    slot holds stays alive with its Python object)."""
+
+    def __init__(self, live: list[int]) -> None:
+        super().__init__()
+        self.live = live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.live[0] += 1
+                weakref.finalize(t, lambda live=self.live: live.__setitem__(0, live[0] - 1))
+        return out
+
+
+def test_w_frees_a_blocks_recomputed_tensors_before_it_recomputes_the_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    """W under full checkpointing holds one block's recomputed tensors at a time, not every block's to its end (it
+    took the branches input side first and kept them all: 3 blocks alive at once here, each one's left after W)."""
+    model = _blocks("full")
+    model.blocks.append(_blocks("full").blocks[0])
+    live: dict[int, list[int]] = {i: [0] for i in range(3)}
+    most = [0]
+    in_w = [False]
+    for i, block in enumerate(model.blocks):
+        inner = block._forward
+
+        def forward(x: torch.Tensor, inner=inner, i=i) -> torch.Tensor:  # type: ignore[no-untyped-def]
+            if not in_w[0]:
+                return inner(x)
+            most[0] = max(most[0], 1 + sum(1 for j, n in live.items() if j != i and n[0] > 0))
+            with _LiveTensors(live[i]):
+                return inner(x)
+
+        monkeypatch.setattr(block, "_forward", forward)
+    inp, out = _run(model, torch.randn(2, 16, 32))
+    _, work = backward_input(out, torch.randn(2, 16, 32), inp, list(model.blocks.parameters()))
+    del out
+    in_w[0] = True
+    backward_weights(work)
+    assert most[0] == 1
+    assert [n[0] for n in live.values()] == [0, 0, 0]
 
 
 MOE = ("model.n_experts=4", "model.moe_top_k=2", "model.n_shared_experts=1")

@@ -191,7 +191,9 @@ def summary_lines(run_dir: Path, *, step: int, stop: int, newest: Path | None, c
     where = [("checkpoints", run_dir / "checkpoints", f" (newest: {newest.name})" if newest else ""),
              ("report", run_dir / "report.md", "")]
     if cfg.train.plot:  # (with plots off, a loss.png there is an earlier run's: not this one's to name)
-        where += [("loss plot", run_dir / "loss.png", ""), ("MoE plot", run_dir / "moe.png", "")]
+        where += [("loss plot", run_dir / "loss.png", "")]
+        if any("moe_imbalance" in r for r in train):  # (a dense run's out_dir may hold an earlier MoE run's)
+            where += [("MoE plot", run_dir / "moe.png", "")]
     lines += [f"  {label + ':':<13}{path}{more}" for label, path, more in where if path.exists()]
     if newest:
         lines.append(f"  {'sample:':<13}{command}")

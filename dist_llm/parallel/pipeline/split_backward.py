@@ -21,11 +21,16 @@ split: W then runs the whole backward, B nothing but that backward's input gradi
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch.autograd.graph import GradientEdge, Node
-from torch.utils.checkpoint import GraphExecGroup
+
+# GraphExecGroup is recent (torch 2.10); pyproject allows older builds, where W runs each branch's backward on its
+# own: the same gradients, a checkpointed block recomputed once per weight op instead of once.
+_GraphExecGroup = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
 
 
 @dataclass
@@ -108,11 +113,16 @@ def backward_weights(work: WeightWork) -> None:
         return
     # One group for all the branches: under non-reentrant activation checkpointing each backward recomputes the
     # regions whose saved tensors it reads, so a backward per branch recomputed a block once per weight of it;
-    # in one group, once. (The branches read disjoint saved tensors, as the group requires.)
-    with GraphExecGroup():
-        for node, grads, params in work.branches:
+    # in one group, once. The group requires the branches to read disjoint saved tensors (a checkpointed tensor
+    # unpacked by two of them raises CheckpointError); the layers here (linear, norms, embeddings, routers) do.
+    # Branches are taken output side first (B found them input side first) and dropped as they run: a region's
+    # recomputed tensors are then freed once its last branch has read them, rather than all held to W's end.
+    with _GraphExecGroup() if _GraphExecGroup is not None else contextlib.nullcontext():
+        while work.branches:
+            node, grads, params = work.branches.pop()
             edges = [(GradientEdge(node, i), g) for i, g in enumerate(grads) if g is not None]
             if edges:
                 # retain_graph: another branch point may share a node below it (a transpose, a cast)
                 torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params,
                                         retain_graph=True)
+            del node, grads, params, edges
