@@ -66,15 +66,20 @@ def test_moe_plot_draws_each_layers_imbalance_and_the_max(tmp_path: Path, monkey
     assert imbalance_lines([{"step": 1, "loss": 5.0}]) == {}
 
 
-def test_report_links_the_moe_plot_only_for_an_moe_run(tmp_path: Path) -> None:
+def test_report_and_summary_name_the_moe_plot_only_for_an_moe_run(tmp_path: Path) -> None:
+    """A dense run's out_dir may hold an earlier MoE run's moe.png: neither its report nor its console summary
+    names it as this run's."""
     from dist_llm.config import load_config
-    from dist_llm.train.report import write_report
+    from dist_llm.train.report import summary_lines, write_report
 
     for name, moe in (("moe", True), ("dense", False)):
         path = _write(tmp_path / name, moe=moe)
         (path.parent / "config.yaml").write_text(load_config(None, [f"train.out_dir={path.parent}"]).to_yaml())
         report = write_report(path.parent).read_text()
         assert ("![expert load](moe.png)" in report) is moe
+        (path.parent / "moe.png").write_bytes(PNG)
+        lines = summary_lines(path.parent, step=5, stop=5, newest=None, command="")
+        assert any(line.lstrip().startswith("MoE plot:") for line in lines) is moe, lines
 
 
 def test_train_plot_false_draws_nothing_and_the_report_links_no_image(tmp_path: Path, corpus_file: Path) -> None:
