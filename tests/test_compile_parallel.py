@@ -1,6 +1,6 @@
 """train.compile with the layouts whose collectives sit inside a transformer block: tp=2 with sequence parallelism,
 cp=2 (the ring) and ep=2 (the all-to-all dispatch). Each collective is kept out of the compiled graphs
-(torch.compiler.disable on the tp mappings, ring_attention and the expert dispatch), so Dynamo breaks the graph
+(dist_llm/compiling.py keep_out_of_graphs, torch.compiler.disable loaded lazily, on the tp mappings, ring_attention and the expert dispatch), so Dynamo breaks the graph
 around it. Before, tp2+SP failed inside Dynamo (a fake-tensor call in comm.all_gather's gloo path) and cp and ep
 were refused.
 

@@ -38,6 +38,7 @@ from torch.autograd.function import once_differentiable
 
 from dist_llm.config import ModelConfig
 from dist_llm.model.buffers import apply_keeping_fp32
+from dist_llm.compiling import keep_out_of_graphs
 
 #: sums a tensor in place over the data-parallel ranks (the trainer's; None at one process)
 AllReduce = Callable[[torch.Tensor], None] | None
@@ -240,7 +241,7 @@ def _experts(experts: Experts, x: torch.Tensor, counts: torch.Tensor, expert_of_
     return proj(h, experts.w_down, experts.b_down, getattr(experts, "lora_down", None))
 
 
-_experts_eager = torch.compiler.disable(_experts)
+_experts_eager = keep_out_of_graphs(_experts)
 
 
 class MoE(nn.Module):

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from dist_llm.parallel import comm
 from dist_llm.parallel.context_parallel.layout import Block, block_plan, check_layout, local_positions
+from dist_llm.compiling import keep_out_of_graphs
 
 NEG_INF = float("-inf")
 #: queries per tile of a block: a block's fp32 scores are (B, nh, rows, T_local) at a time, not T_local^2 (at 8k
@@ -205,7 +206,7 @@ class _RingAttention(torch.autograd.Function):
 # Kept out of torch.compile's graphs (train.compile compiles each block): the ring's sends and receives and its
 # Python loop over blocks are not traceable, so a compiled block breaks its graph here and the ring, forward and
 # backward, runs eagerly between the compiled pieces, the same operations as in an eager run.
-@torch.compiler.disable
+@keep_out_of_graphs
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup | None,
                    stats: comm.CommStats | None, causal: bool = True, layout: str = "zigzag",
                    alibi_slopes: torch.Tensor | None = None, scale: float | None = None,

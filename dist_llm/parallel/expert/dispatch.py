@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dist_llm.parallel import comm
+from dist_llm.compiling import keep_out_of_graphs
 
 
 class _AllToAll(torch.autograd.Function):
@@ -60,7 +61,7 @@ class AllToAllDispatch:
     # Kept out of torch.compile's graphs (train.compile compiles each block): the split sizes are read on the host
     # and change every step (inside a graph: a graph break and a recompile per new split), so a compiled block
     # breaks its graph here and the dispatch, the experts and the combine run eagerly, as in an eager run.
-    @torch.compiler.disable
+    @keep_out_of_graphs
     def __call__(self, experts: nn.Module, x: torch.Tensor, counts: torch.Tensor,
                  expert_of_row: torch.Tensor) -> torch.Tensor:
         """x (M, C) sorted by global expert, `counts` (E,) rows per global expert -> (M, C)."""

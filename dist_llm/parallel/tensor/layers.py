@@ -25,6 +25,7 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.tensor import mappings as tpc
 from dist_llm.parallel.tensor import overlap
 from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
+from dist_llm.compiling import keep_out_of_graphs
 
 Init = Callable[[torch.Tensor], torch.Tensor]
 
@@ -102,7 +103,7 @@ class _SumReplicatedRows(Function):
         return grad, None, None, None, None, None, None
 
 
-@torch.compiler.disable  # the all-reduce stays out of train.compile's graphs (see tensor/mappings.py `_wrap`)
+@keep_out_of_graphs  # the all-reduce stays out of train.compile's graphs (see tensor/mappings.py `_wrap`)
 def _sum_replicated_rows(w: torch.Tensor, first: int, end: int, index: int, groups: int,
                          group: dist.ProcessGroup | None, stats: comm.CommStats | None) -> torch.Tensor:
     return _SumReplicatedRows.apply(w, first, end, index, groups, group, stats)
@@ -269,13 +270,13 @@ class _SequenceParallelLinears(Function):
         return (grad_local, None, None, *param_grads)
 
 
-@torch.compiler.disable  # the collectives stay out of train.compile's graphs (see tensor/mappings.py `_wrap`)
+@keep_out_of_graphs  # the collectives stay out of train.compile's graphs (see tensor/mappings.py `_wrap`)
 def _sequence_parallel_linears(x: torch.Tensor, group: dist.ProcessGroup | None, stats: comm.CommStats | None,
                                *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
     return _SequenceParallelLinears.apply(x, group, stats, *params)
 
 
-@torch.compiler.disable  # the ring's sends and receives stay out of train.compile's graphs, as above
+@keep_out_of_graphs  # the ring's sends and receives stay out of train.compile's graphs, as above
 def _row_sequence_parallel(x: torch.Tensor, weight: torch.Tensor, group: dist.ProcessGroup | None,
                            stats: comm.CommStats | None) -> torch.Tensor:
     return overlap.RowSequenceParallelLinear.apply(x, weight, group, stats)

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch.autograd import Function
 
 from dist_llm.parallel import comm
+from dist_llm.compiling import keep_out_of_graphs
 
 Group = dist.ProcessGroup | None
 Stats = comm.CommStats | None
@@ -156,7 +157,7 @@ def _wrap(fn: type[Function]):  # type: ignore[no-untyped-def]
     # Kept out of torch.compile's graphs (train.compile compiles each block): Dynamo cannot trace our collectives
     # (the process group, the byte counter, gloo's send/receive fallback), so a compiled block breaks its graph
     # here and the collective, forward and backward, runs eagerly between the compiled pieces, as in an eager run.
-    @torch.compiler.disable
+    @keep_out_of_graphs
     def apply(x: torch.Tensor, group: Group, stats: Stats = None) -> torch.Tensor:
         if comm.group_size(group) == 1:
             return x

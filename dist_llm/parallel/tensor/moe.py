@@ -37,6 +37,7 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.marks import mark_sequence_parallel
 from dist_llm.parallel.tensor import mappings as tpc
+from dist_llm.compiling import keep_out_of_graphs
 
 log = logging.getLogger("dist_llm")
 
@@ -58,7 +59,7 @@ class TensorParallelTokens:
     def sum(self, t: torch.Tensor) -> torch.Tensor:
         return tpc.reduce_from_tp(t, self.group, self.stats)
 
-    @torch.compiler.disable  # (the all-gather stays out of train.compile's graphs, as the mappings do)
+    @keep_out_of_graphs  # (the all-gather stays out of train.compile's graphs, as the mappings do)
     def gather_counts(self, counts: torch.Tensor) -> torch.Tensor:
         out = counts.new_empty((self.size * counts.shape[0], *counts.shape[1:]))  # (the ranks' rows, in order)
         comm.all_gather(out, counts.contiguous(), self.group, self.stats)
