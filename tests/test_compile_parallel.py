@@ -1,8 +1,8 @@
 """train.compile with the layouts whose collectives sit inside a transformer block: tp=2 with sequence parallelism,
 cp=2 (the ring) and ep=2 (the all-to-all dispatch). Each collective is kept out of the compiled graphs
 (dist_llm/compiling.py's keep_out_of_graphs, torch's lazily loaded disable, on the tp mappings, ring_attention and
-the expert dispatch), so Dynamo breaks the graph around it. Before, tp2+SP failed inside Dynamo (a fake-tensor call in comm.all_gather's gloo path) and cp and ep
-were refused.
+the expert dispatch), so Dynamo breaks the graph around it. Before, tp2+SP failed inside Dynamo (a fake-tensor
+call in comm.all_gather's gloo path) and cp and ep were refused.
 
 Each layout trains 4 compiled steps at world 2 and is compared with one eager process in fp32 at rel 1e-6: the
 collectives and the matmuls run as in an eager run (the same kernels, the same reduction order over the ranks),

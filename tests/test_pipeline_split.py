@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_flatten
 
 from dist_llm.config import load_config
 from dist_llm.model import GPT
+from dist_llm.parallel.pipeline import split_backward
 from dist_llm.parallel.pipeline.split_backward import backward_input, backward_weights
 from dist_llm.train.saved_tensors import SavedTensorMeter
 
@@ -101,13 +102,19 @@ def test_w_frees_a_blocks_recomputed_tensors_before_it_recomputes_the_next(monke
 MOE = ("model.n_experts=4", "model.moe_top_k=2", "model.n_shared_experts=1")
 
 
-@pytest.mark.parametrize("checkpointing,extra", [("none", ()), ("full", ()), ("selective", ()), ("full", MOE)],
-                         ids=["none", "full", "selective", "moe-full"])
-def test_b_then_w_equals_one_backward(checkpointing: str, extra: tuple[str, ...]) -> None:
+@pytest.mark.parametrize("checkpointing,extra,group",
+                         [("none", (), True), ("full", (), True), ("selective", (), True), ("full", MOE, True),
+                          ("full", (), False)],
+                         ids=["none", "full", "selective", "moe-full", "full-without-group"])
+def test_b_then_w_equals_one_backward(checkpointing: str, extra: tuple[str, ...], group: bool,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """A middle stage's two blocks: B's input gradient and W's weight gradients are the one backward's, bit for
     bit (the same terms; each parameter's gradient is one accumulation here), W's accumulate into .grad through
     AccumulateGrad (the post-accumulate hooks ZeRO-1/2 count on fire once per parameter), and B leaves no .grad.
-    MoE blocks under full checkpointing: W's branches in one recompute group read no saved tensor twice."""
+    MoE blocks under full checkpointing: W's branches in one recompute group read no saved tensor twice. Without
+    the group (torch before 2.10: a backward per branch) the same gradients."""
+    if not group:
+        monkeypatch.setattr(split_backward, "_GraphExecGroup", None)
     model = _blocks(checkpointing, *extra)
     x, g = torch.randn(2, 16, 32), torch.randn(2, 16, 32)
     inp, out = _run(model, x)

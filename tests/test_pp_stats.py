@@ -166,5 +166,9 @@ def test_until_decided_stops_on_99_percent_and_ten_pairs() -> None:
     # on the 10 pairs above prints "undecided", not 95%'s "met"
     (e,) = pp_stats.margin_stats([base, zb1], "units", pp_stats.STOP_LEVEL, pp_stats.MIN_PAIRS)
     assert e["verdict"] == "undecided" and e["level"] == 0.99
+    # one pair: no interval at all, still the level it was asked at
+    (e,) = pp_stats.margin_stats([_row("1f1b", [[0.2, 0.2]], [[0.2, 0.2]]), _row("zb1", [[0.1, 0.1]], [[0.1, 0.1]])],
+                                 "units", pp_stats.STOP_LEVEL, pp_stats.MIN_PAIRS)
+    assert e["verdict"] == "undecided" and e["level"] == 0.99 and e["pairs"] == 1 and "margin" not in e
     table = pp_stats.margins_table([base, zb1], [4], "units", pp_stats.STOP_LEVEL, pp_stats.MIN_PAIRS)
     assert "ratio [99% Fieller]" in table and "undecided" in table and "95%" not in table

@@ -20,9 +20,10 @@ for m in pkgutil.walk_packages(dist_llm.__path__, "dist_llm."):
 
 
 def test_no_module_loads_the_compiler_on_import() -> None:
-    """torch._dynamo costs ~1.7 s of each process's start on 2 cores (sympy, the tracer), and only train.compile
-    needs it: importing every dist_llm module in a fresh interpreter leaves it unloaded (the collectives kept out of
-    compiled graphs used torch.compiler.disable at import time, which loads it: dist_llm/compiling.py)."""
+    """torch._dynamo costs ~2 s of a process's start on 2 cores (sympy, the tracer): importing every dist_llm module
+    in a fresh interpreter leaves it unloaded (the collectives kept out of compiled graphs used
+    torch.compiler.disable at import time, which loads it: dist_llm/compiling.py). sample, convert, memory, report
+    and the refusals of a bad config start that much sooner; training loads it with torch.optim anyway."""
     proc = subprocess.run([sys.executable, "-c", _IMPORT_ALL], capture_output=True, text=True, cwd=REPO, timeout=120,
                           env={**os.environ, "PYTHONPATH": str(REPO)}, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -11,8 +11,9 @@ again, and accumulates into `.grad` through the parameters' AccumulateGrad nodes
 post-accumulate hooks fire as in an ordinary backward. The sum is the one backward's, up to the order of
 floating-point additions into `.grad` (the same terms).
 
-Under non-reentrant activation checkpointing W's branches run in one `GraphExecGroup`, so that W recomputes each
-checkpointed region once, not once per branch point in it (B, a backward of its own, recomputes it once too).
+Under non-reentrant activation checkpointing W's branches run in one `GraphExecGroup` (torch 2.10 and later), so
+that W recomputes each checkpointed region once, not once per branch point in it (B, a backward of its own,
+recomputes it once too); without the group, once per branch point, the same gradients.
 
 Where a parameter is reached both from a branch and from further down the input path (a weight used by two
 layers of the stage), starting at the branch would also run the input path below it; such a graph is not
