@@ -8,7 +8,8 @@ under compile the call breaks the graph and runs the function with Dynamo off, a
 private, but torch itself uses it wherever an import cycle forbids the public one; where a build lacks it, the public
 one. What gains: the commands that build no optimizer (sample, convert, memory, report, every refusal of a bad
 config before the build). A training process still loads torch._dynamo when it builds its optimizer (torch.optim
-wraps `add_param_group` the same lazy way).
+wraps `add_param_group` the same lazy way). Under TORCH_LOGS=graph_breaks such a break names the wrapper in
+torch/_compile.py as a skipped function, where torch.compiler.disable's said "disabled".
 """
 
 from __future__ import annotations

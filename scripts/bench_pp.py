@@ -18,10 +18,11 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              closed form beside: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
                              2(p-1)/(3m+2(p-1)) ZB-H1);
                   predicted  each stage's measured seconds per action (mean of its F, B, W; F1, B1 ... for later
-                             chunks), each exchange's measured cost by its number of messages (the median of what
+                             chunks), each exchange's measured cost by its number of messages (the mean of what
                              this run's exchanges of that size took after the last of their other sides was
-                             posted: transfers and wake-ups; --exchange-cost latency: the ping-pong latency
-                             instead) and the work after the schedule (gradient completion, the norm: the
+                             posted: transfers and wake-ups, whose long tail is time on the critical path too, so
+                             the mean, not the median; --exchange-cost latency: the ping-pong latency instead)
+                             and the work after the schedule (gradient completion, the norm: the
                              shortest stage tail). Like against like: what the schedule costs with the stages'
                              real action and exchange times;
                   replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
@@ -275,13 +276,16 @@ class Run:
 
         pp, m, v, schedule = self.pp, self.m, self.v, self.schedule
         plans = build_plans(schedule, pp, m, v)
-        # what an exchange of n messages cost beyond waiting for the neighbour's side (median over stages and
-        # steps): the simulator's exchange cost for `predicted` and `replayed`, or the ping-pong latency
+        # what an exchange of n messages cost beyond waiting for the neighbour's side (mean over stages and
+        # steps): the simulator's exchange cost for `predicted` and `replayed`, or the ping-pong latency. The mean:
+        # at p=2 every exchange is on the critical path, so a step's makespan carries their sum, whose expectation
+        # is the count times the mean; the costs are right-skewed (wake-ups on a loaded core), and the median
+        # charged ~0.5x-0.75x of it (1F1B's 2-message exchanges 0.85 ms median, 1.53 ms mean at m=16)
         excess: dict[int, list[float]] = {}
         for step in self.exchanges:
             for n, seconds in exchange_excess(plans, step).items():
                 excess.setdefault(n, []).extend(seconds)
-        per_size = {n: statistics.median_low(x) for n, x in sorted(excess.items())}  # (low: a spike is never negative)
+        per_size = {n: statistics.fmean(x) for n, x in sorted(excess.items())}
         cost: float | dict[int, float] = per_size if exchange_cost == "measured" and per_size else (latency or 0.0)
         makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
         parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
@@ -305,6 +309,7 @@ class Run:
                 # per timed step, every stage's figure: the margins' pairs (pp_stats)
                 "idle_fraction_steps": [t["pp_idle_fraction"] for t in self.times], "replayed_steps": replayed,
                 "p2p_latency_s": latency, "exchange_s": {str(n): c for n, c in per_size.items()},
+                "exchange_median_s": {str(n): statistics.median(x) for n, x in sorted(excess.items())},
                 "exchange_count": {str(n): len(x) // (len(self.exchanges) * pp) for n, x in sorted(excess.items())},
                 "threads": torch.get_num_threads(),
                 "first_stage_saved_bytes": self.held, "peak_bytes": self.peaks}
