@@ -20,9 +20,11 @@ threads each unless --threads: one on a 2-core machine at p=2):
                   predicted  each stage's measured seconds per action (mean of its F, B, W; F1, B1 ... for later
                              chunks), each exchange's measured cost by its number of messages (the mean of what
                              this run's exchanges of that size took after the last of their other sides was
-                             posted: transfers and wake-ups, whose long tail is time on the critical path too, so
-                             the mean, not the median; --exchange-cost latency: the ping-pong latency instead)
-                             and the work after the schedule (gradient completion, the norm: the
+                             posted: the last poster's own preparation of its tensors, the transfers and the
+                             wake-ups; right-skewed, and the simulator adds one cost per exchange, so the mean,
+                             whose count-fold is the expected sum, not the median; --exchange-cost latency: the
+                             ping-pong latency instead) and the work after the schedule (gradient completion, the
+                             norm: the
                              shortest stage tail). Like against like: what the schedule costs with the stages'
                              real action and exchange times;
                   replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
@@ -310,6 +312,8 @@ class Run:
                 "idle_fraction_steps": [t["pp_idle_fraction"] for t in self.times], "replayed_steps": replayed,
                 "p2p_latency_s": latency, "exchange_s": {str(n): c for n, c in per_size.items()},
                 "exchange_median_s": {str(n): statistics.median(x) for n, x in sorted(excess.items())},
+                # every exchange's excess, by size (all steps and stages): a run can be scored again another way
+                "exchange_excess_s": {str(n): x for n, x in sorted(excess.items())},
                 "exchange_count": {str(n): len(x) // (len(self.exchanges) * pp) for n, x in sorted(excess.items())},
                 "threads": torch.get_num_threads(),
                 "first_stage_saved_bytes": self.held, "peak_bytes": self.peaks}
