@@ -252,7 +252,8 @@ def margins_table(rows: list[dict[str, Any]], wanted: list[int], predict: str, l
     """The margins, their intervals, the verdicts and how many pairs an answer needs (see the module's doc), at
     `level` (--until-decided: STOP_LEVEL, the level it stopped on, with MIN_PAIRS)."""
     pct = f"{100 * level:g}%"
-    judge = ("replayed margin (the simulator on the same two steps, each action its own seconds)"
+    judge = ("replayed margin (the simulator on the same two steps, each action its own seconds, each exchange this "
+             "run's mean cost for its size: an accounting check, not an a-priori prediction; that is the units one)"
              if predict == "measured" else "units margin (the simulator with unit costs)")
     head = (f"{'schedule':>15} {'m':>3} {'pairs':>5}  {f'margin [{pct} CI]':>22}  {f'replayed [{pct} CI]':>22}  "
             f"{f'ratio [{pct} Fieller]':>24}  {'verdict':>9}  {'predicted':>9} {f'ratio [{pct}]':>24}  {'units':>6} "
