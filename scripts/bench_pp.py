@@ -24,8 +24,7 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              wake-ups; right-skewed, and the simulator adds one cost per exchange, so the mean,
                              whose count-fold is the expected sum, not the median; --exchange-cost latency: the
                              ping-pong latency instead) and the work after the schedule (gradient completion, the
-                             norm: the
-                             shortest stage tail). Like against like: what the schedule costs with the stages'
+                             norm: the shortest stage tail). Like against like: what the schedule costs with the stages'
                              real action and exchange times;
                   replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
                              waiting that means hide), median over the steps.

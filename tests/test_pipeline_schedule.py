@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 import torch
 
@@ -13,8 +11,8 @@ from dist_llm.parallel.pipeline.schedule import (
     SCHEDULES,
     Action,
     Exchange,
-    build_plans,
     bubble_fraction,
+    build_plans,
     forward_only,
     gpipe,
     interleaved,
@@ -25,6 +23,7 @@ from dist_llm.parallel.pipeline.schedule import (
     zb1,
 )
 from dist_llm.parallel.pipeline.stage import block_params, describe_stages, partition_layers, stage_ranges
+from scripts import bench_pp
 
 SHAPES = [(p, m) for p in (1, 2, 3, 4) for m in (1, 2, 4, 5, 8, 16)]
 
@@ -207,30 +206,16 @@ def test_simulate_with_a_cost_per_exchange_size() -> None:
     assert simulate(plans, exchange_cost={2: 1.5})[0] == 9 + 3 * 1.5
 
 
-@functools.cache
-def _bench_pp():  # type: ignore[no-untyped-def]
-    """scripts/bench_pp.py as a module (scripts/ is not a package), loaded once."""
-    import importlib.util
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location("bench_pp", Path(__file__).parent.parent / "scripts" / "bench_pp.py")
-    assert spec is not None and spec.loader is not None
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    return bench
-
-
 def test_bench_measures_what_an_exchange_costs_beyond_the_rendezvous() -> None:
     """bench_pp's exchange cost: each exchange's end minus the later of its own post and the posts of the other
     sides of its messages (paired in order per direction). GPipe p=2 m=1 timed by hand: stage 0 posts {SEND_F 0,
     RECV_B 0} at 1.0, done at 5.2; stage 1 waits for F0 from 0.0 to 1.3, and sends B0 at 5.0, done at 5.2. Stage 0's
     exchange was ready at 5.0 (stage 1's send), stage 1's receive at 1.0 (stage 0's post)."""
-    bench = _bench_pp()
     plans = build_plans("gpipe", 2, 1)
-    got = bench.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3), (5.0, 5.2)]])
+    got = bench_pp.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3), (5.0, 5.2)]])
     assert got.keys() == {1, 2} and got[2] == pytest.approx([0.2]) and got[1] == pytest.approx([0.3, 0.2])
     with pytest.raises(RuntimeError, match="stage 1: 1 exchanges timed, its plan has 2"):
-        bench.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3)]])
+        bench_pp.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3)]])
 
 
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
@@ -462,9 +447,8 @@ def test_stage_clock_breakdown() -> None:
 @pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 def test_bench_refuses_a_budget_that_is_not_a_number_of_minutes(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     """--max-minutes inf (or nan) would let --until-decided run for ever: refused with one line, exit 2 (argparse)."""
-    bench = _bench_pp()
     with pytest.raises(SystemExit) as stop:
-        bench.parse_args(["--until-decided", "--max-minutes", value])
+        bench_pp.parse_args(["--until-decided", "--max-minutes", value])
     assert stop.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(
         f"error: --max-minutes: must be a number of minutes above 0, got {float(value)}")

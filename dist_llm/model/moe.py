@@ -36,9 +36,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
+from dist_llm.compiling import keep_out_of_graphs
 from dist_llm.config import ModelConfig
 from dist_llm.model.buffers import apply_keeping_fp32
-from dist_llm.compiling import keep_out_of_graphs
 
 #: sums a tensor in place over the data-parallel ranks (the trainer's; None at one process)
 AllReduce = Callable[[torch.Tensor], None] | None

@@ -29,9 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dist_llm.compiling import keep_out_of_graphs
 from dist_llm.parallel import comm
 from dist_llm.parallel.context_parallel.layout import Block, block_plan, check_layout, local_positions
-from dist_llm.compiling import keep_out_of_graphs
 
 NEG_INF = float("-inf")
 #: queries per tile of a block: a block's fp32 scores are (B, nh, rows, T_local) at a time, not T_local^2 (at 8k

@@ -19,8 +19,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from dist_llm.parallel import comm
 from dist_llm.compiling import keep_out_of_graphs
+from dist_llm.parallel import comm
 
 
 class _AllToAll(torch.autograd.Function):

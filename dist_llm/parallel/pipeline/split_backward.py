@@ -126,4 +126,3 @@ def backward_weights(work: WeightWork) -> None:
                 # retain_graph: another branch point may share a node below it (a transpose, a cast)
                 torch.autograd.backward([e for e, _ in edges], [g for _, g in edges], inputs=params,
                                         retain_graph=True)
-            del node, grads, params, edges

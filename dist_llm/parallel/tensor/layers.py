@@ -20,12 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd import Function
 
+from dist_llm.compiling import keep_out_of_graphs
 from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
+from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
 from dist_llm.parallel.tensor import mappings as tpc
 from dist_llm.parallel.tensor import overlap
-from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
-from dist_llm.compiling import keep_out_of_graphs
 
 Init = Callable[[torch.Tensor], torch.Tensor]
 

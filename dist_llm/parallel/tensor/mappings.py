@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Function
 
-from dist_llm.parallel import comm
 from dist_llm.compiling import keep_out_of_graphs
+from dist_llm.parallel import comm
 
 Group = dist.ProcessGroup | None
 Stats = comm.CommStats | None

@@ -32,12 +32,12 @@ import logging
 import torch
 from torch import nn
 
+from dist_llm.compiling import keep_out_of_graphs
 from dist_llm.model.moe import moe_layers
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.marks import mark_sequence_parallel
 from dist_llm.parallel.tensor import mappings as tpc
-from dist_llm.compiling import keep_out_of_graphs
 
 log = logging.getLogger("dist_llm")
 
