@@ -59,6 +59,19 @@ def test_deepspeed_zero2_matches_ours(tmp_path: Path, corpus: Path) -> None:  # 
         assert a == pytest.approx(b, rel=1e-5)
 
 
+def test_deepspeed_on_cpu_compiles_no_op(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """DeepSpeed's comm backend JIT-compiled its shared-memory all-reduce (only its inference tensor parallelism
+    calls it) at the first init_distributed on a CPU machine: 25-50 s of g++ into TORCH_EXTENSIONS_DIR. With an
+    empty one, a ZeRO-2 run trains and leaves it empty (before: deepspeed_shm_comm built there)."""
+    ext = tmp_path / "torch_extensions"
+    ext.mkdir()
+    got = run_distributed(train, 2, tmp_path / "run", corpus, {**DS_ZERO2, "parallel__backend": "deepspeed",
+                                                               "train__max_steps": 1},
+                          init_group=False, env={"TORCH_EXTENSIONS_DIR": str(ext)})[0]
+    assert got["dp"] == "deepspeed" and len(got["losses"]) == 1
+    assert [p.relative_to(ext).as_posix() for p in ext.rglob("*")] == []
+
+
 def test_deepspeed_zero2_resume_gives_uninterrupted_losses(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     """Stopped after step 4 and resumed: steps 5-8 are the uninterrupted run's, because DeepSpeed's state comes
     back: the fp32 master partitions and Adam moments from the DCP chunks each rank wrote of them, the loss

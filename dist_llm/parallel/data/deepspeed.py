@@ -3,8 +3,8 @@
 DeepSpeed is optional (`pip install dist-llm[deepspeed]`) and imported only here. The config it gets is
 derived from ours (batch sizes, ZeRO stage, precision, clipping: deepspeed_config.py), so users who know DeepSpeed
 switch with one key. A torch AdamW is handed in, which avoids DeepSpeed's fused_adam JIT build. On CPU DeepSpeed
-JIT-compiles a shared-memory comm op on its first `init_distributed` (tens of seconds, then cached under
-TORCH_EXTENSIONS_DIR).
+would JIT-compile a shared-memory all-reduce on its first `init_distributed` (25-50 s with g++), which only its
+inference tensor parallelism calls: the build is skipped (_skip_inference_all_reduce_build).
 
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
@@ -75,6 +75,21 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
+
+def _skip_inference_all_reduce_build() -> None:
+    """DeepSpeed's torch comm backend, created by the first init_distributed, JIT-compiles its shared-memory
+    all-reduce (`deepspeed_shm_comm`) on a CPU machine: 25-50 s of g++ on the first run there (then cached under
+    TORCH_EXTENSIONS_DIR), before the first step. Only `inference_all_reduce` calls it, from DeepSpeed's inference
+    tensor parallelism (module_inject), which training here never uses. Marked incompatible, the op is not built
+    (comm/torch.py build_shm_op returns None) and inference_all_reduce would fall back to the process group's."""
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    compatible = getattr(deepspeed.ops, "__compatible_ops__", None)
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if isinstance(compatible, dict) and builder is not None:
+        compatible[builder.NAME] = False
+
 class DeepSpeedDataParallel(DataParallel):
     name = "deepspeed"
     handles_loss_scaling = True
@@ -91,6 +106,8 @@ class DeepSpeedDataParallel(DataParallel):
             raise ConfigError("parallel.backend=deepspeed: start under torchrun (e.g. --nproc-per-node N)")
         self.cfg, self.ctx = cfg, ctx
         self.module = model
+        if ctx.device.type == "cpu":
+            _skip_inference_all_reduce_build()
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
         ds_config = merged_deepspeed_config(cfg, ctx.dp)
         if materialize is not None:  # a meta-device model: ZeRO-3 partitions it as it is filled, the others whole
