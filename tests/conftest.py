@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
+from typing import Callable, TypeVar
 
 import pytest
+
+T = TypeVar("T")
 
 REPO = Path(__file__).resolve().parents[1]
 # Prepared token files are shared by all workers (writes are atomic renames); CI points this into the checkout.
@@ -26,6 +30,26 @@ def tiny_overrides(out_dir: Path, **extra: object) -> list[str]:
     }
     base.update({k.replace("__", "."): v for k, v in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
+
+
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], T]) -> T:
+    """`make(folder)` run once in the whole test session, by whichever xdist worker asks first; the others wait for
+    it and get the same result (pickled) and folder, which they must only read. For the expensive module fixtures:
+    the slow-first order (pytest_collection_modifyitems) scatters a module's tests over both workers and between
+    other modules, and a module fixture was rebuilt each time (test_launch's reference 4 times a run). A `make`
+    that raises leaves nothing behind, so the next test to ask tries again and fails with its own error."""
+    from filelock import FileLock  # (torch's dependency)
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the session's folder, shared by its workers
+    folder, done = root / f"made-once-{name}", root / f"made-once-{name}.pickle"
+    with FileLock(f"{folder}.lock"):
+        if not done.is_file():
+            folder.mkdir(exist_ok=True)
+            result = make(folder)
+            done.write_bytes(pickle.dumps(result))
+    return pickle.loads(done.read_bytes())
 
 
 @pytest.fixture

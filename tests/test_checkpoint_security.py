@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 from dist_llm import cli
 from dist_llm.config import ConfigError
 from dist_llm.train.safe_metadata import load_index
-from tests.conftest import tiny_overrides
+from tests.conftest import made_once, tiny_overrides
 from tests.test_launch import env
 
 MD = "torch.distributed.checkpoint.metadata"  # the module the reader used to trust wholesale (it imports os)
@@ -124,18 +124,20 @@ ROUTES: dict[str, tuple[Callable[[Path], bytes], str]] = {
 @pytest.fixture(scope="module")
 def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny run trained 2 steps through the CLI, with its checkpoint at step 2."""
-    root = tmp_path_factory.mktemp("saved")
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    corpus = root / "corpus.txt"
-    corpus.write_text("\n".join((stdlib / n).read_text() for n in ["argparse.py", "functools.py", "textwrap.py"]))
-    out = root / "run"
-    proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "train",
-                           *tiny_overrides(out, data__source=corpus, train__max_steps=2, train__ckpt_interval=2,
-                                           train__eval_interval=0)],
-                          capture_output=True, text=True, env=env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (out / "checkpoints" / STEP / "manifest.json").is_file()
-    return out
+    def make(root: Path) -> Path:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        corpus = root / "corpus.txt"
+        corpus.write_text("\n".join((stdlib / n).read_text() for n in ["argparse.py", "functools.py", "textwrap.py"]))
+        out = root / "run"
+        proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "train",
+                               *tiny_overrides(out, data__source=corpus, train__max_steps=2, train__ckpt_interval=2,
+                                               train__eval_interval=0)],
+                              capture_output=True, text=True, env=env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert (out / "checkpoints" / STEP / "manifest.json").is_file()
+        return out
+
+    return made_once(tmp_path_factory, "saved_run", make)
 
 
 @pytest.fixture

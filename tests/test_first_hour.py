@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from dist_llm.train.checkpoint import latest_checkpoint
-from tests.conftest import REPO, tiny_overrides
+from tests.conftest import REPO, made_once, tiny_overrides
 
 
 def cli(*args: str, cwd: Path = REPO, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -100,10 +100,13 @@ def interrupt(out: Path, *args: str, times: int = 1, after_step: int = 1) -> tup
 def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """A two-rank run stopped by Ctrl-C after step 3 or later (checkpoints every 2 steps and where it stopped),
     made once: the Ctrl-C test reads it, the resume and LoRA tests start from copies of it."""
-    out = tmp_path_factory.mktemp("first_hour") / "run"
-    proc, _ = interrupt(out, "--nproc-per-node", "2", *tiny(out, train__max_steps=100_000, parallel__dp=2),
-                        after_step=3)
-    return out, proc
+    def make(folder: Path) -> tuple[Path, subprocess.CompletedProcess]:
+        out = folder / "run"
+        proc, _ = interrupt(out, "--nproc-per-node", "2", *tiny(out, train__max_steps=100_000, parallel__dp=2),
+                            after_step=3)
+        return out, proc
+
+    return made_once(tmp_path_factory, "first_hour", make)
 
 
 def test_ctrl_c_saves_at_the_step_boundary_and_says_how_to_resume(run_dir: tuple) -> None:

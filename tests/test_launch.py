@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import REPO, made_once
 
 BIN = Path(sys.executable).parent
 # a small run: dp x tp layouts of 4 ranks and the single process see the same global batches
@@ -45,11 +45,13 @@ def check(proc: subprocess.CompletedProcess, out_dir: Path, reference: list[floa
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
-    out = tmp_path_factory.mktemp("one")
-    proc = subprocess.run([sys.executable, "-m", "dist_llm.train", "--config", str(REPO / "configs/tiny.yaml"), *RUN,
-                           f"train.out_dir={out}"], capture_output=True, text=True, env=env(), timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return losses(out)
+    def make(out: Path) -> list[float]:
+        proc = subprocess.run([sys.executable, "-m", "dist_llm.train", "--config", str(REPO / "configs/tiny.yaml"),
+                               *RUN, f"train.out_dir={out}"], capture_output=True, text=True, env=env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return losses(out)
+
+    return made_once(tmp_path_factory, "launch_reference", make)
 
 
 def test_two_torchrun_nodes_dp2_tp2(tmp_path: Path, reference: list[float]) -> None:
