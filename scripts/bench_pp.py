@@ -3,7 +3,7 @@ for GPipe, 1F1B, ZB-H1 (zb1) and interleaved 1F1B.
 
     python scripts/bench_pp.py [--pp 2 4] [--micro-batches 4 8 16] [--schedules gpipe 1f1b [zb1] [interleaved]]
                                [--virtual 2] [--layers 8] [--width 256] [--seq 128] [--micro-batch 2] [--steps 3]
-                               [--threads N] [--predict measured|units] [--exchange-cost measured|latency]
+                               [--threads N] [--predict measured|units] [--exchange-cost fitted|measured|latency]
                                [--until-decided [--max-minutes 10]] [--json PATH]
 
 What it measures, through dist_llm's Trainer (fp32, dp=1, tp=1, one process per stage, cores // stages torch
@@ -18,14 +18,17 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              closed form beside: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
                              2(p-1)/(3m+2(p-1)) ZB-H1);
                   predicted  each stage's measured seconds per action (mean of its F, B, W; F1, B1 ... for later
-                             chunks), each exchange's measured cost by its number of messages (the mean of what
-                             this run's exchanges of that size took after the last of their other sides was
-                             posted: the last poster's own preparation of its tensors, the transfers and the
-                             wake-ups; right-skewed, and the simulator adds one cost per exchange, so the mean,
-                             whose count-fold is the expected sum, not the median; --exchange-cost latency: the
-                             ping-pong latency instead) and the work after the schedule (gradient completion, the
-                             norm: the shortest stage tail). Like against like: what the schedule costs with the stages'
-                             real action and exchange times;
+                             chunks), each exchange's cost and the work after the schedule (gradient completion,
+                             the norm: the shortest stage tail). An exchange's cost is what it takes after the last
+                             of its other sides was posted (the last poster's own preparation of its tensors, the
+                             transfers, the wake-ups), charged as (--exchange-cost) fitted: its messages times the
+                             cost per message of 1F1B's exchanges at the same m (their excess in all over their
+                             messages in all), so for ZB-H1 and interleaved a prediction from another schedule's
+                             steps (interleaved's exchanges carry 3 and 4 messages, 1F1B's 1 and 2); measured: the
+                             mean of this run's own exchanges of that size, which makes the replay an accounting
+                             check (its exchange charge equals the measured one by construction); latency: the
+                             ping-pong latency. Means, not medians: the costs are right-skewed, and the simulator
+                             adds one cost per exchange, so the count-fold of the mean is the expected sum;
                   replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
                              waiting that means hide), median over the steps.
                   Then where each stage's idle went (in exchanges, after its last action, executor overhead) and the
@@ -103,9 +106,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--predict", choices=["measured", "units"], default="measured",
                    help="the margins' prediction: the simulator with this run's per-action seconds and p2p latency "
                         "(measured), or with unit costs (F 1, B 2, W half of B)")
-    p.add_argument("--exchange-cost", choices=["measured", "latency"], default="measured",
-                   help="what an exchange costs in the predicted and replayed figures: what this run's exchanges of "
-                        "each size took beyond the rendezvous (measured), or the ping-pong latency of one activation")
+    p.add_argument("--exchange-cost", choices=["fitted", "measured", "latency"], default="fitted",
+                   help="what an exchange costs in the predicted and replayed figures: its messages times the cost "
+                        "per message of 1F1B's exchanges at the same m (fitted: for the other schedules a prediction "
+                        "from 1F1B's), what this run's exchanges of each size took beyond the rendezvous (measured: "
+                        "an accounting check), or the ping-pong latency of one activation")
     p.add_argument("--until-decided", action="store_true",
                    help="after --steps rounds, take more rounds at each m until every margin's verdict is met or "
                         "not met (on 99%% intervals, 10 pairs at least), or --max-minutes runs out")
@@ -121,6 +126,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--max-minutes: must be a number of minutes above 0, got {args.max_minutes}")
     if args.max_minutes is None:
         args.max_minutes = 10.0
+    if args.exchange_cost == "fitted" and "1f1b" not in args.schedules:
+        p.error("--exchange-cost fitted charges 1F1B's cost per message: put 1f1b in --schedules, or choose "
+                "measured or latency")
     return args
 
 
@@ -172,7 +180,41 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
                 r.timed_step()
     if args.until_decided and m in args.micro_batches:
         more_rounds(args, runs, m, latency, until, round_s=(time.perf_counter() - began) / max(1, args.steps))
-    return [run.row(latency, args.exchange_cost) for run in runs]
+    return rows_of(runs, latency, args.exchange_cost)
+
+
+#: what the predicted and replayed figures charge an exchange, by --exchange-cost (printed with the tables)
+EXCHANGE_COST = {"fitted": "their messages x 1F1B's cost per message at the same m (for zb1 and interleaved a "
+                           "prediction)",
+                 "measured": "this run's own mean by size (the replay an accounting check)",
+                 "latency": "the ping-pong latency"}
+
+
+def rows_of(runs: list[Run], latency: float, exchange_cost: str) -> list[dict[str, Any]]:
+    """Each run's row. Under --exchange-cost fitted every run's exchanges are charged the cost per message of the
+    1F1B run's at this m (its exchanges' excess in all over their messages in all): for ZB-H1 and interleaved,
+    whose steps did not give it, the prediction of what their exchanges cost, which the replay then tests."""
+    per_message = None
+    if exchange_cost == "fitted":
+        per_message = cost_per_message(next(r for r in runs if r.schedule == "1f1b").excess_by_size())
+    return [run.row(latency, exchange_cost, per_message) for run in runs]
+
+
+def cost_per_message(excess: dict[int, list[float]]) -> float:
+    """Seconds per message: the exchanges' excess in all over the messages in them in all (exchanges by size)."""
+    return sum(map(sum, excess.values())) / sum(n * len(x) for n, x in excess.items())
+
+
+def exchange_charge(model: str, excess: dict[int, list[float]], *, per_message: float | None,
+                    latency: float | None) -> dict[int, float]:
+    """What the simulator charges an exchange of each size in `excess` (this run's, by size) under
+    --exchange-cost `model`: fitted, n x `per_message` (the 1F1B run's); measured, this run's mean of that size;
+    latency, the ping-pong `latency` whatever the size."""
+    if model == "fitted" and per_message is not None:
+        return {n: n * per_message for n in excess}
+    if model == "measured":
+        return {n: statistics.fmean(x) for n, x in excess.items()}
+    return {n: latency or 0.0 for n in excess}
 
 
 def in_turn(runs: list[Run], i: int) -> list[Run]:
@@ -194,7 +236,7 @@ def more_rounds(args: argparse.Namespace, runs: list[Run], m: int, latency: floa
         go_on = torch.tensor([0], dtype=torch.int64)
         if int(os.environ["RANK"]) == 0:
             if pairs >= check_at:  # (a check replays every step so far: after every tenth more rounds, not each)
-                left = undecided([run.row(latency, args.exchange_cost) for run in runs], args.predict)
+                left = undecided(rows_of(runs, latency, args.exchange_cost), args.predict)
                 check_at = pairs + max(1, pairs // 10)
                 print(f"bench_pp: m={m}, {pairs} pairs, undecided: {', '.join(left) or 'none'}", file=sys.stderr,
                       flush=True)  # (the progress of a long run)
@@ -270,24 +312,35 @@ class Run:
         self.timelines.append([t for _, t, _, _, _, _ in every])
         self.exchanges.append([x for *_, x in every])
 
-    def row(self, latency: float | None, exchange_cost: str = "measured") -> dict[str, Any]:
+    def excess_by_size(self) -> dict[int, list[float]]:
+        """Every timed step's exchanges' excess (exchange_excess), by their number of messages."""
+        from dist_llm.parallel.pipeline.schedule import build_plans
+
+        plans = build_plans(self.schedule, self.pp, self.m, self.v)
+        excess: dict[int, list[float]] = {}
+        for step in self.exchanges:
+            for n, seconds in exchange_excess(plans, step).items():
+                excess.setdefault(n, []).extend(seconds)
+        return dict(sorted(excess.items()))
+
+    def row(self, latency: float | None, exchange_cost: str = "measured",
+            per_message: float | None = None) -> dict[str, Any]:
         import torch
 
         from dist_llm.parallel.pipeline.schedule import bubble_fraction, build_plans, simulate
 
         pp, m, v, schedule = self.pp, self.m, self.v, self.schedule
         plans = build_plans(schedule, pp, m, v)
-        # what an exchange of n messages cost beyond waiting for the neighbour's side (mean over stages and
-        # steps): the simulator's exchange cost for `predicted` and `replayed`, or the ping-pong latency. The mean:
-        # at p=2 every exchange is on the critical path, so a step's makespan carries their sum, whose expectation
-        # is the count times the mean; the costs are right-skewed (wake-ups on a loaded core), and the median
-        # charged ~0.5x-0.75x of it (1F1B's 2-message exchanges 0.85 ms median, 1.53 ms mean at m=16)
-        excess: dict[int, list[float]] = {}
-        for step in self.exchanges:
-            for n, seconds in exchange_excess(plans, step).items():
-                excess.setdefault(n, []).extend(seconds)
-        per_size = {n: statistics.fmean(x) for n, x in sorted(excess.items())}
-        cost: float | dict[int, float] = per_size if exchange_cost == "measured" and per_size else (latency or 0.0)
+        # what an exchange of n messages cost beyond waiting for the neighbour's side: the simulator's exchange
+        # cost for `predicted` and `replayed`. Means, not medians: at p=2 every exchange is on the critical path,
+        # so a step's makespan carries their sum, whose expectation is the count times the mean; the costs are
+        # right-skewed (wake-ups on a loaded core), and the median charged ~0.5x-0.75x of it (1F1B's 2-message
+        # exchanges 0.85 ms median, 1.53 ms mean at m=16). measured: this run's own mean per size (so the replay
+        # accounts for the steps it replays); fitted: n times 1F1B's cost per message (rows_of); latency: the
+        # ping-pong's, whatever the size
+        excess = self.excess_by_size()
+        per_size = {n: statistics.fmean(x) for n, x in excess.items()}
+        cost = exchange_charge(exchange_cost, excess, per_message=per_message, latency=latency)
         makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
         parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
                  for i in range(pp)]
@@ -309,7 +362,9 @@ class Run:
                 "replayed": [statistics.median(r[i] for r in replayed) for i in range(pp)],
                 # per timed step, every stage's figure: the margins' pairs (pp_stats)
                 "idle_fraction_steps": [t["pp_idle_fraction"] for t in self.times], "replayed_steps": replayed,
-                "p2p_latency_s": latency, "exchange_s": {str(n): c for n, c in per_size.items()},
+                "p2p_latency_s": latency, "exchange_cost_model": exchange_cost,
+                "exchange_charged_s": {str(n): c for n, c in cost.items()},
+                "exchange_s": {str(n): c for n, c in per_size.items()},
                 "exchange_median_s": {str(n): statistics.median(x) for n, x in sorted(excess.items())},
                 # every exchange's excess, by size (all steps and stages): a run can be scored again another way
                 "exchange_excess_s": {str(n): x for n, x in sorted(excess.items())},
@@ -458,7 +513,8 @@ def actions(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
                 for b in r["breakdown"]]
         lines.append(f"{_name(r):>15} {r['m']:>3}  " + " | ".join(f"{a}; {i}" for a, i in zip(per, idle)))
         lines.append(f"{'':>19} exchanges a stage by messages in them: " + ", ".join(
-            f"{n}: {r['exchange_count'][n]} x {1e3 * c:.2f} ms" for n, c in r["exchange_s"].items()))
+            f"{n}: {r['exchange_count'][n]} x {1e3 * c:.2f} ms (charged {1e3 * r['exchange_charged_s'][n]:.2f})"
+            for n, c in r["exchange_s"].items()))
     return "\n".join(lines)
 
 
@@ -489,7 +545,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\npipeline, p={pp} stages on {cores} cores, {rows[0]['threads']} thread(s) each"
               f"{' (OVERSUBSCRIBED: idle figures unreliable)' if over else ''}; GPT n_layer={args.layers} "
               f"n_embd={args.width} seq={args.seq}, micro-batch {args.micro_batch}, fp32; p2p latency "
-              f"{1e3 * rows[0]['p2p_latency_s']:.2f} ms (one activation, ranks 0-1)")
+              f"{1e3 * rows[0]['p2p_latency_s']:.2f} ms (one activation, ranks 0-1); exchanges charged "
+              f"{EXCHANGE_COST[args.exchange_cost]}")
         print(table(rows, pp, args.micro_batches))
         print(actions(rows, pp, args.micro_batches))
         print(margins_table(rows, args.micro_batches, args.predict, level, min_pairs))

@@ -252,9 +252,14 @@ def margins_table(rows: list[dict[str, Any]], wanted: list[int], predict: str, l
     """The margins, their intervals, the verdicts and how many pairs an answer needs (see the module's doc), at
     `level` (--until-decided: STOP_LEVEL, the level it stopped on, with MIN_PAIRS)."""
     pct = f"{100 * level:g}%"
-    judge = ("replayed margin (the simulator on the same two steps, each action its own seconds, each exchange this "
-             "run's mean cost for its size: an accounting check, not an a-priori prediction; that is the units one)"
-             if predict == "measured" else "units margin (the simulator with unit costs)")
+    model = rows[0].get("exchange_cost_model", "measured") if rows else "measured"
+    charged = {"fitted": "its messages times 1F1B's cost per message at this m: for ZB-H1 and interleaved, whose "
+                         "exchanges did not give it, a prediction",
+               "measured": "this run's mean cost for its size: an accounting check, not an a-priori prediction; "
+                           "that is the units one",
+               "latency": "the ping-pong latency"}.get(model, model)
+    judge = (f"replayed margin (the simulator on the same two steps, each action its own seconds, each exchange "
+             f"{charged})" if predict == "measured" else "units margin (the simulator with unit costs)")
     head = (f"{'schedule':>15} {'m':>3} {'pairs':>5}  {f'margin [{pct} CI]':>22}  {f'replayed [{pct} CI]':>22}  "
             f"{f'ratio [{pct} Fieller]':>24}  {'verdict':>9}  {'predicted':>9} {f'ratio [{pct}]':>24}  {'units':>6} "
             f"{f'ratio [{pct}]':>24}  {'step s':>6} {'1f1b s':>6}  {'pairs for +-0.2':>16} {'to decide':>16}")

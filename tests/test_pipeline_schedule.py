@@ -218,6 +218,28 @@ def test_bench_measures_what_an_exchange_costs_beyond_the_rendezvous() -> None:
         bench_pp.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3)]])
 
 
+def test_bench_charges_exchanges_1f1bs_cost_per_message() -> None:
+    """--exchange-cost fitted: 1F1B's exchanges of one message took 1 and 3 ms, its one of two 4 ms: 8 ms over 4
+    messages, 2 ms a message, so interleaved's exchanges of 1 to 4 messages are charged 2, 4, 6 and 8 ms whatever
+    its own took; measured charges each size its own mean; latency the ping-pong's for every size."""
+    per = bench_pp.cost_per_message({1: [0.001, 0.003], 2: [0.004]})
+    assert per == pytest.approx(0.002)
+    mine = {1: [0.005], 2: [0.001, 0.002], 3: [0.0], 4: [0.009]}
+    charged = bench_pp.exchange_charge("fitted", mine, per_message=per, latency=0.3)
+    assert charged == pytest.approx({1: 0.002, 2: 0.004, 3: 0.006, 4: 0.008})
+    assert bench_pp.exchange_charge("measured", mine, per_message=per, latency=0.3) == pytest.approx(
+        {1: 0.005, 2: 0.0015, 3: 0.0, 4: 0.009})
+    assert bench_pp.exchange_charge("latency", mine, per_message=per, latency=0.3) == {1: 0.3, 2: 0.3, 3: 0.3, 4: 0.3}
+
+
+def test_bench_refuses_fitted_exchange_costs_without_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as stop:
+        bench_pp.parse_args(["--schedules", "gpipe", "zb1"])
+    assert stop.value.code == 2
+    assert "--exchange-cost fitted charges 1F1B's cost per message: put 1f1b in --schedules" in capsys.readouterr().err
+    assert bench_pp.parse_args(["--schedules", "gpipe", "zb1", "--exchange-cost", "measured"]).exchange_cost == "measured"
+
+
 @pytest.mark.parametrize(("stages", "micro"), SHAPES)
 def test_activation_memory(stages: int, micro: int) -> None:
     """GPipe holds all m micro-batches on every stage; 1F1B at most p - s on stage s."""
