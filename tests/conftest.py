@@ -74,7 +74,7 @@ SLOW_S: dict[str, float] = {
     "test_deepspeed.py::test_deepspeed_skipped_steps_come_from_the_engine": 35,
     "test_reliability.py::test_a_real_write_error_stops_with_one_line_and_keeps_the_checkpoint": 32,
     "test_launch.py::test_two_torchrun_nodes_dp2_tp2": 25,
-    "test_finetune.py::test_shipped_finetune_configs_lower_the_loss": 23,
+    "test_finetune.py::test_shipped_finetune_configs_lower_the_loss": 15,
     "test_reliability.py::test_sigterm_saves_and_exits_0_then_resume_goes_on": 22,
     "test_trainer.py::test_compile_matches_eager": 20,
     "test_launch.py::test_deepspeed_launcher": 19,

@@ -133,6 +133,8 @@ def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corp
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) -> None:
+    """The shipped configs' hyperparameters learn the demo task: 15 steps (of its 20 warm-up steps) take the loss
+    from 5.63 to ~4.14 for both methods (measured), where the test asks for 0.5; it flattens by step 15 (4.06 at 40)."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("demo", Path(__file__).parent.parent / "scripts" / "make_finetune_demo.py")
@@ -141,7 +143,7 @@ def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) ->
     base, data = demo.make(tmp_path / "demo", records=500)
     cfg = load_config(Path(__file__).parent.parent / "configs" / f"finetune-{method}.yaml", [
         f"model.init_from=hf:{base}", f"data.source={data}", f"data.cache_dir={tmp_path / 'cache'}",
-        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=40", "train.eval_interval=0", "train.log_interval=5"])
+        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=15", "train.eval_interval=0", "train.log_interval=5"])
     last = Trainer(cfg, ParallelContext.from_config(cfg)).fit()
     first = next(r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
     assert last["loss"] < first["loss"] - 0.5
