@@ -256,8 +256,10 @@ def worker(args: argparse.Namespace) -> int:
 
     def build_deepspeed(stage: int) -> Built:
         if not ds.comm.is_initialized():
-            say("deepspeed.init_distributed: it JIT-compiles its shm comm op on first use (~25-50 s, then cached in "
-                f"{os.environ.get('TORCH_EXTENSIONS_DIR')})")
+            # its shared-memory all-reduce serves DeepSpeed's inference only: not built, as dist_llm's backend does
+            from dist_llm.parallel.data.deepspeed import skip_inference_all_reduce_build
+
+            skip_inference_all_reduce_build()
             t0 = time.perf_counter()
             ds.init_distributed(dist_backend="gloo")
             say(f"deepspeed.init_distributed took {time.perf_counter() - t0:.1f} s")

@@ -3,8 +3,8 @@
 DeepSpeed is optional (`pip install dist-llm[deepspeed]`) and imported only here. The config it gets is
 derived from ours (batch sizes, ZeRO stage, precision, clipping: deepspeed_config.py), so users who know DeepSpeed
 switch with one key. A torch AdamW is handed in, which avoids DeepSpeed's fused_adam JIT build. On CPU DeepSpeed
-would JIT-compile a shared-memory all-reduce on its first `init_distributed` (25-50 s with g++), which only its
-inference tensor parallelism calls: the build is skipped (_skip_inference_all_reduce_build).
+would JIT-compile a shared-memory all-reduce on its first `init_distributed` (a minute of g++), which only its
+inference tensor parallelism calls: the build is skipped (skip_inference_all_reduce_build).
 
 DeepSpeed scales fp16 losses, clips and skips overflowing steps inside its own step, so the trainer's
 scaler stands aside; the gradient norm and whether the step was skipped come back from the engine.
@@ -75,13 +75,14 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-
-def _skip_inference_all_reduce_build() -> None:
+def skip_inference_all_reduce_build() -> None:
     """DeepSpeed's torch comm backend, created by the first init_distributed, JIT-compiles its shared-memory
-    all-reduce (`deepspeed_shm_comm`) on a CPU machine: 25-50 s of g++ on the first run there (then cached under
-    TORCH_EXTENSIONS_DIR), before the first step. Only `inference_all_reduce` calls it, from DeepSpeed's inference
-    tensor parallelism (module_inject), which training here never uses. Marked incompatible, the op is not built
-    (comm/torch.py build_shm_op returns None) and inference_all_reduce would fall back to the process group's."""
+    all-reduce (`deepspeed_shm_comm`) on a CPU machine: about a minute of g++ here on the first run (then cached
+    under TORCH_EXTENSIONS_DIR), before the first step. Only `inference_all_reduce` calls it, from DeepSpeed's
+    inference tensor parallelism (module_inject), which training here never uses. Marked incompatible, the op is
+    not built (comm/torch.py build_shm_op returns None) and inference_all_reduce would fall back to the process
+    group's. (With Intel's oneCCL bindings installed, the CPU accelerator builds its CCL comm op instead: left as
+    it is.) Call before the first init_distributed; `built_inference_all_reduce()` says afterwards whether it held."""
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
 
@@ -89,6 +90,15 @@ def _skip_inference_all_reduce_build() -> None:
     builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
     if isinstance(compatible, dict) and builder is not None:
         compatible[builder.NAME] = False
+
+
+def built_inference_all_reduce() -> bool:
+    """Whether DeepSpeed's comm backend holds the shared-memory op (a DeepSpeed that no longer reads the flag
+    skip_inference_all_reduce_build sets would build it again, silently but for this)."""
+    import deepspeed.comm.comm as ds_comm
+
+    return getattr(getattr(ds_comm, "cdb", None), "shm_comm_op", None) is not None
+
 
 class DeepSpeedDataParallel(DataParallel):
     name = "deepspeed"
@@ -107,8 +117,11 @@ class DeepSpeedDataParallel(DataParallel):
         self.cfg, self.ctx = cfg, ctx
         self.module = model
         if ctx.device.type == "cpu":
-            _skip_inference_all_reduce_build()
+            skip_inference_all_reduce_build()
         deepspeed.init_distributed(dist_backend="nccl" if ctx.device.type == "cuda" else "gloo")
+        if ctx.device.type == "cpu" and built_inference_all_reduce():
+            log.warning("DeepSpeed built its shared-memory all-reduce (a minute of g++ the first time) although "
+                        "dist_llm marked it unneeded: this DeepSpeed no longer reads deepspeed.ops.__compatible_ops__")
         ds_config = merged_deepspeed_config(cfg, ctx.dp)
         if materialize is not None:  # a meta-device model: ZeRO-3 partitions it as it is filled, the others whole
             if builds_partitioned(cfg):
