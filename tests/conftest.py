@@ -32,23 +32,31 @@ def tiny_overrides(out_dir: Path, **extra: object) -> list[str]:
     return [f"{k}={v}" for k, v in base.items()]
 
 
-def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], T]) -> T:
+def made_once(config: pytest.Config, tmp_path_factory: pytest.TempPathFactory, name: str,
+              make: Callable[[Path], T]) -> T:
     """`make(folder)` run once in the whole test session, by whichever xdist worker asks first; the others wait for
     it and get the same result (pickled) and folder, which they must only read. For the expensive module fixtures:
     the slow-first order (pytest_collection_modifyitems) scatters a module's tests over both workers and between
-    other modules, and a module fixture was rebuilt each time (test_launch's reference 4 times a run). A `make`
-    that raises leaves nothing behind, so the next test to ask tries again and fails with its own error."""
+    other modules, and a module fixture was rebuilt each time (test_launch's reference 4 times a run). The result
+    is written whole or not at all, and a try finds no result starts from an empty folder: what a `make` that
+    raised (or a worker killed in it) left there is removed, not resumed from. (`make` works in the final folder:
+    its outputs name it, as the Ctrl-C run's messages do.)"""
+    import shutil
+
     from filelock import FileLock  # (torch's dependency)
 
     root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # the session's folder, shared by its workers
+    if getattr(config, "workerinput", None) is not None:  # an xdist worker: its basetemp is <session>/gwN
+        root = root.parent
     folder, done = root / f"made-once-{name}", root / f"made-once-{name}.pickle"
     with FileLock(f"{folder}.lock"):
         if not done.is_file():
-            folder.mkdir(exist_ok=True)
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
             result = make(folder)
-            done.write_bytes(pickle.dumps(result))
+            part = done.with_suffix(".part")
+            part.write_bytes(pickle.dumps(result))
+            os.replace(part, done)
     return pickle.loads(done.read_bytes())
 
 
@@ -74,7 +82,7 @@ SLOW_S: dict[str, float] = {
     "test_deepspeed.py::test_deepspeed_skipped_steps_come_from_the_engine": 35,
     "test_reliability.py::test_a_real_write_error_stops_with_one_line_and_keeps_the_checkpoint": 32,
     "test_launch.py::test_two_torchrun_nodes_dp2_tp2": 25,
-    "test_finetune.py::test_shipped_finetune_configs_lower_the_loss": 15,
+    "test_finetune.py::test_shipped_finetune_configs_lower_the_loss": 20,
     "test_reliability.py::test_sigterm_saves_and_exits_0_then_resume_goes_on": 22,
     "test_trainer.py::test_compile_matches_eager": 20,
     "test_launch.py::test_deepspeed_launcher": 19,

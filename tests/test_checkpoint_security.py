@@ -122,7 +122,7 @@ ROUTES: dict[str, tuple[Callable[[Path], bytes], str]] = {
 
 # -- a real checkpoint, and planting a payload in it --------------------------------------------------------
 @pytest.fixture(scope="module")
-def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def saved_run(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny run trained 2 steps through the CLI, with its checkpoint at step 2."""
     def make(root: Path) -> Path:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -137,7 +137,7 @@ def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
         assert (out / "checkpoints" / STEP / "manifest.json").is_file()
         return out
 
-    return made_once(tmp_path_factory, "saved_run", make)
+    return made_once(pytestconfig, tmp_path_factory, "saved_run", make)
 
 
 @pytest.fixture

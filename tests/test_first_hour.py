@@ -97,7 +97,8 @@ def interrupt(out: Path, *args: str, times: int = 1, after_step: int = 1) -> tup
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+def run_dir(pytestconfig: pytest.Config,
+            tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
     """A two-rank run stopped by Ctrl-C after step 3 or later (checkpoints every 2 steps and where it stopped),
     made once: the Ctrl-C test reads it, the resume and LoRA tests start from copies of it."""
     def make(folder: Path) -> tuple[Path, subprocess.CompletedProcess]:
@@ -106,7 +107,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.
                             after_step=3)
         return out, proc
 
-    return made_once(tmp_path_factory, "first_hour", make)
+    return made_once(pytestconfig, tmp_path_factory, "first_hour", make)
 
 
 def test_ctrl_c_saves_at_the_step_boundary_and_says_how_to_resume(run_dir: tuple) -> None:

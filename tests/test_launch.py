@@ -44,14 +44,14 @@ def check(proc: subprocess.CompletedProcess, out_dir: Path, reference: list[floa
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
+def reference(pytestconfig: pytest.Config, tmp_path_factory: pytest.TempPathFactory) -> list[float]:
     def make(out: Path) -> list[float]:
         proc = subprocess.run([sys.executable, "-m", "dist_llm.train", "--config", str(REPO / "configs/tiny.yaml"),
                                *RUN, f"train.out_dir={out}"], capture_output=True, text=True, env=env(), timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return losses(out)
 
-    return made_once(tmp_path_factory, "launch_reference", make)
+    return made_once(pytestconfig, tmp_path_factory, "launch_reference", make)
 
 
 def test_two_torchrun_nodes_dp2_tp2(tmp_path: Path, reference: list[float]) -> None:
