@@ -133,8 +133,9 @@ def test_peft_run_exports_its_merged_model(tmp_path: Path, llama_dir: Path, corp
 
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) -> None:
-    """The shipped configs' hyperparameters learn the demo task: 15 steps (of its 20 warm-up steps) take the loss
-    from 5.63 to ~4.14 for both methods (measured), where the test asks for 0.5; it flattens by step 15 (4.06 at 40)."""
+    """The shipped configs' hyperparameters learn the demo task, through the 20 warm-up steps to the peak rate and
+    past it: 25 steps take the loss from 5.63 (step 1) to ~4.12 for both methods (measured, logged every step;
+    4.06 at 40, where it flattens). The test asks for 1.0 of that 1.5: a step moves it by up to 0.2."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("demo", Path(__file__).parent.parent / "scripts" / "make_finetune_demo.py")
@@ -143,10 +144,10 @@ def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) ->
     base, data = demo.make(tmp_path / "demo", records=500)
     cfg = load_config(Path(__file__).parent.parent / "configs" / f"finetune-{method}.yaml", [
         f"model.init_from=hf:{base}", f"data.source={data}", f"data.cache_dir={tmp_path / 'cache'}",
-        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=15", "train.eval_interval=0", "train.log_interval=5"])
+        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=25", "train.eval_interval=0", "train.log_interval=1"])
     last = Trainer(cfg, ParallelContext.from_config(cfg)).fit()
     first = next(r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
-    assert last["loss"] < first["loss"] - 0.5
+    assert first["step"] == 1 and last["loss"] < first["loss"] - 1.0
 
 
 def test_qlora_from_a_checkpoint_quantises_its_weights(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
