@@ -23,8 +23,10 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              of its other sides was posted (the last poster's own preparation of its tensors, the
                              transfers, the wake-ups), charged as (--exchange-cost) fitted: its messages times the
                              cost per message of 1F1B's exchanges at the same m (their excess in all over their
-                             messages in all), so for ZB-H1 and interleaved a prediction from another schedule's
-                             steps (interleaved's exchanges carry 3 and 4 messages, 1F1B's 1 and 2); measured: the
+                             messages in all), so every other schedule's exchanges are charged a cost carried
+                             over from 1F1B's steps, not taken from their own (at p=2 ZB-H1's have 1F1B's sizes, 1
+                             and 2 messages, so its charge is close to its own; interleaved's also 3 and 4, an
+                             extrapolation); measured: the
                              mean of this run's own exchanges of that size, which makes the replay an accounting
                              check (its exchange charge equals the measured one by construction); latency: the
                              ping-pong latency. Means, not medians: the costs are right-skewed, and the simulator
@@ -104,8 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="time each (schedule, m) in one go, not the schedules' steps in turn at each m")
     p.add_argument("--threads", type=int, help="torch threads per stage (default: cores // stages, at least 1)")
     p.add_argument("--predict", choices=["measured", "units"], default="measured",
-                   help="the margins' prediction: the simulator with this run's per-action seconds and p2p latency "
-                        "(measured), or with unit costs (F 1, B 2, W half of B)")
+                   help="the margins' prediction: the simulator with each step's own per-action seconds and the "
+                        "--exchange-cost charge (measured), or with unit costs (F 1, B 2, W half of B)")
     p.add_argument("--exchange-cost", choices=["fitted", "measured", "latency"], default="fitted",
                    help="what an exchange costs in the predicted and replayed figures: its messages times the cost "
                         "per message of 1F1B's exchanges at the same m (fitted: for the other schedules a prediction "
@@ -184,16 +186,16 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
 
 
 #: what the predicted and replayed figures charge an exchange, by --exchange-cost (printed with the tables)
-EXCHANGE_COST = {"fitted": "their messages x 1F1B's cost per message at the same m (for zb1 and interleaved a "
-                           "prediction)",
+EXCHANGE_COST = {"fitted": "their messages x 1F1B's cost per message at the same m (carried over to the other "
+                           "schedules)",
                  "measured": "this run's own mean by size (the replay an accounting check)",
                  "latency": "the ping-pong latency"}
 
 
 def rows_of(runs: list[Run], latency: float, exchange_cost: str) -> list[dict[str, Any]]:
     """Each run's row. Under --exchange-cost fitted every run's exchanges are charged the cost per message of the
-    1F1B run's at this m (its exchanges' excess in all over their messages in all): for ZB-H1 and interleaved,
-    whose steps did not give it, the prediction of what their exchanges cost, which the replay then tests."""
+    1F1B run's at this m (its exchanges' excess in all over their messages in all): for the other schedules a
+    cost carried over from 1F1B's steps, not taken from their own, which the replay then tests."""
     per_message = None
     if exchange_cost == "fitted":
         per_message = cost_per_message(next(r for r in runs if r.schedule == "1f1b").excess_by_size())
@@ -210,11 +212,15 @@ def exchange_charge(model: str, excess: dict[int, list[float]], *, per_message: 
     """What the simulator charges an exchange of each size in `excess` (this run's, by size) under
     --exchange-cost `model`: fitted, n x `per_message` (the 1F1B run's); measured, this run's mean of that size;
     latency, the ping-pong `latency` whatever the size."""
-    if model == "fitted" and per_message is not None:
+    if model == "fitted":
+        if per_message is None:
+            raise ValueError("--exchange-cost fitted needs 1F1B's cost per message (rows_of)")
         return {n: n * per_message for n in excess}
     if model == "measured":
         return {n: statistics.fmean(x) for n, x in excess.items()}
-    return {n: latency or 0.0 for n in excess}
+    if model == "latency":
+        return {n: latency or 0.0 for n in excess}
+    raise ValueError(f"--exchange-cost: unknown {model!r}")
 
 
 def in_turn(runs: list[Run], i: int) -> list[Run]:

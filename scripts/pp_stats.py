@@ -253,8 +253,9 @@ def margins_table(rows: list[dict[str, Any]], wanted: list[int], predict: str, l
     `level` (--until-decided: STOP_LEVEL, the level it stopped on, with MIN_PAIRS)."""
     pct = f"{100 * level:g}%"
     model = rows[0].get("exchange_cost_model", "measured") if rows else "measured"
-    charged = {"fitted": "its messages times 1F1B's cost per message at this m: for ZB-H1 and interleaved, whose "
-                         "exchanges did not give it, a prediction",
+    charged = {"fitted": "its messages times 1F1B's cost per message at this m, carried over to the other "
+                         "schedules from 1F1B's steps (close to ZB-H1's own: the same sizes; for interleaved's 3 and "
+                         "4 messages an extrapolation)",
                "measured": "this run's mean cost for its size: an accounting check, not an a-priori prediction; "
                            "that is the units one",
                "latency": "the ping-pong latency"}.get(model, model)

@@ -230,6 +230,8 @@ def test_bench_charges_exchanges_1f1bs_cost_per_message() -> None:
     assert bench_pp.exchange_charge("measured", mine, per_message=per, latency=0.3) == pytest.approx(
         {1: 0.005, 2: 0.0015, 3: 0.0, 4: 0.009})
     assert bench_pp.exchange_charge("latency", mine, per_message=per, latency=0.3) == {1: 0.3, 2: 0.3, 3: 0.3, 4: 0.3}
+    with pytest.raises(ValueError, match="fitted needs 1F1B's cost per message"):  # (not the latency, silently)
+        bench_pp.exchange_charge("fitted", mine, per_message=None, latency=0.3)
 
 
 def test_bench_refuses_fitted_exchange_costs_without_1f1b(capsys: pytest.CaptureFixture[str]) -> None:
