@@ -110,8 +110,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "--exchange-cost charge (measured), or with unit costs (F 1, B 2, W half of B)")
     p.add_argument("--exchange-cost", choices=["fitted", "measured", "latency"], default="fitted",
                    help="what an exchange costs in the predicted and replayed figures: its messages times the cost "
-                        "per message of 1F1B's exchanges at the same m (fitted: for the other schedules a prediction "
-                        "from 1F1B's), what this run's exchanges of each size took beyond the rendezvous (measured: "
+                        "per message of 1F1B's exchanges at the same m (fitted: carried over to the other "
+                        "schedules), what this run's exchanges of each size took beyond the rendezvous (measured: "
                         "an accounting check), or the ping-pong latency of one activation")
     p.add_argument("--until-decided", action="store_true",
                    help="after --steps rounds, take more rounds at each m until every margin's verdict is met or "
@@ -183,13 +183,6 @@ def measure(args: argparse.Namespace, schedules: list[tuple[str, int]], m: int, 
     if args.until_decided and m in args.micro_batches:
         more_rounds(args, runs, m, latency, until, round_s=(time.perf_counter() - began) / max(1, args.steps))
     return rows_of(runs, latency, args.exchange_cost)
-
-
-#: what the predicted and replayed figures charge an exchange, by --exchange-cost (printed with the tables)
-EXCHANGE_COST = {"fitted": "their messages x 1F1B's cost per message at the same m (carried over to the other "
-                           "schedules)",
-                 "measured": "this run's own mean by size (the replay an accounting check)",
-                 "latency": "the ping-pong latency"}
 
 
 def rows_of(runs: list[Run], latency: float, exchange_cost: str) -> list[dict[str, Any]]:
@@ -345,7 +338,7 @@ class Run:
         # accounts for the steps it replays); fitted: n times 1F1B's cost per message (rows_of); latency: the
         # ping-pong's, whatever the size
         excess = self.excess_by_size()
-        per_size = {n: statistics.fmean(x) for n, x in excess.items()}
+        per_size = exchange_charge("measured", excess, per_message=None, latency=None)  # (what they took)
         cost = exchange_charge(exchange_cost, excess, per_message=per_message, latency=latency)
         makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
         parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
@@ -533,7 +526,7 @@ def main(argv: list[str] | None = None) -> None:
                                or not {"zb1", "interleaved"} & set(args.schedules)):
         sys.exit("bench_pp: --until-decided needs 1f1b and zb1 or interleaved in --schedules, and no --sequential "
                  "(it judges margins over 1F1B from steps taken in turn)")
-    from pp_stats import LEVEL, MIN_PAIRS, STOP_LEVEL, RatioCI, margin_stats, margins_table
+    from pp_stats import EXCHANGE_COST, LEVEL, MIN_PAIRS, STOP_LEVEL, RatioCI, margin_stats, margins_table
     # --until-decided stopped on 99% intervals: its table, verdicts and JSON at that level (pp_stats.STOP_LEVEL)
     level, min_pairs = (STOP_LEVEL, MIN_PAIRS) if args.until_decided else (LEVEL, 2)
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
@@ -551,7 +544,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"\npipeline, p={pp} stages on {cores} cores, {rows[0]['threads']} thread(s) each"
               f"{' (OVERSUBSCRIBED: idle figures unreliable)' if over else ''}; GPT n_layer={args.layers} "
               f"n_embd={args.width} seq={args.seq}, micro-batch {args.micro_batch}, fp32; p2p latency "
-              f"{1e3 * rows[0]['p2p_latency_s']:.2f} ms (one activation, ranks 0-1); exchanges charged "
+              f"{1e3 * rows[0]['p2p_latency_s']:.2f} ms (one activation, ranks 0-1); each exchange charged "
               f"{EXCHANGE_COST[args.exchange_cost]}")
         print(table(rows, pp, args.micro_batches))
         print(actions(rows, pp, args.micro_batches))

@@ -247,20 +247,24 @@ def _pairs(n: int | None, round_s: float) -> str:
     return ">1e6" if n is None else f"{n} ({n * round_s / 60:.1f}m)"
 
 
+#: what bench_pp's predicted and replayed figures charge an exchange, by its --exchange-cost
+EXCHANGE_COST = {"fitted": "its messages times 1F1B's cost per message at this m, carried over to the other "
+                           "schedules from 1F1B's steps (close to ZB-H1's own: the same sizes; for interleaved's 3 "
+                           "and 4 messages an extrapolation)",
+                 "measured": "this run's mean cost for its size: an accounting check, not an a-priori prediction; "
+                             "that is the units one",
+                 "latency": "the ping-pong latency"}
+
+
 def margins_table(rows: list[dict[str, Any]], wanted: list[int], predict: str, level: float = LEVEL,
                   min_pairs: int = 2) -> str:
     """The margins, their intervals, the verdicts and how many pairs an answer needs (see the module's doc), at
     `level` (--until-decided: STOP_LEVEL, the level it stopped on, with MIN_PAIRS)."""
     pct = f"{100 * level:g}%"
     model = rows[0].get("exchange_cost_model", "measured") if rows else "measured"
-    charged = {"fitted": "its messages times 1F1B's cost per message at this m, carried over to the other "
-                         "schedules from 1F1B's steps (close to ZB-H1's own: the same sizes; for interleaved's 3 and "
-                         "4 messages an extrapolation)",
-               "measured": "this run's mean cost for its size: an accounting check, not an a-priori prediction; "
-                           "that is the units one",
-               "latency": "the ping-pong latency"}.get(model, model)
     judge = (f"replayed margin (the simulator on the same two steps, each action its own seconds, each exchange "
-             f"{charged})" if predict == "measured" else "units margin (the simulator with unit costs)")
+             f"charged {EXCHANGE_COST.get(model, model)})" if predict == "measured"
+             else "units margin (the simulator with unit costs)")
     head = (f"{'schedule':>15} {'m':>3} {'pairs':>5}  {f'margin [{pct} CI]':>22}  {f'replayed [{pct} CI]':>22}  "
             f"{f'ratio [{pct} Fieller]':>24}  {'verdict':>9}  {'predicted':>9} {f'ratio [{pct}]':>24}  {'units':>6} "
             f"{f'ratio [{pct}]':>24}  {'step s':>6} {'1f1b s':>6}  {'pairs for +-0.2':>16} {'to decide':>16}")
