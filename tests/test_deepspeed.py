@@ -59,20 +59,33 @@ def test_deepspeed_zero2_matches_ours(tmp_path: Path, corpus: Path) -> None:  # 
         assert a == pytest.approx(b, rel=1e-5)
 
 
-def test_deepspeed_on_cpu_compiles_no_op(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    """DeepSpeed's comm backend JIT-compiled its shared-memory all-reduce (only its inference tensor parallelism
-    calls it) at the first init_distributed on a CPU machine: 25-50 s of g++ into TORCH_EXTENSIONS_DIR. With an
-    empty one, a ZeRO-2 run trains and leaves it empty (before: deepspeed_shm_comm built there)."""
+def _train_reporting_the_shm_op(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                                extra: dict[str, Any]) -> dict[str, Any]:
+    """`train`, and afterwards whether DeepSpeed's comm backend holds its shared-memory op and what its list of
+    compatible ops says of it."""
+    import deepspeed.ops
     from deepspeed.ops.op_builder.cpu import ShareMemCommBuilder
 
-    if not ShareMemCommBuilder().is_compatible():  # (no C++ compiler here: nothing would be built anyway)
-        pytest.skip("DeepSpeed cannot build its shared-memory op on this machine: nothing to skip")
+    from dist_llm.parallel.data.deepspeed import built_inference_all_reduce
+
+    got = train(rank, world_size, out_dir, corpus, extra)
+    return {**got, "shm_built": built_inference_all_reduce(),
+            "shm_compatible": deepspeed.ops.__compatible_ops__.get(ShareMemCommBuilder.NAME)}
+
+
+def test_deepspeed_on_cpu_compiles_no_op(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """DeepSpeed's comm backend JIT-compiled its shared-memory all-reduce (only its inference tensor parallelism
+    calls it) at the first init_distributed on a CPU machine: a minute of g++ into TORCH_EXTENSIONS_DIR. With an
+    empty one, a ZeRO-2 run trains, the op is marked incompatible and not held, and the folder stays empty (before:
+    deepspeed_shm_comm built there). On a machine without a compiler the folder would stay empty anyway; the mark
+    and the backend's state say it was the skip."""
     ext = tmp_path / "torch_extensions"
     ext.mkdir()
-    got = run_distributed(train, 2, tmp_path / "run", corpus, {**DS_ZERO2, "parallel__backend": "deepspeed",
-                                                               "train__max_steps": 1},
+    got = run_distributed(_train_reporting_the_shm_op, 2, tmp_path / "run", corpus,
+                          {**DS_ZERO2, "parallel__backend": "deepspeed", "train__max_steps": 1},
                           init_group=False, env={"TORCH_EXTENSIONS_DIR": str(ext)})[0]
     assert got["dp"] == "deepspeed" and len(got["losses"]) == 1
+    assert got["shm_compatible"] is False and got["shm_built"] is False
     assert [p.relative_to(ext).as_posix() for p in ext.rglob("*")] == []
 
 
