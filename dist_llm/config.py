@@ -191,6 +191,10 @@ class ParallelConfig:
     """Pipeline schedule: gpipe, 1f1b, zb1 (ZB-H1: backward split into input and weight gradients), interleaved."""
     pp_virtual: int = 1
     """Model chunks per pipeline stage (pp_schedule=interleaved, 2 or more): rank r holds chunks r, r+pp, ..."""
+    pp_overlap_p2p: bool | None = None
+    """Post each pipeline exchange without waiting for it; a stage waits for a receive only before the computation
+    that uses it (Megatron's overlap_p2p_comm). Interleaved then sends each forward's and backward's messages
+    right after it, apart, so each transfer completes behind the next computation. Unset: true under pp."""
     pp_layers: list[int] = field(default_factory=list)
     """Blocks per pipeline stage; empty balances them by training FLOPs per token (blocks 6N + 12CT, the LM head and loss on the last stage, the embedding lookup ~0)."""
     sequence_parallel: bool = False
@@ -721,6 +725,13 @@ def _check_pipeline(cfg: Config) -> None:
         raise ConfigError(f"parallel.backend: {p.backend} is not supported with parallel.tp>1; use backend=native")
 
 
+def overlap_p2p(cfg: Config) -> bool:
+    """`parallel.pp_overlap_p2p`, or where unset its default: true (as Megatron-LM's overlap_p2p_comm; measured on
+    CPU in docs/benchmarks.md: ZB-H1's and interleaved's steps shorter, 1F1B's alike)."""
+    p = cfg.parallel
+    return p.pp > 1 if p.pp_overlap_p2p is None else p.pp_overlap_p2p
+
+
 def reshard_after_forward(cfg: Config) -> bool:
     """`parallel.reshard_after_forward`, or where unset its default: true, false under a pipeline (torchtitan's
     choice: 1F1B runs other micro-batches' forwards before a backward, so resharding would gather every unit
@@ -735,6 +746,9 @@ def check_interleaved(cfg: Config, dp: int | None = None) -> None:
     p, t = cfg.parallel, cfg.train
     if p.pp_virtual < 1:
         raise ConfigError(f"parallel.pp_virtual: must be positive, got {p.pp_virtual}")
+    if p.pp_overlap_p2p is True and p.pp == 1:
+        raise ConfigError("parallel.pp_overlap_p2p: overlaps the pipeline's point-to-point exchanges, needs "
+                          "parallel.pp > 1")
     if p.pp_schedule != "interleaved" or p.pp == 1:
         if p.pp_virtual > 1:
             raise ConfigError(f"parallel.pp_virtual: {p.pp_virtual} chunks per stage need parallel.pp > 1 and "

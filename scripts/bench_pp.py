@@ -94,7 +94,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--pp", type=int, nargs="+", default=[2], help="pipeline stages (processes), one run per value")
     p.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16], help="m values")
     p.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"],
-                   help="any of gpipe 1f1b zb1 interleaved (the default keeps scripts/bench.py's rows)")
+                   help="any of gpipe 1f1b zb1 interleaved (the default keeps scripts/bench.py's rows), each also "
+                        "with +overlap (parallel.pp_overlap_p2p=true), such as interleaved+overlap")
     p.add_argument("--virtual", type=int, default=2, help="chunks per stage for interleaved (parallel.pp_virtual)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--width", type=int, default=256)
@@ -128,6 +129,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--max-minutes: must be a number of minutes above 0, got {args.max_minutes}")
     if args.max_minutes is None:
         args.max_minutes = 10.0
+    known = ("gpipe", "1f1b", "zb1", "interleaved")
+    for name in args.schedules:
+        if name.removesuffix("+overlap") not in known:
+            p.error(f"--schedules: unknown {name!r}: any of {', '.join(known)}, each also with +overlap")
+    if args.exchange_cost == "measured" and any(n.endswith("+overlap") for n in args.schedules):
+        p.error("--exchange-cost measured charges a run's own exchanges, which +overlap does not time (an exchange "
+                "is waited for only where a computation needs it): choose fitted or latency")
     if args.exchange_cost == "fitted" and "1f1b" not in args.schedules:
         p.error("--exchange-cost fitted charges 1F1B's cost per message: put 1f1b in --schedules, or choose "
                 "measured or latency")
@@ -143,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
     rows: list[dict[str, Any]] = []
     runs_of: dict[int, list[tuple[str, int]]] = {}  # m -> the (schedule, v) runs at that m
     for schedule in args.schedules:
-        v = args.virtual if schedule == "interleaved" else 1
+        v = args.virtual if schedule.startswith("interleaved") else 1
         for m in set(args.micro_batches) | ({1} if v == 1 else set()):
             if v == 1 or m % pp == 0:
                 runs_of.setdefault(m, []).append((schedule, v))
@@ -265,11 +273,14 @@ class Run:
         from dist_llm.train.trainer import Trainer
 
         self.schedule, self.v, self.m, self.pp = schedule, v, m, pp
+        # (+overlap: the same schedule with parallel.pp_overlap_p2p, its plans built and simulated so)
+        self.base, self.overlap = schedule.removesuffix("+overlap"), schedule.endswith("+overlap")
         cfg = load_config(ROOT / "configs" / "tiny.yaml", [
             f"model.n_layer={args.layers}", f"model.n_embd={args.width}", f"model.n_head={args.heads}",
             f"model.block_size={args.seq}", f"train.micro_batch_size={args.micro_batch}",
             f"train.global_batch_size={args.micro_batch * m}", f"parallel.pp={pp}",
-            f"parallel.pp_schedule={schedule}", f"parallel.pp_virtual={v}", "train.max_steps=100",
+            f"parallel.pp_schedule={self.base}", f"parallel.pp_virtual={v}",
+            f"parallel.pp_overlap_p2p={str(self.overlap).lower()}", "train.max_steps=100",
             "train.eval_interval=0", "train.device=cpu", f"train.out_dir={tmp}/{schedule}{m}", "train.resume=never"])
         self.ctx = ParallelContext.from_config(cfg)
         self.trainer = Trainer(cfg, self.ctx)
@@ -290,6 +301,7 @@ class Run:
         self.parts: list[list[dict[str, float]]] = []  # per timed step, every stage's clock breakdown
         self.timelines: list[list[list[tuple[str, int, float]]]] = []  # per step and stage, each action's seconds
         self.exchanges: list[list[list[tuple[float, float]]]] = []  # per step and stage, each exchange's (start, end)
+        self.posts: list[list[list[tuple[float, float]]]] = []  # per step and stage, each exchange's posting
 
     def timed_step(self) -> None:
         import torch
@@ -304,21 +316,23 @@ class Run:
         clock = self.trainer.runtime.stage_clock
         every: list[Any] = [None] * self.pp  # (CPU: perf_counter is one monotonic clock for the host)
         torch.distributed.all_gather_object(every, (clock.breakdown(), clock.action_seconds(), clock.start,
-                                                    faults, in_gc[0], clock.exchanges))
-        first = min(start for _, _, start, _, _, _ in every)
+                                                    faults, in_gc[0], clock.exchange_times, clock.exchange_posts))
+        first = min(e[2] for e in every)
         self.parts.append([{**b, "start_offset": start - first, "page_faults": f, "gc": g}
-                           for b, _, start, f, g, _ in every])
-        self.timelines.append([t for _, t, _, _, _, _ in every])
-        self.exchanges.append([x for *_, x in every])
+                           for b, _, start, f, g, _, _ in every])
+        self.timelines.append([e[1] for e in every])
+        self.exchanges.append([e[5] for e in every])
+        self.posts.append([e[6] for e in every])
 
     def excess_by_size(self) -> dict[int, list[float]]:
-        """Every timed step's exchanges' excess (exchange_excess), by their number of messages."""
+        """Every timed step's exchanges' excess (exchange_excess, from the posts' ends), by their number of
+        messages."""
         from dist_llm.parallel.pipeline.schedule import build_plans
 
-        plans = build_plans(self.schedule, self.pp, self.m, self.v)
+        plans = build_plans(self.base, self.pp, self.m, self.v, overlap=self.overlap)
         excess: dict[int, list[float]] = {}
-        for step in self.exchanges:
-            for n, seconds in exchange_excess(plans, step).items():
+        for step, posts in zip(self.exchanges, self.posts):
+            for n, seconds in exchange_excess(plans, step, posts).items():
                 excess.setdefault(n, []).extend(seconds)
         return dict(sorted(excess.items()))
 
@@ -328,8 +342,8 @@ class Run:
 
         from dist_llm.parallel.pipeline.schedule import bubble_fraction, build_plans, simulate
 
-        pp, m, v, schedule = self.pp, self.m, self.v, self.schedule
-        plans = build_plans(schedule, pp, m, v)
+        pp, m, v, schedule, overlap = self.pp, self.m, self.v, self.schedule, self.overlap
+        plans = build_plans(self.base, pp, m, v, overlap=overlap)
         # what an exchange of n messages cost beyond waiting for the neighbour's side: the simulator's exchange
         # cost for `predicted` and `replayed`. Means, not medians: at p=2 every exchange is on the critical path,
         # so a step's makespan carries their sum, whose expectation is the count times the mean; the costs are
@@ -340,28 +354,33 @@ class Run:
         excess = self.excess_by_size()
         per_size = exchange_charge("measured", excess, per_message=None, latency=None)  # (what they took)
         cost = exchange_charge(exchange_cost, excess, per_message=per_message, latency=latency)
-        makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v)
+        makespan, sim_busy = simulate(plans, forward_cost=1 / v, backward_cost=2 / v, overlap=overlap)
         parts = [{k: statistics.median(st[i].get(k, 0.0) for st in self.parts) for k in self.parts[0][i]}
                  for i in range(pp)]
         costs = [action_seconds(b) for b in parts]
         # the measured step also holds the work after the schedule (gradient completion, the norm) that the
         # stage finishing last did alone: its tail, the shortest
         post = min(b["tail"] for b in parts)
-        pred_span, pred_busy = simulate(plans, costs=costs, exchange_cost=cost)
-        replayed = [replay(plans, costs, t, cost, post=min(b["tail"] for b in st))
-                    for t, st in zip(self.timelines, self.parts)]
+        # posting an exchange (its tensors, the call) is the stage's own time, as its actions are: each step's own
+        # in the replay, each stage's mean in the prediction; what follows the post is the charge above
+        post_s = [[[end - start for start, end in stage] for stage in step] for step in self.posts]
+        post_mean = [statistics.fmean(x for step in post_s for x in step[i]) if post_s[0][i] else 0.0
+                     for i in range(pp)]
+        pred_span, pred_busy = simulate(plans, costs=costs, exchange_cost=cost, overlap=overlap, post_cost=post_mean)
+        replayed = [replay(plans, costs, t, cost, post=min(b["tail"] for b in st), overlap=overlap, posts=ps)
+                    for t, st, ps in zip(self.timelines, self.parts, post_s)]
         med = {k: [statistics.median(t[f"pp_{k}"][i] for t in self.times) for i in range(pp)]
                for k in ("idle_fraction", "busy_s", "idle_s")}
         return {"schedule": schedule, "m": m, "p": pp, "v": v, **med,
                 "step_s": max(b + i for b, i in zip(med["busy_s"], med["idle_s"])),
                 "predicted_idle_fraction": [round(1 - b / makespan, 4) for b in sim_busy],
-                "formula": bubble_fraction(pp, m, schedule=schedule, chunks=v),
+                "formula": bubble_fraction(pp, m, schedule=self.base, chunks=v, overlap=overlap), "overlap": overlap,
                 "measured_prediction": [round(1 - b / (pred_span + post), 4) for b in pred_busy],
                 "predicted_step_s": pred_span + post, "action_s": costs, "breakdown": parts,
                 "replayed": [statistics.median(r[i] for r in replayed) for i in range(pp)],
                 # per timed step, every stage's figure: the margins' pairs (pp_stats)
                 "idle_fraction_steps": [t["pp_idle_fraction"] for t in self.times], "replayed_steps": replayed,
-                "p2p_latency_s": latency, "exchange_cost_model": exchange_cost,
+                "p2p_latency_s": latency, "exchange_cost_model": exchange_cost, "post_s": post_mean,
                 "exchange_charged_s": {str(n): c for n, c in cost.items()},
                 "exchange_s": {str(n): c for n, c in per_size.items()},
                 "exchange_median_s": {str(n): statistics.median(x) for n, x in sorted(excess.items())},
@@ -395,11 +414,14 @@ def action_seconds(breakdown: dict[str, float]) -> dict[str, float]:
     return {k: breakdown[k] / breakdown[f"count_{k}"] for k in breakdown if f"count_{k}" in breakdown}
 
 
-def exchange_excess(plans: list[list[Any]], exchanges: list[list[tuple[float, float]]]) -> dict[int, list[float]]:
+def exchange_excess(plans: list[list[Any]], exchanges: list[list[tuple[float, float]]],
+                    posts: list[list[tuple[float, float]]] | None = None) -> dict[int, list[float]]:
     """Seconds each exchange of one step took after the last of its messages' other sides was posted (its own
     post or the neighbour's exchange holding the matching send or receive, paired in order per direction as
     NCCL and gloo pair them), by the number of messages in it: the transfers and the wake-ups that the simulator's
-    rendezvous leaves out. `exchanges` is every stage's (start, end) per exchange, on one clock (the host's)."""
+    rendezvous leaves out. `exchanges` is every stage's (start, end) per exchange, on one clock (the host's); with
+    `posts`, each exchange's posting (start, end), an exchange counts as posted at its posting's end (the time
+    spent posting is then charged apart, simulate's post_cost), else at its start."""
     from dist_llm.parallel.pipeline.schedule import Exchange, peer_offset
 
     p = len(plans)
@@ -411,7 +433,8 @@ def exchange_excess(plans: list[list[Any]], exchanges: list[list[tuple[float, fl
         if len(xs) != len(times):
             raise RuntimeError(f"stage {s}: {len(times)} exchanges timed, its plan has {len(xs)}")
         rows = []
-        for x, (start, end) in zip(xs, times):
+        for j, (x, (start, end)) in enumerate(zip(xs, times)):
+            at = posts[s][j][1] if posts is not None else start
             ops = []
             for a in x.ops:
                 peer = (s + peer_offset(a.kind)) % p
@@ -419,8 +442,8 @@ def exchange_excess(plans: list[list[Any]], exchanges: list[list[tuple[float, fl
                 key = (s, peer) if send else (peer, s)
                 queue = (posted if send else wanted).setdefault(key, [])
                 ops.append((send, key, len(queue)))
-                queue.append(start)
-            rows.append((x, start, end, ops))
+                queue.append(at)
+            rows.append((x, at, end, ops))
         mine.append(rows)
     out: dict[int, list[float]] = {}
     for rows in mine:
@@ -432,14 +455,17 @@ def exchange_excess(plans: list[list[Any]], exchanges: list[list[tuple[float, fl
 
 
 def replay(plans: list[Any], means: list[dict[str, float]], timeline: list[list[tuple[str, int, float]]],
-           latency: float | dict[int, float], *, post: float) -> list[float]:
-    """Each stage's idle fraction had the step's plans run with the durations its actions really took (not their
-    means: the neighbours' ups and downs add waiting), the exchanges' cost and the work after the schedule."""
+           latency: float | dict[int, float], *, post: float, overlap: bool = False,
+           posts: list[list[float]] | None = None) -> list[float]:
+    """Each stage's idle fraction had the step's plans run with the durations its actions and its exchanges'
+    postings (`posts`, per stage in order) really took (not their means: the neighbours' ups and downs add
+    waiting), the exchanges' cost and the work after the schedule."""
     from dist_llm.parallel.pipeline.schedule import simulate
 
     tables = [{**mean, **{(kind, micro): sec for kind, micro, sec in actions}}
               for mean, actions in zip(means, timeline)]
-    span, busy = simulate(plans, costs=tables, exchange_cost=latency)
+    span, busy = simulate(plans, costs=tables, exchange_cost=latency, overlap=overlap,
+                          post_cost=posts if posts is not None else 0.0)
     return [round(1 - b / (span + post), 4) for b in busy]
 
 
@@ -471,7 +497,7 @@ def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     from dist_llm.parallel.pipeline.schedule import SCHEDULES, interleaved, peak_in_flight
 
     one = {r["schedule"]: r["first_stage_saved_bytes"] for r in rows if r["m"] == 1}
-    head = (f"{'schedule':>15} {'m':>3}  {'busy s per stage':>{8 * pp}}  {'idle s per stage':>{8 * pp}}  "
+    head = (f"{'schedule':>23} {'m':>3}  {'busy s per stage':>{8 * pp}}  {'idle s per stage':>{8 * pp}}  "
             f"{'idle fraction':>{8 * pp}}  {'replayed':>{8 * pp}}  {'predicted':>{8 * pp}}  {'simulated':>{8 * pp}}  "
             f"{'formula':>7}  "
             f"{'stage-0 saved MiB':>17} {'in micro-batches':>16} {'expected':>8}  peak MiB per stage")
@@ -482,12 +508,13 @@ def table(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
         cols = [" ".join(f"{x:7.3f}" for x in r[k]) for k in ("busy_s", "idle_s", "idle_fraction", "replayed",
                                                             "measured_prediction", "predicted_idle_fraction")]
         v = r.get("v", 1)
-        plans = interleaved(pp, r["m"], v) if r["schedule"] == "interleaved" else SCHEDULES[r["schedule"]](pp, r["m"])
+        base = r["schedule"].removesuffix("+overlap")
+        plans = interleaved(pp, r["m"], v) if base == "interleaved" else SCHEDULES[base](pp, r["m"])
         plan = plans[0]
         expected = peak_in_flight(plan) / v
         held = (f"{r['first_stage_saved_bytes'] / one[r['schedule']]:>16.2f}" if r["schedule"] in one else f"{'-':>16}")
         name = r["schedule"] + (f" v={v}" if v > 1 else "")
-        lines.append(f"{name:>15} {r['m']:>3}  " + "  ".join(f"{c:>{8 * pp}}" for c in cols)
+        lines.append(f"{name:>23} {r['m']:>3}  " + "  ".join(f"{c:>{8 * pp}}" for c in cols)
                      + f"  {r['formula']:>7.3f}  {r['first_stage_saved_bytes'] / 2**20:>17.2f} {held}"
                      + f" {expected:>8.2f}  "
                      + " ".join(f"{b / 2**20:.1f}" for b in r["peak_bytes"]))
@@ -500,18 +527,20 @@ def _name(r: dict[str, Any]) -> str:
 
 def actions(rows: list[dict[str, Any]], pp: int, wanted: list[int]) -> str:
     """Milliseconds per action on each stage (what `predicted` simulates), and where each stage's idle went."""
-    lines = ["ms per action, per stage (chunk c of interleaved: F1, B1 ...); idle ms split into exch (in "
-             "batch_isend_irecv), tail (after the stage's last action to the step's end) and other (executor); "
+    lines = ["ms per action, per stage (chunk c of interleaved: F1, B1 ...); idle ms split into exch (posting "
+             "exchanges and waiting for them; posting: ms an exchange's posting took, mean), tail (after the stage's last action to the step's end) and other (executor); "
              "start: ms after the first stage's schedule began; faults: minor page faults in the step; gc: ms in Python's garbage collector"]
     for r in rows:
         if r["m"] not in wanted:
             continue
         per = [" ".join(f"{k}={1e3 * v:.1f}" for k, v in sorted(a.items())) for a in r["action_s"]]
-        idle = [f"exch {1e3 * b['exchange']:.0f} tail {1e3 * b['tail']:.0f} other {1e3 * b['other']:.0f} "
-                f"start +{1e3 * b['start_offset']:.0f} faults {b['page_faults'] / 1e3:.1f}k gc {1e3 * b['gc']:.0f}"
-                for b in r["breakdown"]]
-        lines.append(f"{_name(r):>15} {r['m']:>3}  " + " | ".join(f"{a}; {i}" for a, i in zip(per, idle)))
-        lines.append(f"{'':>19} exchanges a stage by messages in them: " + ", ".join(
+        idle = [f"exch {1e3 * b['exchange']:.0f} (posting {1e3 * ps:.2f} each) tail {1e3 * b['tail']:.0f} "
+                f"other {1e3 * b['other']:.0f} start +{1e3 * b['start_offset']:.0f} "
+                f"faults {b['page_faults'] / 1e3:.1f}k gc {1e3 * b['gc']:.0f}"
+                for b, ps in zip(r["breakdown"], r["post_s"])]
+        lines.append(f"{_name(r):>23} {r['m']:>3}  " + " | ".join(f"{a}; {i}" for a, i in zip(per, idle)))
+        took = " (+overlap: from the post to its wait's end, computations between)" if r.get("overlap") else ""
+        lines.append(f"{'':>27} exchanges a stage by messages in them{took}: " + ", ".join(
             f"{n}: {r['exchange_count'][n]} x {1e3 * c:.2f} ms (charged {1e3 * r['exchange_charged_s'][n]:.2f})"
             for n, c in r["exchange_s"].items()))
     return "\n".join(lines)
@@ -523,7 +552,7 @@ def main(argv: list[str] | None = None) -> None:
         worker(args)
         return
     if args.until_decided and (args.sequential or "1f1b" not in args.schedules
-                               or not {"zb1", "interleaved"} & set(args.schedules)):
+                               or not {"zb1", "interleaved"} & {n.removesuffix("+overlap") for n in args.schedules}):
         sys.exit("bench_pp: --until-decided needs 1f1b and zb1 or interleaved in --schedules, and no --sequential "
                  "(it judges margins over 1F1B from steps taken in turn)")
     from pp_stats import EXCHANGE_COST, LEVEL, MIN_PAIRS, STOP_LEVEL, RatioCI, margin_stats, margins_table

@@ -265,7 +265,7 @@ def margins_table(rows: list[dict[str, Any]], wanted: list[int], predict: str, l
     judge = (f"replayed margin (the simulator on the same two steps, each action its own seconds, each exchange "
              f"charged {EXCHANGE_COST.get(model, model)})" if predict == "measured"
              else "units margin (the simulator with unit costs)")
-    head = (f"{'schedule':>15} {'m':>3} {'pairs':>5}  {f'margin [{pct} CI]':>22}  {f'replayed [{pct} CI]':>22}  "
+    head = (f"{'schedule':>23} {'m':>3} {'pairs':>5}  {f'margin [{pct} CI]':>22}  {f'replayed [{pct} CI]':>22}  "
             f"{f'ratio [{pct} Fieller]':>24}  {'verdict':>9}  {'predicted':>9} {f'ratio [{pct}]':>24}  {'units':>6} "
             f"{f'ratio [{pct}]':>24}  {'step s':>6} {'1f1b s':>6}  {'pairs for +-0.2':>16} {'to decide':>16}")
     lines = ["margin over 1F1B at the same m (idle fraction, mean of the stages), per pair of timed steps of the same "
@@ -280,11 +280,11 @@ def margins_table(rows: list[dict[str, Any]], wanted: list[int], predict: str, l
             continue
         name = e["schedule"] + (f" v={e['v']}" if e["v"] > 1 else "")
         if "margin" not in e:
-            lines.append(f"{name:>15} {e['m']:>3} {e['pairs']:>5}  (fewer than 2 pairs: no interval)")
+            lines.append(f"{name:>23} {e['m']:>3} {e['pairs']:>5}  (fewer than 2 pairs: no interval)")
             continue
         (m, lo, hi), (rm, rlo, rhi) = e["margin"], e["replayed"]
         rr, rp, ru = e["ratio_replayed"], e["ratio_predicted"], e["ratio_units"]
-        lines.append(f"{name:>15} {e['m']:>3} {e['pairs']:>5}  {m:7.3f} [{lo:6.3f},{hi:6.3f}]  "
+        lines.append(f"{name:>23} {e['m']:>3} {e['pairs']:>5}  {m:7.3f} [{lo:6.3f},{hi:6.3f}]  "
                      f"{rm:7.3f} [{rlo:6.3f},{rhi:6.3f}]  {rr.ratio:5.2f} {rr.text():>18}  {e['verdict']:>9}  "
                      f"{e['predicted']:9.3f} {rp.ratio:5.2f} {rp.text():>18}  "
                      f"{e['units']:6.3f} {ru.ratio:5.2f} {ru.text():>18}  {e['step_s']:6.3f} {e['step_s_1f1b']:6.3f}  "

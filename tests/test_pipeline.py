@@ -273,11 +273,11 @@ def crossed_waits(a: list[list[tuple]], b: list[list[tuple]], rank_a: int, rank_
 @pytest.mark.parametrize(("schedule", "precision"), [("1f1b", "bf16"), ("gpipe", "fp32")])
 def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: Path,  # noqa: F811
                                                         schedule: str, precision: str) -> None:
-    """The executor's calls, two steps and an evaluation on 2 stages with 4 micro-batches: the two ranks' batches
+    """The executor's calls without overlap, two steps and an evaluation on 2 stages with 4 micro-batches: the two ranks' batches
     never wait on each other in a circle, every batch is waited on before the next, and what travels is the
     compute dtype in the shape the receiver posted (micro batch 2 x block 32 x width 32)."""
     extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "train__precision": precision,
-             "train__max_steps": 2, "train__eval_interval": 2}
+             "train__max_steps": 2, "train__eval_interval": 2, "parallel__pp_overlap_p2p": False}
     first, last = run_distributed(train_recording_p2p, 2, tmp_path, corpus, extra, init_group=False)
     assert crossed_waits(first["calls"], last["calls"], 0, 1) == []
     for r in (first, last):
@@ -294,11 +294,11 @@ def test_each_exchange_is_one_batch_that_nccl_completes(tmp_path: Path, corpus: 
 
 def test_interleaved_exchanges_round_the_ring_without_a_circular_wait(tmp_path: Path,
                                                                       corpus: Path) -> None:  # noqa: F811
-    """Interleaved on 2 ranks x 2 chunks, a step and an evaluation: rank 0 and rank 1 are each other's previous and
+    """Interleaved without overlap on 2 ranks x 2 chunks, a step and an evaluation: rank 0 and rank 1 are each other's previous and
     next stage, so activations and gradients of both directions share one pair of ranks, and every batch is
     waited on. 4 micro-batches through 4 virtual stages: 3 hops each way a step, 3 forward hops in evaluation."""
     extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
-             "train__max_steps": 2, "train__eval_interval": 2}
+             "train__max_steps": 2, "train__eval_interval": 2, "parallel__pp_overlap_p2p": False}
     first, last = run_distributed(train_recording_p2p, 2, tmp_path, corpus, extra, init_group=False)
     assert crossed_waits(first["calls"], last["calls"], 0, 1) == []
     for r, eval_sends in ((first, 8), (last, 4)):
@@ -309,15 +309,110 @@ def test_interleaved_exchanges_round_the_ring_without_a_circular_wait(tmp_path: 
         assert len(sends) == 2 * 12 + 2 * eval_sends
 
 
-def test_a_middle_stage_exchanges_with_both_neighbours_without_a_circular_wait(tmp_path: Path,
-                                                                               corpus: Path) -> None:  # noqa: F811
+class _LateWork:
+    """A receive's work whose buffer gets the message only when waited on (it arrives in a shadow buffer first), so
+    a computation that read its input before waiting would read NaN."""
+
+    def __init__(self, work: Any, into: torch.Tensor | None, shadow: torch.Tensor | None) -> None:
+        self.work, self.into, self.shadow, self.waited = work, into, shadow, False
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.work.wait(*args, **kwargs)
+        if self.into is not None and not self.waited:
+            with torch.no_grad():  # (a buffer the executor already marked as needing its gradient)
+                self.into.copy_(self.shadow)
+        self.waited = True
+        return out
+
+
+def train_late_delivery(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                        extra: dict[str, Any]) -> dict[str, Any]:
+    """train() where every received buffer holds NaN until its work is waited on (gloo: one work per operation),
+    recording, per `batch_isend_irecv` call, how many works of earlier calls were not yet waited on, and at the end
+    how many were never waited on."""
+    import torch.distributed as dist
+
+    real = dist.batch_isend_irecv
+    works: list[_LateWork] = []
+    unwaited: list[int] = []
+    calls: list[list[tuple[bool, int]]] = []
+
+    def late(ops: list[dist.P2POp]) -> list[_LateWork]:
+        unwaited.append(sum(not w.waited for w in works))
+        calls.append([(op.op is dist.isend, op.peer) for op in ops])
+        shadows = [None if op.op is dist.isend else torch.empty_like(op.tensor) for op in ops]
+        for op in ops:
+            if op.op is dist.irecv:
+                op.tensor.fill_(float("nan"))
+        got = real([op if sh is None else dist.P2POp(dist.irecv, sh, op.peer) for op, sh in zip(ops, shadows)])
+        assert len(got) == len(ops), "gloo: one work per operation"
+        new = [_LateWork(w, None if sh is None else op.tensor, sh) for w, op, sh in zip(got, ops, shadows)]
+        works.extend(new)
+        return new
+
+    dist.batch_isend_irecv = late
+    try:
+        out = train(rank, world_size, out_dir, corpus, extra)
+    finally:
+        dist.batch_isend_irecv = real
+    return {**out, "calls": calls, "unwaited": unwaited, "never_waited": sum(not w.waited for w in works),
+            "rank": rank}
+
+
+@pytest.mark.parametrize(("schedule", "layout"), [
+    ("interleaved", {}), ("interleaved", {"parallel__tp": 2}), ("interleaved", {"parallel__pp": 4, "model__n_layer": 8}),
+    ("zb1", {"parallel__zero_stage": 1, "train__micro_batch_size": 1}), ("1f1b", {}),
+], ids=["interleaved-pp2", "interleaved-tp2", "interleaved-pp4", "zb1-dp2-zero1", "1f1b-pp2"])
+def test_overlapped_exchanges_match_one_stage(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                              corpus: Path, schedule: str, layout: dict[str, Any]) -> None:  # noqa: F811
+    """parallel.pp_overlap_p2p: exchanges posted and waited for only where a computation needs what they receive.
+    Every received buffer holds NaN until its work is waited on, so a computation that used its input before the
+    wait would spoil the losses; they and the parameters equal one process's (tolerances of the layouts without
+    overlap), and every work is waited on by the step's end."""
+    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "parallel__pp_overlap_p2p": True,
+             **({"parallel__pp_virtual": 2} if schedule == "interleaved" else {}), **layout}
+    world = 4 if layout.get("parallel__tp") or layout.get("parallel__zero_stage") else extra["parallel__pp"]
+    results = run_distributed(train_late_delivery, world, tmp_path, corpus, extra, init_group=False)
+    assert [r["never_waited"] for r in results] == [0] * world
+    model = {**LAYERS, **{k: v for k, v in layout.items() if k.startswith("model__")}}
+    atol = 3e-5 if "parallel__tp" in layout or "parallel__zero_stage" in layout else 1e-7
+    assert_matches(results, reference(tmp_path_factory, corpus, **model), atol=atol)
+    if schedule == "interleaved":  # (the others' exchanges are each needed by the next computation but the sends)
+        assert max(max(r["unwaited"]) for r in results) > 0
+
+
+def test_overlapped_exchanges_never_wait_in_a_circle(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """Interleaved with pp_overlap_p2p on 2 ranks x 2 chunks: calls are posted while earlier ones are still
+    outstanding, which NCCL runs one after another in the communicator's stream, so the two ranks' calls, in the
+    order posted, must not wait on each other in a circle (crossed_waits, the check of the schedules without
+    overlap); the forward's and the backward's messages now go in separate calls (12 sends a step each)."""
+    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": "interleaved", "parallel__pp_virtual": 2,
+             "parallel__pp_overlap_p2p": True, "train__max_steps": 1}
+    first, last = run_distributed(train_late_delivery, 2, tmp_path, corpus, extra, init_group=False)
+    calls = [[[(send, peer) for send, peer in call] for call in r["calls"]] for r in (first, last)]
+    assert crossed_waits(calls[0], calls[1], 0, 1) == []
+    for r in (first, last):
+        assert sum(send for c in r["calls"] for send, _ in c) == 12
+        assert all(len({send for send, _ in c}) <= 2 for c in r["calls"])
+        assert max(r["unwaited"]) > 0 and r["never_waited"] == 0
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["waited", "overlap"])
+def test_a_middle_stage_exchanges_with_both_neighbours_without_a_circular_wait(tmp_path: Path, corpus: Path,  # noqa: F811
+                                                                               overlap: bool) -> None:
     """3 stages of 1F1B: the middle one exchanges with the stage before and the one after. In a chain of stages a
-    circular wait must include two neighbours waiting on each other, so the check is pairwise, per neighbour pair."""
-    extra = {**LAYERS, "model__n_layer": 3, "parallel__pp": 3, "parallel__pp_schedule": "1f1b", "train__max_steps": 1}
+    circular wait must include two neighbours waiting on each other, so the check is pairwise, per neighbour pair.
+    Without overlap every call is waited on before the next; with it calls are posted while others are out, which
+    the same check covers (NCCL runs a rank's calls one after another)."""
+    extra = {**LAYERS, "model__n_layer": 3, "parallel__pp": 3, "parallel__pp_schedule": "1f1b", "train__max_steps": 1,
+             "parallel__pp_overlap_p2p": overlap}
     results = run_distributed(train_recording_p2p, 3, tmp_path, corpus, extra, init_group=False)
     calls = {r["rank"]: r["calls"] for r in results}
     assert crossed_waits(calls[0], calls[1], 0, 1) == [] and crossed_waits(calls[1], calls[2], 1, 2) == []
-    assert all(r["unwaited"] == [0] * len(r["calls"]) for r in results)
+    if overlap:  # (the first stage's warm-up sends are not waited on before its next call)
+        assert max(max(r["unwaited"]) for r in results) > 0
+    else:
+        assert all(r["unwaited"] == [0] * len(r["calls"]) for r in results)
     # the middle stage's 4 activations and 4 gradients each way: 16 ops, each batch with one neighbour only
     middle = calls[1]
     assert sum(len(c) for c in middle) == 16 and all(len({op[1] for op in c}) == 1 for c in middle)
@@ -342,8 +437,9 @@ class _FakeP2P:
     def __init__(self) -> None:
         self.posted: list[list[tuple[bool, torch.Tensor, int]]] = []
 
-    def exchange(self, ops: list[tuple[bool, torch.Tensor, int]]) -> None:
+    def post(self, ops: list[tuple[bool, torch.Tensor, int]]) -> list[Any]:
         self.posted.append(ops)
+        return []  # (no works to wait for)
 
 
 @pytest.mark.parametrize("act_shape", [(2, 3, 4), (2, 6, 4)])

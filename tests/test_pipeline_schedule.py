@@ -114,6 +114,92 @@ def test_interleaved_bubble(stages: int, chunks: int, micro: int) -> None:
         micro + (stages - 1) / chunks)
 
 
+@pytest.mark.parametrize(("stages", "chunks", "micro"), INTERLEAVED)
+def test_interleaved_with_overlap(stages: int, chunks: int, micro: int) -> None:
+    """parallel.pp_overlap_p2p: the same computations in the same order, no deadlock with every rank's calls run
+    one after another (NCCL's stream) and each waited for only where its receive is used, the same bubble with
+    free exchanges, and with dear ones a shorter step: each steady-state exchange completes behind the next
+    computation."""
+    plain, overlapped = interleaved(stages, micro, chunks), interleaved(stages, micro, chunks, overlap=True)
+    for a, b in zip(plain, overlapped, strict=True):
+        assert [x for x in a if x.kind in ("F", "B")] == [x for x in b if x.kind in ("F", "B")]
+        assert sorted(a, key=repr) == sorted(b, key=repr)
+    plans = build_plans("interleaved", stages, micro, chunks, overlap=True)
+    for plan in plans:  # each exchange carries one direction: activations or gradients
+        assert all(len({a.kind[-1] for a in x.ops}) == 1 for x in plan if isinstance(x, Exchange))
+    units = {"forward_cost": 1 / chunks, "backward_cost": 2 / chunks}
+    makespan, _ = simulate(plans, overlap=True, **units)
+    assert makespan == pytest.approx(3 * micro + 3 * (stages - 1) / chunks)
+    dear = simulate(plans, overlap=True, exchange_cost=0.05, **units)[0]
+    without = simulate(build_plans("interleaved", stages, micro, chunks), exchange_cost=0.05, **units)[0]
+    assert dear < without if micro > stages else dear <= without
+
+
+@pytest.mark.parametrize(("stages", "micro"), [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16, 32)])
+def test_zb1_with_overlap(stages: int, micro: int) -> None:
+    """ZB-H1's plans run with overlap: the last stage's held-back W runs while its exchange (the input gradient's
+    send, the next activation's receive) waits for the previous stage, so with m > p a step is one W shorter,
+    3m + 2(p-1) - 1 (at p=2 the paper's ideal 3m + (p-1)F with F = B = W); 1F1B's and GPipe's steps are unchanged
+    (each of their exchanges holds what the next computation needs, or sends only)."""
+    plans = build_plans("zb1", stages, micro)
+    makespan, busy = simulate(plans, overlap=True)
+    assert makespan == simulate(plans)[0] - (1 if micro > stages else 0)
+    assert busy == [3.0 * micro] * stages
+    if micro > stages:
+        for b in busy:
+            assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, schedule="zb1", overlap=True))
+    for name in ("1f1b", "gpipe"):
+        assert simulate(build_plans(name, stages, micro), overlap=True) == simulate(build_plans(name, stages, micro))
+
+
+def test_overlap_by_hand() -> None:
+    """Stage 0 forwards two micro-batches and sends each; stage 1 posts both receives first, then forwards. F = 1,
+    an exchange completes 0.5 after both sides started it. Without overlap stage 0 waits for each send (done at
+    1.5, the second at 3.0) and stage 1 for each receive: F0 at 3.0-4.0 (its second receive, posted at 1.5, is
+    started only once stage 0's second send is, at 2.5), F1 at 4.0-5.0. With overlap stage 0 forwards at 0-1 and
+    1-2 without waiting; stage 1's stream runs the first receive at 0-1.5 and the second at 2-2.5 (stage 0's second
+    send starts at 2): F0 at 1.5-2.5, F1 at 2.5-3.5."""
+    s0, s1, r0, r1 = (Action("SEND_F", 0), Action("SEND_F", 1), Action("RECV_F", 0), Action("RECV_F", 1))
+    plans = [[Action("F", 0), Exchange((s0,)), Action("F", 1), Exchange((s1,))],
+             [Exchange((r0,)), Exchange((r1,)), Action("F", 0), Action("F", 1)]]
+    assert simulate(plans, exchange_cost=0.5) == (5.0, [2.0, 2.0])
+    trace: list[tuple[int, Action, float]] = []
+    assert simulate(plans, exchange_cost=0.5, overlap=True, trace=trace) == (3.5, [2.0, 2.0])
+    assert [(s, repr(a), t) for s, a, t in trace] == [(0, "F 0", 0.0), (0, "F 1", 1.0), (1, "F 0", 1.5),
+                                                      (1, "F 1", 2.5)]
+    # posting costs the stage its time (idle), here 0.25 each on stage 0: its sends count as posted at 1.25 and 2.5,
+    # stage 1's first receive completes at 1.75, its second starts then and pairs at 2.5: F0 1.75-2.75, F1 3.0-4.0
+    assert simulate(plans, exchange_cost=0.5, overlap=True, post_cost=[0.25, 0.0]) == (4.0, [2.0, 2.0])
+    # one figure per exchange (a replay of a step's own posts): the second send posted at 2.25 + 0.5, F1 3.25-4.25
+    assert simulate(plans, exchange_cost=0.5, overlap=True, post_cost=[[0.25, 0.5], 0.0]) == (4.25, [2.0, 2.0])
+    # without overlap: stage 0 waits for its first send (1.75), forwards 1.75-2.75, posts its second by 3.0, which
+    # pairs with the receive stage 1 posted at 1.75, done at 3.5: stage 1's forwards 3.5-4.5, 4.5-5.5
+    assert simulate(plans, exchange_cost=0.5, post_cost=[0.25, 0.0]) == (5.5, [2.0, 2.0])
+
+
+def test_overlap_keeps_each_ranks_calls_in_order() -> None:
+    """Posted without waiting, a rank's calls still run one after another (a communicator's stream): 1F1B with each
+    send and receive a call of its own deadlocks with overlap as without; and a computation placed before the
+    receive of its input is refused."""
+    with pytest.raises(ValueError, match="deadlocks"):
+        simulate(one_f_one_b(2, 4), overlap=True)
+    with pytest.raises(ValueError, match=r"stage 1: F 0 comes before the receive of its input"):
+        simulate([[Action("F", 0), Exchange((Action("SEND_F", 0),))],
+                  [Action("F", 0), Exchange((Action("RECV_F", 0),))]], overlap=True)
+
+
+def test_interleaved_with_overlap_on_two_stages() -> None:
+    """Megatron's overlap_p2p_comm order, rank 0 of 2 x 2 chunks (virtual stages 0 and 2), 4 micro-batches: after
+    each forward its activation's send with the next forward's receive (none for chunk 0, the first virtual
+    stage), the last warm-up forward's call apart from the first backward's receive, and in the steady state each
+    backward's gradient send with the next backward's receive right after it."""
+    first = build_plans("interleaved", 2, 4, 2, overlap=True)[0]
+    text = " ".join(repr(x) for x in first)
+    assert text.startswith("F 0 {SEND_F 0} F 1 {SEND_F 1, RECV_F 0/1} F 0/1 {SEND_F 0/1, RECV_F 1/1} "
+                           "F 1/1 {SEND_F 1/1} {RECV_B 0/1} F 2 {SEND_F 2} B 0/1 {SEND_B 0/1, RECV_B 1/1} "
+                           "F 3 {SEND_F 3, RECV_F 2/1} B 1/1 {SEND_B 1/1, RECV_B 0} F 2/1"), text
+
+
 def test_interleaved_order_on_two_stages() -> None:
     """2 ranks x 2 chunks, 4 micro-batches: rank 0 warms up with 2(p-1-r) + (v-1)p = 4 forwards (micro-batches 0
     and 1 through chunk 0, then through chunk 1), rank 1 with 2; the backwards start from the last chunk."""
@@ -216,6 +302,12 @@ def test_bench_measures_what_an_exchange_costs_beyond_the_rendezvous() -> None:
     assert got.keys() == {1, 2} and got[2] == pytest.approx([0.2]) and got[1] == pytest.approx([0.3, 0.2])
     with pytest.raises(RuntimeError, match="stage 1: 1 exchanges timed, its plan has 2"):
         bench_pp.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3)]])
+    # with each exchange's posting timed, an exchange counts as posted when its posting ended: stage 0's posting
+    # ended at 1.1, stage 1's at 0.05 and 5.15. Stage 0's exchange ready at 5.15, stage 1's receive at 1.1, its send
+    # at 5.15
+    got = bench_pp.exchange_excess(plans, [[(1.0, 5.2)], [(0.0, 1.3), (5.0, 5.2)]],
+                                   [[(1.0, 1.1)], [(0.0, 0.05), (5.0, 5.15)]])
+    assert got[2] == pytest.approx([0.05]) and got[1] == pytest.approx([0.2, 0.05])
 
 
 def test_bench_charges_exchanges_1f1bs_cost_per_message() -> None:
@@ -400,6 +492,8 @@ def test_partition_errors_name_the_key(args: tuple, message: str) -> None:
     (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2", "parallel.pp_layers=[1, 3]"],
      "parallel.pp_layers: [1, 3] must be 4 positive counts summing to model.n_layer=4"),
     (["parallel.pp_virtual=0"], "parallel.pp_virtual: must be positive, got 0"),
+    (["parallel.pp_overlap_p2p=true"],
+     "parallel.pp_overlap_p2p: overlaps the pipeline's point-to-point exchanges, needs parallel.pp > 1"),
     (["parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.pp_schedule=zb1"],
      "parallel.pp_schedule: zb1 with parallel.sequence_parallel would run each layer's sequence-parallel backward "
      "twice; use pp_schedule=1f1b or sequence_parallel=false"),

@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-from dist_llm.config import Config, check_interleaved
+from dist_llm.config import Config, check_interleaved, overlap_p2p
 from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel
@@ -109,14 +109,15 @@ class ParallelRuntime:
         ctx, t, m = self.ctx, self.cfg.train, self.cfg.model
         assert self.stage is not None and self.p2p is not None
         name = self.cfg.parallel.pp_schedule if train else "forward"
-        plan = build_plans(name, ctx.pp, len(micro_batches), len(self.chunks) or 1)[ctx.pp_rank]
+        overlap = overlap_p2p(self.cfg)
+        plan = build_plans(name, ctx.pp, len(micro_batches), len(self.chunks) or 1, overlap=overlap)[ctx.pp_rank]
         seq = m.block_size // ctx.cp  # (this rank's part of each sequence under context parallelism)
         seq = seq // ctx.tp if self.cfg.parallel.sequence_parallel else seq
         loss_sum, clock = run_schedule(
             plan, self.chunks or self.stage, self.p2p, batches=micro_batches,
             act_shape=(t.micro_batch_size, seq, m.n_embd), act_dtype=DTYPES[t.precision],
             loss_fn=loss_fn, backward=self.dp.backward, micro_step=lambda last: self.dp.micro_step(last=last),
-            autocast=self._autocast, device=self.device, train=train)
+            autocast=self._autocast, device=self.device, train=train, overlap=overlap)
         if train:
             self.stage_clock = clock
         return loss_sum

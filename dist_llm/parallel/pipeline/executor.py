@@ -3,8 +3,9 @@
 Activations and their gradients travel between neighbour stages point to point in the compute dtype. Each
 `Exchange` of the plan (schedule.build_plans: a stage's sends and receives between two computations with one
 neighbour, such as 1F1B's send-forward-receive-backward) is one `batch_isend_irecv`, all of whose works complete
-before the stage goes on: under NCCL, where a send waits for its receive, the plans are checked free of
-circular waits (schedule.simulate). Shapes are known ahead from the config (micro batch, sequence or its 1/tp
+before the stage goes on, or with parallel.pp_overlap_p2p before the computation that uses what it receives:
+under NCCL, where a send waits for its receive and a communicator's calls run one after another, the plans are
+checked free of circular waits under either rule (schedule.simulate). Shapes are known ahead from the config (micro batch, sequence or its 1/tp
 slice under sequence parallelism, width), so there is no shape handshake; the sender checks its tensor against
 the shape the receiver posts. With tp > 1 every tp rank exchanges with the same tp rank of the neighbour stage.
 
@@ -62,17 +63,16 @@ class PointToPoint:
     next: int | None
     stats: comm.CommStats
 
-    def exchange(self, ops: list[tuple[bool, torch.Tensor, int]]) -> None:
-        """Post (is_send, tensor, peer) operations as ONE `batch_isend_irecv` and wait for all of them before
-        returning: on NCCL the next exchange must not start before this one's peers have posted their side."""
+    def post(self, ops: list[tuple[bool, torch.Tensor, int]]) -> list[dist.Work]:
+        """Post (is_send, tensor, peer) operations as ONE `batch_isend_irecv`; their works, to wait for. Posted
+        calls run one after another (on NCCL in the communicator's stream), so an exchange posted before the last
+        one completed starts only once it has: the plans are checked free of circular waits under that order."""
         for is_send, t, _ in ops:
             if is_send:
                 self.stats.add("p2p", t.numel() * t.element_size())
         with span("comm.p2p"):
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer)
-                                            for is_send, t, peer in ops])
-            for work in works:
-                work.wait()
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer)
+                                           for is_send, t, peer in ops])
 
 
 class StageClock:
@@ -84,7 +84,10 @@ class StageClock:
         self.cuda = device.type == "cuda"
         self.spans: list[tuple[Any, Any]] = []
         self.actions: list[Action] = []  # each span's action
-        self.exchanges: list[tuple[Any, Any]] = []  # when the stage sat in a batch_isend_irecv (idle)
+        self.exchanges: list[tuple[Any, Any]] = []  # when the stage sat in a batch_isend_irecv or a wait (idle)
+        # each exchange of the plan, in order: (posted, waited for); without overlap the same spans as `exchanges`
+        self.exchange_times: list[tuple[Any, Any]] = []
+        self.exchange_posts: list[tuple[Any, Any]] = []  # each exchange's posting: its tensors and the call
         self.action: Action | None = None  # the action running now (set by the executor before each computation)
         self.start = self.end = self.mark()
 
@@ -149,13 +152,16 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
                  backward: Callable[[torch.Tensor], None],
                  micro_step: Callable[[bool], contextlib.AbstractContextManager],
                  autocast: Callable[[], contextlib.AbstractContextManager],
-                 device: torch.device, train: bool = True) -> tuple[torch.Tensor, StageClock]:
+                 device: torch.device, train: bool = True, overlap: bool = False) -> tuple[torch.Tensor, StageClock]:
     """Perform this stage's actions for one step; return the sum of the micro-batches' token losses on the
     last stage (zero elsewhere) and when the stage computed. `stage` is one StageModel, or one per chunk under
     the interleaved schedule (an action's `chunk` picks it). `loss_fn(loss)` makes the tensor to backward from
     a micro-batch's token-loss sum (divided by the global count, scaled); `micro_step(last)` is the
     data-parallel context around each action that produces weight gradients (B, or W where the plan splits
-    the backward: there B computes the input gradient alone, split_backward.py)."""
+    the backward: there B computes the input gradient alone, split_backward.py). `overlap`
+    (parallel.pp_overlap_p2p): each exchange is posted and not waited for; a computation waits for the exchange
+    that receives its input (F an activation, B a gradient), and the step's end for the rest (schedule.simulate
+    with overlap checks the plans under that rule)."""
     chunks = stage if isinstance(stage, list) else [stage]
     moe_of = [stage_moe_layers(c.model, c.layers) for c in chunks]
     inputs: dict[Key, torch.Tensor] = {}
@@ -167,14 +173,37 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
     grads_at = "W" if split else "B"
     last_grads = ([a for a in plan if isinstance(a, Action) and a.kind == grads_at] or [None])[-1]
     clock = StageClock(device)
+    pending: dict[tuple[str, int, int], _Posted] = {}  # overlap: receives posted, not yet waited for
+
+    def wait_for(posted: _Posted) -> None:
+        start = clock.mark()
+        posted.complete(inputs, out_grads, train)
+        end = clock.mark()
+        clock.exchanges.append((start, end))
+        clock.exchange_times[posted.index] = (clock.exchange_times[posted.index][0], end)
+        for key in [k for k, v in pending.items() if v is posted]:
+            del pending[key]
+
+    unwaited: list[_Posted] = []
     for a in plan:
         if isinstance(a, Exchange):
             start = clock.mark()
-            _exchange(a, p2p, inputs, outputs, out_grads, shape=act_shape, dtype=act_dtype, device=device,
-                      train=train)
-            clock.exchanges.append((start, clock.mark()))
+            posted = _post(a, p2p, outputs, inputs, shape=act_shape, dtype=act_dtype, device=device, train=train)
+            posted.index = len(clock.exchange_times)
+            clock.exchange_times.append((start, None))
+            clock.exchange_posts.append((start, clock.mark()))
+            if overlap:  # waited for where a computation needs what it receives, the rest at the end
+                clock.exchanges.append((start, clock.mark()))
+                pending.update({(op.kind[-1], op.micro, op.chunk): posted for op, _ in posted.received})
+                unwaited.append(posted)
+            else:
+                posted.complete(inputs, out_grads, train)
+                clock.exchanges.append((start, clock.mark()))
+                clock.exchange_times[-1] = clock.exchanges[-1]
             continue
         m, key, st = a.micro, (a.micro, a.chunk), chunks[a.chunk]
+        if (a.kind, m, a.chunk) in pending:
+            wait_for(pending[a.kind, m, a.chunk])
         clock.action = a
         label = f"{m}/{a.chunk}" if a.chunk else f"{m}"
         if a.kind not in ("F", "B", "W"):
@@ -216,6 +245,9 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
         else:
             with _computing(clock), span(f"backward-weights {label}"), micro_step(a == last_grads):
                 backward_weights(weight_work.pop(key))
+    for posted in unwaited:  # the sends nobody waited for (and, in a broken plan, receives nobody used)
+        if not posted.completed:
+            wait_for(posted)
     clock.end = clock.mark()
     if inputs or outputs or out_grads or weight_work:
         raise RuntimeError(f"pipeline stashes not empty after the step: inputs {sorted(inputs)}, "
@@ -224,11 +256,34 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
     return loss_sum, clock
 
 
-def _exchange(x: Exchange, p2p: PointToPoint, inputs: dict[Key, torch.Tensor], outputs: dict[Key, torch.Tensor],
-              out_grads: dict[Key, torch.Tensor], *, shape: tuple[int, ...], dtype: torch.dtype,
-              device: torch.device, train: bool) -> None:
-    """One exchange with the neighbours: its sends and receives posted together, all complete on return. Under
-    the interleaved schedule the neighbours are those round the ring (the last rank's next is the first)."""
+@dataclass
+class _Posted:
+    """One exchange posted: its works, the buffers its receives fill, and its sends' tensors (kept alive until
+    the works complete)."""
+
+    works: list[Any]
+    received: list[tuple[Action, torch.Tensor]]
+    sent: list[torch.Tensor]
+    index: int = 0  # its place among the plan's exchanges
+    completed: bool = False
+
+    def complete(self, inputs: dict[Key, torch.Tensor], out_grads: dict[Key, torch.Tensor], train: bool) -> None:
+        with span("comm.p2p"):
+            for work in self.works:
+                work.wait()
+        for op, buf in self.received:
+            if op.kind == "RECV_F":
+                inputs[op.micro, op.chunk] = buf.requires_grad_(train)
+            else:
+                out_grads[op.micro, op.chunk] = buf
+        self.sent = []
+        self.completed = True
+
+
+def _post(x: Exchange, p2p: PointToPoint, outputs: dict[Key, torch.Tensor], inputs: dict[Key, torch.Tensor], *,
+          shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, train: bool) -> _Posted:
+    """One exchange with the neighbours: its sends and receives posted together. Under the interleaved schedule
+    the neighbours are those round the ring (the last rank's next is the first)."""
     ops: list[tuple[bool, torch.Tensor, int]] = []
     received: list[tuple[Action, torch.Tensor]] = []
     for op in x.ops:
@@ -242,12 +297,7 @@ def _exchange(x: Exchange, p2p: PointToPoint, inputs: dict[Key, torch.Tensor], o
             buf = torch.empty(shape, dtype=dtype, device=device)
             ops.append((False, buf, p2p.prev if op.kind == "RECV_F" else p2p.next))
             received.append((op, buf))
-    p2p.exchange(ops)
-    for op, buf in received:
-        if op.kind == "RECV_F":
-            inputs[op.micro, op.chunk] = buf.requires_grad_(train)
-        else:
-            out_grads[op.micro, op.chunk] = buf
+    return _Posted(p2p.post(ops), received, [t for is_send, t, _ in ops if is_send])
 
 
 def _outgoing(t: torch.Tensor, op: Action, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

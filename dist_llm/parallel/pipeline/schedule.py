@@ -124,7 +124,7 @@ def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
     return plans
 
 
-def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Action]]:
+def interleaved(stages: int, micro_batches: int, chunks: int, *, overlap: bool = False) -> list[list[Action]]:
     """Interleaved 1F1B (Narayanan et al. 2021; Megatron's virtual pipeline): rank r holds `chunks` model chunks,
     virtual stages r, r + p, ..., so a micro-batch passes every rank `chunks` times and the bubble shrinks to
     (p-1)/(v*m + p-1) of a step. Each rank runs its chunks' forwards in groups of p micro-batches (chunk 0 of
@@ -133,7 +133,11 @@ def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Actio
 
     Its point-to-point actions come as Megatron posts them, one exchange after each computation (or forward-
     backward pair in the steady state) with every message of that moment, in both directions round the ring:
-    the send of what was computed and the receive of what is computed next."""
+    the send of what was computed and the receive of what is computed next. With `overlap` (Megatron's
+    overlap_p2p_comm) the steady state's messages go after the computation they belong to instead: the forward's
+    send with the next forward's receive right after the forward, the backward's likewise after the backward,
+    so that each exchange has a whole computation of the other kind to complete behind before it is waited on
+    (build_plans keeps the two directions apart, the executor waits where a computation needs its input)."""
     p, m, v = stages, micro_batches, chunks
     if m % p:
         raise ValueError(f"interleaved schedule: {m} micro-batches are not a multiple of {p} stages")
@@ -165,9 +169,12 @@ def interleaved(stages: int, micro_batches: int, chunks: int) -> list[list[Actio
             acts += computes(fwd(r, k)) + after
         for i in range(total - warmup):
             k = warmup + i
-            acts += computes(fwd(r, k)) + computes(bwd(r, i))
-            acts += sends(fwd(r, k)) + sends(bwd(r, i))
-            acts += (recvs(fwd(r, k + 1)) if k + 1 < total else []) + recvs(bwd(r, i + 1))
+            next_f, next_b = (recvs(fwd(r, k + 1)) if k + 1 < total else []), recvs(bwd(r, i + 1))
+            if overlap:
+                acts += computes(fwd(r, k)) + sends(fwd(r, k)) + next_f
+                acts += computes(bwd(r, i)) + sends(bwd(r, i)) + next_b
+            else:
+                acts += computes(fwd(r, k)) + computes(bwd(r, i)) + sends(fwd(r, k)) + sends(bwd(r, i)) + next_f + next_b
         for i in range(total - warmup, total):
             acts += computes(bwd(r, i)) + sends(bwd(r, i)) + (recvs(bwd(r, i + 1)) if i + 1 < total else [])
         plans.append(acts)
@@ -211,30 +218,38 @@ def peer_offset(kind: Kind) -> int:
     return 1 if kind in ("SEND_F", "RECV_B") else -1
 
 
-def exchanges(plan: list[Action], *, both_neighbours: bool = False) -> list[Step]:
+def exchanges(plan: list[Action], *, both_neighbours: bool = False, by_direction: bool = False) -> list[Step]:
     """Group a stage's point-to-point actions into exchanges: the actions between two computations that talk
     to the same neighbour go together (a send and the receive that pairs with it), others apart; with
     `both_neighbours` all of them (interleaved schedules, whose ranks talk around a ring, post a chunk's
-    send-forward with another chunk's receive-backward, as Megatron's batched p2p does)."""
+    send-forward with another chunk's receive-backward, as Megatron's batched p2p does); with `by_direction`
+    the forward messages (activations) apart from the backward ones (gradients), so that a computation waits
+    only for its own kind (interleaved with overlap: a stage's last warm-up forward posts its activation's send
+    and the next forward's receive apart from the first backward's receive)."""
     steps: list[Step] = []
     for a in plan:
         last = steps[-1] if steps else None
         if a.kind not in _COMM:
             steps.append(a)
-        elif isinstance(last, Exchange) and (both_neighbours or peer_offset(last.ops[0].kind) == peer_offset(a.kind)):
+        elif (isinstance(last, Exchange)
+              and (both_neighbours or peer_offset(last.ops[0].kind) == peer_offset(a.kind))
+              and not (by_direction and last.ops[-1].kind[-1] != a.kind[-1])):
             steps[-1] = Exchange((*last.ops, a))
         else:
             steps.append(Exchange((a,)))
     return steps
 
 
-def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1) -> list[list[Step]]:
+def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1, *,
+                overlap: bool = False) -> list[list[Step]]:
     """Every stage's steps for schedule `name` ("forward" for evaluation; "interleaved" with `chunks` model
-    chunks per rank), as the executor runs them."""
+    chunks per rank), as the executor runs them. `overlap` (parallel.pp_overlap_p2p): the executor posts each
+    exchange without waiting and waits for a receive only before the computation that uses it; the interleaved
+    schedule then orders and groups its messages for that (`interleaved`)."""
     if name == "interleaved" or (name == "forward" and chunks > 1):
-        plans = (interleaved(stages, micro_batches, chunks) if name == "interleaved"
+        plans = (interleaved(stages, micro_batches, chunks, overlap=overlap) if name == "interleaved"
                  else forward_only(stages, micro_batches, chunks))
-        return [exchanges(p, both_neighbours=True) for p in plans]
+        return [exchanges(p, both_neighbours=True, by_direction=overlap) for p in plans]
     make = forward_only if name == "forward" else SCHEDULES[name]
     return [exchanges(p) for p in make(stages, micro_batches)]
 
@@ -242,7 +257,8 @@ def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1) -> 
 def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cost: float = 2.0,
              weight_cost: float | None = None,
              costs: Sequence[Mapping[str | tuple[str, int], float]] | None = None,
-             exchange_cost: float | Mapping[int, float] = 0.0,
+             exchange_cost: float | Mapping[int, float] = 0.0, overlap: bool = False,
+             post_cost: float | Sequence[float | Sequence[float]] = 0.0,
              trace: list[tuple[int, Action, float]] | None = None) -> tuple[float, list[float]]:
     """Run the plans on an idealised machine with NCCL's rendezvous semantics and return the makespan and each
     stage's busy time. Raises ValueError if the plans deadlock or a receive would get another message.
@@ -255,13 +271,19 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
     that one action (a replay of a step's own durations, StageClock.action_seconds). Each table needs the plain
     kinds its plan has ("F", "B", and "W" under ZB-H1), the fallback of actions without their own key.
 
-    An `Exchange` posts its actions together and the stage waits until all of them complete; a bare
-    send or receive action is an exchange of its own (one `batch_isend_irecv` per action). A send completes
-    only when the peer has posted the matching receive, and a receive when the send is posted; the exchange
-    completes `exchange_cost` after the last of its messages could (a transfer's latency; 0: free), or, given a
-    mapping, the cost of an exchange of that many messages (the real cost grows with them: several transfers
-    and wake-ups, measured by bench_pp; a count without an entry costs the nearest one below it, or above).
-    Messages between two stages pair in the order posted (NCCL has no tags)."""
+    An `Exchange` posts its actions together (a bare send or receive action is an exchange of its own). A
+    stage's exchanges run one after another, as NCCL runs a communicator's calls in its stream: one starts once it
+    is posted and the one before it has completed. A send completes only when the peer's exchange holding the
+    matching receive has started, and a receive when the send's has; the exchange completes `exchange_cost`
+    after the last of its messages could (a transfer's latency; 0: free), or, given a mapping, the cost of an
+    exchange of that many messages (the real cost grows with them: several transfers and wake-ups, measured by
+    bench_pp; a count without an entry costs the nearest one below it, or above). Messages between two stages
+    pair in the order posted (NCCL has no tags). Without `overlap` a stage waits for each exchange as it posts
+    it; with it (the executor's parallel.pp_overlap_p2p) it goes on, waits for a receive only before the
+    computation that uses it (F for an activation, B for a gradient), and for the rest at its plan's end.
+    `post_cost` is the time a stage spends posting an exchange (preparing its tensors, the call), idle, before the
+    exchange counts as posted: one figure, or per stage one figure or a list with one per exchange of its plan in
+    order (a replay of a step's own posts); 0 leaves posting free."""
     stages = len(plans)
     if costs is not None:
         if len(costs) != stages:
@@ -278,41 +300,96 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
                   "B": backward_cost - w_cost if any(isinstance(x, Action) and x.kind == "W" for x in p)
                   else backward_cost} for p in plans]
     steps = [[x if isinstance(x, Exchange) or x.kind not in _COMM else Exchange((x,)) for x in p] for p in plans]
-    clock = [0.0] * stages
+    clock = [0.0] * stages  # when each stage's next computation could start (its host's time)
     busy = [0.0] * stages
     pos = [0] * stages
-    posted = [False] * stages
-    done: list[list[float]] = [[] for _ in range(stages)]  # completion times of the current exchange's actions
+    # each stage's exchanges in the order posted: [exchange, posted at, started, completed at or None]
+    queue: list[list[list]] = [[] for _ in range(stages)]
+    head = [0] * stages  # the exchange now running (or next to run) in each stage's stream
+    home: list[dict[tuple[str, int, int], int]] = [{} for _ in range(stages)]  # a receive's exchange (queue index)
+    done: list[list[float]] = [[] for _ in range(stages)]  # when the running exchange's messages could complete
     # (from, to) -> the sends of that direction posted and not yet paired: (stage, action, time); and receives
     sends: dict[tuple[int, int], list[tuple[int, Action, float]]] = {}
     recvs: dict[tuple[int, int], list[tuple[int, Action, float]]] = {}
-    while any(pos[s] < len(steps[s]) for s in range(stages)):
+
+    def ready(s: int, index: int | None) -> bool:
+        """Whether stage s may go on past a wait for exchange `index` (None: nothing to wait for); if so, its
+        clock moves to that exchange's completion."""
+        if index is None:
+            return True
+        completed = queue[s][index][3]
+        if completed is None:
+            return False
+        clock[s] = max(clock[s], completed)
+        return True
+
+    received = [{(a.kind[-1], a.micro, a.chunk) for x in p if isinstance(x, Exchange) for a in x.ops
+                 if a.kind.startswith("RECV")} for p in steps]
+
+    def waits_for(s: int, x: Action) -> int | None:
+        key = (x.kind, x.micro, x.chunk)
+        if key not in received[s]:
+            return None  # (W; the first stage's forwards, the last stage's backwards)
+        if key not in home[s]:
+            raise ValueError(f"stage {s}: {x} comes before the receive of its input")
+        return home[s][key]
+
+    while any(pos[s] < len(steps[s]) or head[s] < len(queue[s]) for s in range(stages)):
         progressed = False
         for s in range(stages):
-            while pos[s] < len(steps[s]):
-                x = steps[s][pos[s]]
-                if isinstance(x, Action):
-                    cost = _cost(costs[s], x)
-                    if trace is not None:  # (stage, computation, its start)
-                        trace.append((s, x, clock[s]))
-                    clock[s] += cost
-                    busy[s] += cost
-                    pos[s] += 1
-                elif not posted[s]:
-                    posted[s] = True
-                    _post(s, x, clock[s], stages, sends, recvs)
+            while head[s] < len(queue[s]):  # the stream: start the next exchange, or complete the running one
+                entry = queue[s][head[s]]
+                if not entry[2]:
+                    previous = queue[s][head[s] - 1][3] if head[s] else 0.0
+                    entry[2] = True
+                    _post(s, entry[0], max(entry[1], previous), stages, sends, recvs)
                     _pair(sends, recvs, done)
-                elif len(done[s]) < len(x.ops):
+                elif len(done[s]) < len(entry[0].ops):
                     break  # waiting on a peer to post its side
                 else:
-                    clock[s] = max(clock[s], max(done[s]) + _exchange_cost(exchange_cost, len(x.ops)))
-                    posted[s], done[s] = False, []
+                    entry[3] = max(done[s]) + _exchange_cost(exchange_cost, len(entry[0].ops))
+                    done[s] = []
+                    head[s] += 1
+                progressed = True
+            while pos[s] < len(steps[s]):
+                x = steps[s][pos[s]]
+                if not overlap and pos[s] and isinstance(steps[s][pos[s] - 1], Exchange):
+                    if not ready(s, len(queue[s]) - 1):
+                        break  # waiting for the exchange it just posted
+                if isinstance(x, Exchange):
+                    clock[s] += _post_cost(post_cost, s, len(queue[s]))
+                    for a in x.ops:
+                        if a.kind.startswith("RECV"):
+                            home[s][(a.kind[-1], a.micro, a.chunk)] = len(queue[s])
+                    queue[s].append([x, clock[s], False, None])
                     pos[s] += 1
+                    progressed = True
+                    if not overlap:
+                        break  # (its stream starts it; the wait comes at the next look)
+                    continue
+                if overlap and not ready(s, waits_for(s, x)):  # type: ignore[arg-type]
+                    break  # waiting for a receive this computation needs
+                cost = _cost(costs[s], x)
+                if trace is not None:  # (stage, computation, its start)
+                    trace.append((s, x, clock[s]))
+                clock[s] += cost
+                busy[s] += cost
+                pos[s] += 1
                 progressed = True
         if not progressed:
-            waiting = {s: steps[s][pos[s]] for s in range(stages) if pos[s] < len(steps[s])}
+            waiting = {s: queue[s][head[s]][0] if head[s] < len(queue[s]) else steps[s][pos[s]]
+                       for s in range(stages) if pos[s] < len(steps[s]) or head[s] < len(queue[s])}
             raise ValueError(f"the schedule deadlocks: stages wait on {waiting}")
-    return max(clock), busy
+    for s in range(stages):  # a stage's step ends when its last exchange has completed (its sends too)
+        clock[s] = max([clock[s]] + [entry[3] for entry in queue[s]])
+    return max(clock, default=0.0), busy
+
+
+def _post_cost(cost: float | Sequence[float | Sequence[float]], stage: int, index: int) -> float:
+    if isinstance(cost, (int, float)):
+        return float(cost)
+    mine = cost[stage]
+    return float(mine) if isinstance(mine, (int, float)) else float(mine[index])
 
 
 def _exchange_cost(cost: float | Mapping[int, float], messages: int) -> float:
@@ -394,11 +471,15 @@ def peak_pending_weights(plan: list[Action]) -> int:
     return peak if any(a.kind == "W" for a in plan) else 0
 
 
-def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b", chunks: int = 1) -> float:
+def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b", chunks: int = 1,
+                    overlap: bool = False) -> float:
     """The idle share of a step with equal stages, a backward twice a forward, W half of it (as `simulate`):
     GPipe and 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v*m+p-1); ZB-H1
-    2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W) (at m = p one forward less)."""
+    2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W) (at m = p one forward less), and with
+    `overlap` (m > p) one W less still: the last stage runs its held-back W while its exchange waits for the
+    previous stage's side (at p=2 the paper's (p-1)(F+B-W))."""
     p, m = stages, micro_batches
     if schedule == "zb1":
-        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
+        bubble = 2 * (p - 1) - (1 if overlap and m > p else 0)
+        return bubble / (3 * m + bubble)
     return (p - 1) / (chunks * m + p - 1)
