@@ -193,8 +193,10 @@ class ParallelConfig:
     """Model chunks per pipeline stage (pp_schedule=interleaved, 2 or more): rank r holds chunks r, r+pp, ..."""
     pp_overlap_p2p: bool | None = None
     """Post each pipeline exchange without waiting for it; a stage waits for a receive only before the computation
-    that uses it (Megatron's overlap_p2p_comm). Interleaved then sends each forward's and backward's messages
-    right after it, apart, so each transfer completes behind the next computation. Unset: true under pp."""
+    that uses it (as Megatron-LM's overlap_p2p_comm for its interleaved schedule). Interleaved then sends each
+    forward's and backward's messages right after it, apart, so each transfer completes behind the next
+    computation; ZB-H1 runs the W's it holds back while its exchanges wait. Unset: true for interleaved and zb1
+    (GPipe and 1F1B gain nothing from it: each of their exchanges holds what the next computation needs)."""
     pp_layers: list[int] = field(default_factory=list)
     """Blocks per pipeline stage; empty balances them by training FLOPs per token (blocks 6N + 12CT, the LM head and loss on the last stage, the embedding lookup ~0)."""
     sequence_parallel: bool = False
@@ -726,10 +728,12 @@ def _check_pipeline(cfg: Config) -> None:
 
 
 def overlap_p2p(cfg: Config) -> bool:
-    """`parallel.pp_overlap_p2p`, or where unset its default: true (as Megatron-LM's overlap_p2p_comm; measured on
-    CPU in docs/benchmarks.md: ZB-H1's and interleaved's steps shorter, 1F1B's alike)."""
+    """`parallel.pp_overlap_p2p`, or where unset its default: true for the interleaved and zb1 schedules, whose
+    steps it shortens (schedule.simulate; measured in docs/benchmarks.md), false for GPipe and 1F1B."""
     p = cfg.parallel
-    return p.pp > 1 if p.pp_overlap_p2p is None else p.pp_overlap_p2p
+    if p.pp_overlap_p2p is None:
+        return p.pp > 1 and p.pp_schedule in ("interleaved", "zb1")
+    return p.pp_overlap_p2p
 
 
 def reshard_after_forward(cfg: Config) -> bool:

@@ -1,13 +1,16 @@
 """Pipeline parallelism on CPU: each stage's bubble beside the simulator's, and the first stage's activation memory,
 for GPipe, 1F1B, ZB-H1 (zb1) and interleaved 1F1B.
 
-    python scripts/bench_pp.py [--pp 2 4] [--micro-batches 4 8 16] [--schedules gpipe 1f1b [zb1] [interleaved]]
+    python scripts/bench_pp.py [--pp 2 4] [--micro-batches 4 8 16] [--schedules gpipe 1f1b [zb1] [interleaved]
+                               [zb1+overlap] [interleaved+overlap]]
                                [--virtual 2] [--layers 8] [--width 256] [--seq 128] [--micro-batch 2] [--steps 3]
                                [--threads N] [--predict measured|units] [--exchange-cost fitted|measured|latency]
                                [--until-decided [--max-minutes 10]] [--json PATH]
 
 What it measures, through dist_llm's Trainer (fp32, dp=1, tp=1, one process per stage, cores // stages torch
-threads each unless --threads: one on a 2-core machine at p=2):
+threads each unless --threads: one on a 2-core machine at p=2). A schedule runs with parallel.pp_overlap_p2p=false
+(each exchange waited for as it is posted) unless named with +overlap (posted without waiting, each receive waited
+for by the computation that uses it; simulated alike):
   busy / idle     per stage, the seconds of a step it spent in forward, backward (B, W) actions and the rest
                   (`Trainer.pipeline_times()`, the stage clock metrics.jsonl carries as pp_busy_s/pp_idle_s), the
                   median over --steps timed steps after two warm-up steps (the schedules at one m built together,
@@ -18,10 +21,11 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              closed form beside: (p-1)/(m+p-1) for GPipe and 1F1B, (p-1)/(v*m+p-1) interleaved,
                              2(p-1)/(3m+2(p-1)) ZB-H1);
                   predicted  each stage's measured seconds per action (mean of its F, B, W; F1, B1 ... for later
-                             chunks), each exchange's cost and the work after the schedule (gradient completion,
-                             the norm: the shortest stage tail). An exchange's cost is what it takes after the last
-                             of its other sides was posted (the last poster's own preparation of its tensors, the
-                             transfers, the wake-ups), charged as (--exchange-cost) fitted: its messages times the
+                             chunks) and per exchange posting (its tensors and the batch_isend_irecv call: the
+                             stage's own time, idle), each exchange's cost and the work after the schedule
+                             (gradient completion, the norm: the shortest stage tail). An exchange's cost is what
+                             it takes after the last of its sides' postings ended (the transfers, the wake-ups),
+                             charged as (--exchange-cost) fitted: its messages times the
                              cost per message of 1F1B's exchanges at the same m (their excess in all over their
                              messages in all), so every other schedule's exchanges are charged a cost carried
                              over from 1F1B's steps, not taken from their own (at p=2 ZB-H1's have 1F1B's sizes, 1
@@ -31,10 +35,10 @@ threads each unless --threads: one on a 2-core machine at p=2):
                              check (its exchange charge equals the measured one by construction); latency: the
                              ping-pong latency. Means, not medians: the costs are right-skewed, and the simulator
                              adds one cost per exchange, so the count-fold of the mean is the expected sum;
-                  replayed   the same with each action's own seconds in each step (the neighbours' jitter adds
+                  replayed   the same with each action's and each posting's own seconds in each step (the neighbours' jitter adds
                              waiting that means hide), median over the steps.
-                  Then where each stage's idle went (in exchanges, after its last action, executor overhead) and the
-                  seconds per action.
+                  Then where each stage's idle went (posting and waiting for exchanges, after its last action,
+                  executor overhead) and the seconds per action.
   margins         issue 20's target (scripts/pp_stats.py): each schedule's idle (mean of the stages) below 1F1B's at
                   the same m, per pair of timed steps (step i of the schedule and step i of 1F1B, taken one after
                   the other), the mean over the pairs with its 95% t interval; beside it the replayed margin of the
@@ -212,13 +216,15 @@ def exchange_charge(model: str, excess: dict[int, list[float]], *, per_message: 
                     latency: float | None) -> dict[int, float]:
     """What the simulator charges an exchange of each size in `excess` (this run's, by size) under
     --exchange-cost `model`: fitted, n x `per_message` (the 1F1B run's); measured, this run's mean of that size;
-    latency, the ping-pong `latency` whatever the size."""
+    latency, the ping-pong `latency` whatever the size. Never below zero: the excess counts from the end of the
+    last posting, and with gloo a transfer can finish before the sender's call returns, so a mean of small excesses
+    can come out negative, where the exchange really cost nothing beyond its postings."""
     if model == "fitted":
         if per_message is None:
             raise ValueError("--exchange-cost fitted needs 1F1B's cost per message (rows_of)")
-        return {n: n * per_message for n in excess}
+        return {n: n * max(0.0, per_message) for n in excess}
     if model == "measured":
-        return {n: statistics.fmean(x) for n, x in excess.items()}
+        return {n: max(0.0, statistics.fmean(x)) for n, x in excess.items()}
     if model == "latency":
         return {n: latency or 0.0 for n in excess}
     raise ValueError(f"--exchange-cost: unknown {model!r}")

@@ -197,7 +197,7 @@ def margin_stats(rows: list[dict[str, Any]], predict: str = "measured", level: f
     out = []
     for r in rows:
         b = base.get(r["m"])
-        if b is None or r["schedule"] in ("1f1b", "gpipe"):
+        if b is None or r["schedule"].removesuffix("+overlap") in ("1f1b", "gpipe"):  # (no margin to judge)
             continue
         got = pair_margins(b, r, "idle_fraction_steps")
         replayed = pair_margins(b, r, "replayed_steps")

@@ -44,6 +44,7 @@ def train(rank: int, world_size: int, out_dir: Path, corpus: Path, extra: dict[s
             lines = [json.loads(x) for x in (out_dir / "metrics.jsonl").read_text().splitlines()]
             out["losses"] = [r["loss"] for r in lines if "loss" in r]
             out["records"] = [r for r in lines if "loss" in r]
+            out["val_losses"] = [r["val_loss"] for r in lines if "val_loss" in r]
         return out
     finally:
         ctx.destroy()

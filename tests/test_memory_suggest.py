@@ -35,6 +35,16 @@ def test_every_candidate_has_predicts_own_peak(tmp_path: Path) -> None:
         assert s.est.peak_bytes == memory.predict(s.cfg, 4).peak_bytes, s.cfg.parallel
 
 
+def test_a_pipeline_setting_does_not_hide_the_layouts_without_a_pipeline(tmp_path: Path) -> None:
+    """A config set for pp=2 with parallel.pp_overlap_p2p=true, which pp=1 refuses: the candidates without a pipeline
+    are still counted (they drop the setting), not skipped as invalid."""
+    cfg = load_config(None, tiny_overrides(tmp_path, model__tie_embeddings=False, train__global_batch_size=16,
+                                           parallel__pp=2, parallel__pp_overlap_p2p=True))
+    plan = memory_suggest.suggest(cfg, 4, 2**40)
+    assert {s.layout for s in plan.fits} == {(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2)}
+    assert {s.cfg.parallel.pp_overlap_p2p for s in plan.fits if s.layout[2] == 2} == {True}
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_stage_params_are_the_cut_models(tmp_path: Path, tie: bool) -> None:
     cfg = load_config(None, tiny_overrides(tmp_path, model__n_layer=5, model__tie_embeddings=tie))

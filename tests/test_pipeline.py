@@ -361,24 +361,34 @@ def train_late_delivery(rank: int, world_size: int, out_dir: Path, corpus: Path,
 
 @pytest.mark.parametrize(("schedule", "layout"), [
     ("interleaved", {}), ("interleaved", {"parallel__tp": 2}), ("interleaved", {"parallel__pp": 4, "model__n_layer": 8}),
-    ("zb1", {"parallel__zero_stage": 1, "train__micro_batch_size": 1}), ("1f1b", {}),
-], ids=["interleaved-pp2", "interleaved-tp2", "interleaved-pp4", "zb1-dp2-zero1", "1f1b-pp2"])
-def test_overlapped_exchanges_match_one_stage(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                              corpus: Path, schedule: str, layout: dict[str, Any]) -> None:  # noqa: F811
-    """parallel.pp_overlap_p2p: exchanges posted and waited for only where a computation needs what they receive.
-    Every received buffer holds NaN until its work is waited on, so a computation that used its input before the
-    wait would spoil the losses; they and the parameters equal one process's (tolerances of the layouts without
-    overlap), and every work is waited on by the step's end."""
-    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "parallel__pp_overlap_p2p": True,
+    ("zb1", {"parallel__zero_stage": 1, "train__micro_batch_size": 1}), ("1f1b", {"parallel__pp_overlap_p2p": True}),
+    ("interleaved", {"parallel__pp_overlap_p2p": False}), ("zb1", {"parallel__pp_overlap_p2p": False}),
+], ids=["interleaved-pp2", "interleaved-tp2", "interleaved-pp4", "zb1-dp2-zero1", "1f1b-overlap", "interleaved-waited",
+        "zb1-waited"])
+def test_exchanges_match_one_stage_with_and_without_overlap(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                            corpus: Path, schedule: str,  # noqa: F811
+                                                            layout: dict[str, Any]) -> None:
+    """parallel.pp_overlap_p2p (the default for interleaved and zb1): exchanges posted and waited for only where a
+    computation needs what they receive, or with it false each as it is posted. Every received buffer holds NaN
+    until its work is waited on, so a computation that used its input before the wait would spoil the losses;
+    they, the validation losses (evaluation's forward-only plans) and the parameters equal one process's
+    (tolerances of the layouts without overlap). With overlap calls are posted while earlier ones are out, but
+    never more than two exchanges' worth (a wait completes the earlier calls too, as NCCL's stream does, so no
+    send's tensors are held to the step's end); without it none; every work is waited on by the step's end."""
+    overlap = layout.get("parallel__pp_overlap_p2p", schedule != "1f1b")
+    extra = {**LAYERS, "parallel__pp": 2, "parallel__pp_schedule": schedule, "train__eval_interval": 4,
              **({"parallel__pp_virtual": 2} if schedule == "interleaved" else {}), **layout}
     world = 4 if layout.get("parallel__tp") or layout.get("parallel__zero_stage") else extra["parallel__pp"]
     results = run_distributed(train_late_delivery, world, tmp_path, corpus, extra, init_group=False)
     assert [r["never_waited"] for r in results] == [0] * world
-    model = {**LAYERS, **{k: v for k, v in layout.items() if k.startswith("model__")}}
+    model = {**LAYERS, **{k: v for k, v in layout.items() if k.startswith("model__")}, "train__eval_interval": 4}
+    ref = reference(tmp_path_factory, corpus, **model)
     atol = 3e-5 if "parallel__tp" in layout or "parallel__zero_stage" in layout else 1e-7
-    assert_matches(results, reference(tmp_path_factory, corpus, **model), atol=atol)
-    if schedule == "interleaved":  # (the others' exchanges are each needed by the next computation but the sends)
-        assert max(max(r["unwaited"]) for r in results) > 0
+    assert_matches(results, ref, atol=atol)
+    assert len(ref["val_losses"]) == 2
+    assert results[0]["val_losses"] == pytest.approx(ref["val_losses"], rel=1e-5)
+    most = max(max(r["unwaited"]) for r in results)
+    assert 0 < most <= 4 if overlap else most == 0
 
 
 def test_overlapped_exchanges_never_wait_in_a_circle(tmp_path: Path, corpus: Path) -> None:  # noqa: F811

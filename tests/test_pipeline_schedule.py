@@ -137,17 +137,25 @@ def test_interleaved_with_overlap(stages: int, chunks: int, micro: int) -> None:
 
 @pytest.mark.parametrize(("stages", "micro"), [(p, m) for p in (2, 3, 4, 8) for m in (1, 2, 3, 4, 5, 8, 16, 32)])
 def test_zb1_with_overlap(stages: int, micro: int) -> None:
-    """ZB-H1's plans run with overlap: the last stage's held-back W runs while its exchange (the input gradient's
-    send, the next activation's receive) waits for the previous stage, so with m > p a step is one W shorter,
-    3m + 2(p-1) - 1 (at p=2 the paper's ideal 3m + (p-1)F with F = B = W); 1F1B's and GPipe's steps are unchanged
-    (each of their exchanges holds what the next computation needs, or sends only)."""
-    plans = build_plans("zb1", stages, micro)
+    """ZB-H1 with overlap: every stage but the first runs the W's it holds back after the exchange that follows its B
+    (the input gradient's send, the next activation's receive), computing while that exchange waits for the
+    neighbour. With F = B = W = 1 and m >= p a step is then 3m + (p-1), the paper's ideal bubble (p-1)(F+B-W),
+    against 3m + 2(p-1) without overlap; never longer, the same peaks of held micro-batches and W states. 1F1B's
+    and GPipe's steps are unchanged by overlap (each of their exchanges holds what the next computation needs, or
+    sends only)."""
+    plans = build_plans("zb1", stages, micro, overlap=True)
     makespan, busy = simulate(plans, overlap=True)
-    assert makespan == simulate(plans)[0] - (1 if micro > stages else 0)
+    waited = simulate(build_plans("zb1", stages, micro))[0]
+    assert makespan <= waited
+    if micro >= stages:
+        assert makespan == 3 * micro + stages - 1
+        assert waited == 3 * micro + 2 * (stages - 1) - (1 if micro == stages > 1 else 0)
     assert busy == [3.0 * micro] * stages
-    if micro > stages:
-        for b in busy:
-            assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, schedule="zb1", overlap=True))
+    for b in busy:
+        assert 1 - b / makespan == pytest.approx(bubble_fraction(stages, micro, schedule="zb1", overlap=True))
+    for plain, over in zip(zb1(stages, micro), zb1(stages, micro, overlap=True), strict=True):
+        assert peak_in_flight(plain) == peak_in_flight(over)
+        assert peak_pending_weights(plain) == peak_pending_weights(over)
     for name in ("1f1b", "gpipe"):
         assert simulate(build_plans(name, stages, micro), overlap=True) == simulate(build_plans(name, stages, micro))
 
@@ -183,9 +191,12 @@ def test_overlap_keeps_each_ranks_calls_in_order() -> None:
     receive of its input is refused."""
     with pytest.raises(ValueError, match="deadlocks"):
         simulate(one_f_one_b(2, 4), overlap=True)
-    with pytest.raises(ValueError, match=r"stage 1: F 0 comes before the receive of its input"):
-        simulate([[Action("F", 0), Exchange((Action("SEND_F", 0),))],
-                  [Action("F", 0), Exchange((Action("RECV_F", 0),))]], overlap=True)
+    broken = [[Action("F", 0), Exchange((Action("SEND_F", 0),))], [Action("F", 0), Exchange((Action("RECV_F", 0),))]]
+    for overlap in (True, False):
+        with pytest.raises(ValueError, match=r"stage 1: F 0 comes before the receive of its input"):
+            simulate(broken, overlap=overlap)
+    with pytest.raises(ValueError, match="stage 0's post costs are 2, its plan has 1 exchanges"):
+        simulate(broken, post_cost=[[0.1, 0.2], 0.0])
 
 
 def test_interleaved_with_overlap_on_two_stages() -> None:
@@ -322,6 +333,10 @@ def test_bench_charges_exchanges_1f1bs_cost_per_message() -> None:
     assert bench_pp.exchange_charge("measured", mine, per_message=per, latency=0.3) == pytest.approx(
         {1: 0.005, 2: 0.0015, 3: 0.0, 4: 0.009})
     assert bench_pp.exchange_charge("latency", mine, per_message=per, latency=0.3) == {1: 0.3, 2: 0.3, 3: 0.3, 4: 0.3}
+    # excesses counted from the postings' ends can average below zero (a transfer done before the sender's call
+    # returned): charged nothing, not a negative time
+    assert bench_pp.exchange_charge("fitted", mine, per_message=-0.0001, latency=0.3) == {1: 0.0, 2: 0.0, 3: 0.0, 4: 0.0}
+    assert bench_pp.exchange_charge("measured", {1: [-0.001, 0.0005]}, per_message=None, latency=0.3) == {1: 0.0}
     with pytest.raises(ValueError, match="fitted needs 1F1B's cost per message"):  # (not the latency, silently)
         bench_pp.exchange_charge("fitted", mine, per_message=None, latency=0.3)
 

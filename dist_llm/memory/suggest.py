@@ -162,6 +162,7 @@ def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt
     p = cfg.parallel
     parallel = dataclasses.replace(
         p, dp=dp, tp=tp, pp=pp, zero_stage=zero, pp_layers=p.pp_layers if pp == p.pp else [],
+        pp_overlap_p2p=p.pp_overlap_p2p if pp > 1 else None,  # (a pipeline's setting: nothing to refuse at pp=1)
         offload=p.offload if zero == 3 else "none",
         grad_accum_dtype=p.grad_accum_dtype if zero in (1, 2) else "fp32")
     train = dataclasses.replace(cfg.train, micro_batch_size=micro, activation_checkpointing=ckpt)

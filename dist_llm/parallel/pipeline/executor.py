@@ -111,8 +111,8 @@ class StageClock:
 
     def breakdown(self) -> dict[str, float]:
         """Where the step's seconds went: seconds per action kind ("F", "B", "W"; "F1", "B1" ... for the
-        interleaved schedule's later chunks), "exchange" (inside batch_isend_irecv: waiting for the neighbour
-        plus the transfer), "tail" (the last computation or exchange to `end`: the flush's wait, gradient
+        interleaved schedule's later chunks), "exchange" (posting exchanges and waiting for them: the
+        neighbour, the transfers; with overlap the waits before the computations that need them), "tail" (the last computation or exchange to `end`: the flush's wait, gradient
         completion and the norm), and "other" (the rest: the executor's own work between actions).
         "count_<kind>" is how many of each action ran."""
         out: dict[str, float] = {}
@@ -174,17 +174,24 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
     last_grads = ([a for a in plan if isinstance(a, Action) and a.kind == grads_at] or [None])[-1]
     clock = StageClock(device)
     pending: dict[tuple[str, int, int], _Posted] = {}  # overlap: receives posted, not yet waited for
+    unwaited: list[_Posted] = []  # overlap: the exchanges posted and not yet waited for, in order
 
     def wait_for(posted: _Posted) -> None:
+        """Wait for `posted` and every exchange posted before it: NCCL completes a rank's calls in order anyway,
+        so the earlier ones cost nothing more, and waiting for them lets their tensors go (a send's, above all the
+        warm-up's and cool-down's sends that nothing else waits for) instead of holding them to the step's end."""
         start = clock.mark()
-        posted.complete(inputs, out_grads, train)
+        upto = unwaited.index(posted) + 1
+        for earlier in unwaited[:upto]:
+            earlier.complete(inputs, out_grads, train)
         end = clock.mark()
         clock.exchanges.append((start, end))
-        clock.exchange_times[posted.index] = (clock.exchange_times[posted.index][0], end)
-        for key in [k for k, v in pending.items() if v is posted]:
-            del pending[key]
+        for earlier in unwaited[:upto]:
+            clock.exchange_times[earlier.index] = (clock.exchange_times[earlier.index][0], end)
+            for op in earlier.receives:
+                del pending[op.kind[-1], op.micro, op.chunk]
+        del unwaited[:upto]
 
-    unwaited: list[_Posted] = []
     for a in plan:
         if isinstance(a, Exchange):
             start = clock.mark()
@@ -194,7 +201,7 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
             clock.exchange_posts.append((start, clock.mark()))
             if overlap:  # waited for where a computation needs what it receives, the rest at the end
                 clock.exchanges.append((start, clock.mark()))
-                pending.update({(op.kind[-1], op.micro, op.chunk): posted for op, _ in posted.received})
+                pending.update({(op.kind[-1], op.micro, op.chunk): posted for op in posted.receives})
                 unwaited.append(posted)
             else:
                 posted.complete(inputs, out_grads, train)
@@ -245,9 +252,8 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
         else:
             with _computing(clock), span(f"backward-weights {label}"), micro_step(a == last_grads):
                 backward_weights(weight_work.pop(key))
-    for posted in unwaited:  # the sends nobody waited for (and, in a broken plan, receives nobody used)
-        if not posted.completed:
-            wait_for(posted)
+    if unwaited:  # the sends nobody waited for (and, in a broken plan, receives nobody used)
+        wait_for(unwaited[-1])
     clock.end = clock.mark()
     if inputs or outputs or out_grads or weight_work:
         raise RuntimeError(f"pipeline stashes not empty after the step: inputs {sorted(inputs)}, "
@@ -265,9 +271,12 @@ class _Posted:
     received: list[tuple[Action, torch.Tensor]]
     sent: list[torch.Tensor]
     index: int = 0  # its place among the plan's exchanges
-    completed: bool = False
+
+    def __post_init__(self) -> None:
+        self.receives = [op for op, _ in self.received]  # (what it receives, kept once the buffers are handed on)
 
     def complete(self, inputs: dict[Key, torch.Tensor], out_grads: dict[Key, torch.Tensor], train: bool) -> None:
+        """Wait for the works, hand the received buffers to the stashes and let go of every tensor."""
         with span("comm.p2p"):
             for work in self.works:
                 work.wait()
@@ -276,8 +285,7 @@ class _Posted:
                 inputs[op.micro, op.chunk] = buf.requires_grad_(train)
             else:
                 out_grads[op.micro, op.chunk] = buf
-        self.sent = []
-        self.completed = True
+        self.works, self.received, self.sent = [], [], []
 
 
 def _post(x: Exchange, p2p: PointToPoint, outputs: dict[Key, torch.Tensor], inputs: dict[Key, torch.Tensor], *,

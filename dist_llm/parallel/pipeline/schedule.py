@@ -75,7 +75,7 @@ def one_f_one_b(stages: int, micro_batches: int) -> list[list[Action]]:
     return plans
 
 
-def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
+def zb1(stages: int, micro_batches: int, *, overlap: bool = False) -> list[list[Action]]:
     """ZB-H1 (Qi et al. 2023, "Zero Bubble Pipeline Parallelism"): 1F1B's order of forwards and backwards, each
     backward split into B (the input gradient, which the previous stage waits for) and W (the weight gradients,
     which nobody waits for). Stage s holds back the W of its first s micro-batches and runs them late, where
@@ -86,7 +86,9 @@ def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
     right after its B; on the middle stages between B and the send of its input gradient (a W after that send
     would split the send-backward-receive-forward exchange the previous stage posts as one); on the last
     stage after that exchange. Under those semantics it recovers about half of the ideal saving of (p-1)(F+B-W)
-    over 1F1B's (p-1)(F+B+W): test_pipeline_schedule checks the figures."""
+    over 1F1B's (p-1)(F+B+W): test_pipeline_schedule checks the figures. With `overlap` (exchanges waited for
+    only where their receive is used) the middle stages too run their W's after that exchange, as the last stage
+    does, so a stage computes W while its exchange waits for the neighbours (test_zb1_with_overlap)."""
     plans = []
     for s in range(stages):
         warmup = min(stages - 1 - s, micro_batches)
@@ -114,7 +116,7 @@ def zb1(stages: int, micro_batches: int) -> list[list[Action]]:
                 weights += 1
             if s == 0:
                 acts += back + ws
-            elif s < stages - 1:  # before the send of the input gradient
+            elif s < stages - 1 and not overlap:  # before the send of the input gradient
                 acts += back[:-1] + ws + back[-1:]
             else:  # after the exchange that follows (the send, and the next forward's receive)
                 acts += back
@@ -250,6 +252,8 @@ def build_plans(name: str, stages: int, micro_batches: int, chunks: int = 1, *,
         plans = (interleaved(stages, micro_batches, chunks, overlap=overlap) if name == "interleaved"
                  else forward_only(stages, micro_batches, chunks))
         return [exchanges(p, both_neighbours=True, by_direction=overlap) for p in plans]
+    if name == "zb1":
+        return [exchanges(p) for p in zb1(stages, micro_batches, overlap=overlap)]
     make = forward_only if name == "forward" else SCHEDULES[name]
     return [exchanges(p) for p in make(stages, micro_batches)]
 
@@ -300,6 +304,11 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
                   "B": backward_cost - w_cost if any(isinstance(x, Action) and x.kind == "W" for x in p)
                   else backward_cost} for p in plans]
     steps = [[x if isinstance(x, Exchange) or x.kind not in _COMM else Exchange((x,)) for x in p] for p in plans]
+    if not isinstance(post_cost, (int, float)):
+        for s, (plan, mine) in enumerate(zip(steps, post_cost, strict=True)):
+            count = sum(isinstance(x, Exchange) for x in plan)
+            if not isinstance(mine, (int, float)) and len(mine) != count:
+                raise ValueError(f"simulate: stage {s}'s post costs are {len(mine)}, its plan has {count} exchanges")
     clock = [0.0] * stages  # when each stage's next computation could start (its host's time)
     busy = [0.0] * stages
     pos = [0] * stages
@@ -367,7 +376,7 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
                     if not overlap:
                         break  # (its stream starts it; the wait comes at the next look)
                     continue
-                if overlap and not ready(s, waits_for(s, x)):  # type: ignore[arg-type]
+                if not ready(s, waits_for(s, x)):  # type: ignore[arg-type]  # (without overlap: done already)
                     break  # waiting for a receive this computation needs
                 cost = _cost(costs[s], x)
                 if trace is not None:  # (stage, computation, its start)
@@ -476,10 +485,14 @@ def bubble_fraction(stages: int, micro_batches: int, *, schedule: str = "1f1b", 
     """The idle share of a step with equal stages, a backward twice a forward, W half of it (as `simulate`):
     GPipe and 1F1B (p-1)/(m+p-1); interleaved with v chunks per stage (p-1)/(v*m+p-1); ZB-H1
     2(p-1)/(3m+2(p-1)), its bubble (p-1)(F+B) instead of (p-1)(F+B+W) (at m = p one forward less), and with
-    `overlap` (m > p) one W less still: the last stage runs its held-back W while its exchange waits for the
-    previous stage's side (at p=2 the paper's (p-1)(F+B-W))."""
+    `overlap` (its W's run while exchanges wait) the paper's (p-1)(F+B-W): (p-1)/(3m+p-1) for m >= p (fewer
+    micro-batches than stages: the simulator's figure)."""
     p, m = stages, micro_batches
+    if schedule == "zb1" and overlap:
+        if m >= p:
+            return (p - 1) / (3 * m + p - 1)
+        makespan, busy = simulate(build_plans("zb1", p, m, overlap=True), overlap=True)
+        return 1 - busy[0] / makespan
     if schedule == "zb1":
-        bubble = 2 * (p - 1) - (1 if overlap and m > p else 0)
-        return bubble / (3 * m + bubble)
+        return 2 * (p - 1) / (3 * m + 2 * (p - 1))
     return (p - 1) / (chunks * m + p - 1)
