@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist_llm.config import ConfigError, load_config
+from dist_llm.config import ConfigError, load_config, overlap_p2p
 from dist_llm.model import GPT
 from dist_llm.parallel.pipeline.schedule import (
     SCHEDULES,
@@ -521,6 +521,19 @@ def test_schedule_refusals_name_the_key(overrides: list[str], message: str) -> N
     with pytest.raises(ConfigError) as info:
         load_config(None, overrides)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize(("overrides", "expected"), [
+    ([], False), (["parallel.pp=2"], False), (["parallel.pp=2", "parallel.pp_schedule=gpipe"], False),
+    (["parallel.pp=2", "parallel.pp_schedule=zb1"], True),
+    (["parallel.pp=2", "parallel.pp_schedule=interleaved", "parallel.pp_virtual=2"], True),
+    (["parallel.pp=2", "parallel.pp_schedule=zb1", "parallel.pp_overlap_p2p=false"], False),
+    (["parallel.pp=2", "parallel.pp_overlap_p2p=true"], True),
+])
+def test_overlapped_exchanges_by_default_where_they_shorten_the_step(overrides: list[str], expected: bool) -> None:
+    """parallel.pp_overlap_p2p unset: on for zb1 and interleaved (test_zb1_with_overlap, test_interleaved_with_overlap:
+    shorter steps), off for GPipe and 1F1B (the same steps) and without a pipeline; set, as set."""
+    assert overlap_p2p(load_config(None, overrides)) is expected
 
 
 def test_memory_counts_zb1s_held_back_micro_batches() -> None:

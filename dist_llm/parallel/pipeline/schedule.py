@@ -284,7 +284,8 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
     bench_pp; a count without an entry costs the nearest one below it, or above). Messages between two stages
     pair in the order posted (NCCL has no tags). Without `overlap` a stage waits for each exchange as it posts
     it; with it (the executor's parallel.pp_overlap_p2p) it goes on, waits for a receive only before the
-    computation that uses it (F for an activation, B for a gradient), and for the rest at its plan's end.
+    computation that uses it (F for an activation, B for a gradient), for a call that only sends before it posts
+    the next (so that its tensors go), and for the rest at its plan's end.
     `post_cost` is the time a stage spends posting an exchange (preparing its tensors, the call), idle, before the
     exchange counts as posted: one figure, or per stage one figure or a list with one per exchange of its plan in
     order (a replay of a step's own posts); 0 leaves posting free."""
@@ -366,6 +367,9 @@ def simulate(plans: list[list[Step]], *, forward_cost: float = 1.0, backward_cos
                     if not ready(s, len(queue[s]) - 1):
                         break  # waiting for the exchange it just posted
                 if isinstance(x, Exchange):
+                    if overlap and queue[s] and not any(a.kind.startswith("RECV") for a in queue[s][-1][0].ops):
+                        if not ready(s, len(queue[s]) - 1):
+                            break  # the executor waits for a call that only sends before it posts the next
                     clock[s] += _post_cost(post_cost, s, len(queue[s]))
                     for a in x.ops:
                         if a.kind.startswith("RECV"):
