@@ -204,14 +204,11 @@ def run_schedule(plan: list[Step], stage: StageModel | list[StageModel], p2p: Po
             posted.index = len(clock.exchange_times)
             clock.exchange_times.append((start, None))
             clock.exchange_posts.append((start, clock.mark()))
-            if overlap:  # waited for where a computation needs what it receives, the rest at the end
-                clock.exchanges.append((start, clock.mark()))
-                pending.update({(op.kind[-1], op.micro, op.chunk): posted for op in posted.receives})
-                unwaited.append(posted)
-            else:
-                posted.complete(inputs, out_grads, train)
-                clock.exchanges.append((start, clock.mark()))
-                clock.exchange_times[-1] = clock.exchanges[-1]
+            clock.exchanges.append(clock.exchange_posts[-1])
+            pending.update({(op.kind[-1], op.micro, op.chunk): posted for op in posted.receives})
+            unwaited.append(posted)
+            if not overlap:  # (with overlap: where a computation needs what it receives, the rest at the end)
+                wait_for(posted)
             continue
         m, key, st = a.micro, (a.micro, a.chunk), chunks[a.chunk]
         if (a.kind, m, a.chunk) in pending:
