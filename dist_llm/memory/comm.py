@@ -157,7 +157,10 @@ def step_comm(cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int = 0) -> Co
         _tp_comm(cfg, out, params, tp=tp, pp=pp, pp_rank=pp_rank, micro_steps=micro_steps, residual=residual,
                  compute=compute)
     if pp > 1:
-        sends = (0 if last else 1) + (0 if first else 1)  # activations to the next stage, gradients to the previous
+        # each of this rank's chunks (interleaved: v of them) sends its activations on and its input's gradient
+        # back, but the model's last chunk has nothing to send on and its first no gradient to send back
+        chunks = p.pp_virtual if p.pp_schedule == "interleaved" else 1
+        sends = 2 * chunks - (1 if last else 0) - (1 if first else 0)
         out.add("p2p", micro_steps * sends * bsh * compute, calls=micro_steps * sends)
         out.add("all_reduce", 2 * (pp - 1) / pp * 8)
     if dp > 1 and stage in (1, 2, 3):
