@@ -18,8 +18,10 @@ budget; then the one with the least estimated step time comes first,
                    layer forward and twice that backward, recomputation: a second forward with full
                    checkpointing, the attention core again with selective) x tokens per step / world size
                    / FLOPS
-    bubble         compute x (pp-1)/m for m micro-batches per step (1F1B and GPipe alike: (pp-1)/(m+pp-1) of
-                   the step idle)
+    bubble         compute x b/(1-b), b the idle share of a step under the config's schedule with m micro-batches
+                   per step and equal stages (pipeline/schedule.py's bubble_fraction): (pp-1)/(m+pp-1) for 1F1B
+                   and GPipe (compute x (pp-1)/m), (pp-1)/(v*m+pp-1) interleaved with v chunks, ZB-H1's
+                   (pp-1)/(3m+pp-1) with its exchanges overlapped (the default)
     communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for a group whose ranks share a
                    node, --gpus-per-node of them, BANDWIDTH for one that spans nodes; ranks numbered tp
                    innermost, then pp, dp outermost) + LATENCY per collective or exchange, counted as
@@ -51,10 +53,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+import functools
 from typing import Any, Iterator
 
 from dist_llm.config import (Config, ConfigError, ModelConfig, _check_finetuning, _check_grad_accum_dtype, _check_moe,
-                             _check_pipeline, _check_tensor_parallel)
+                             _check_pipeline, _check_tensor_parallel, overlap_p2p)
 from dist_llm.memory import moe as memory_moe
 from dist_llm.memory.activations import activation_bytes
 from dist_llm.memory.comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWIDTH, Comm, step_comm
@@ -72,8 +75,8 @@ def cost_model(gpus_per_node: int = GPUS_PER_NODE) -> str:
     return (f"ranked by estimated step time = compute + pipeline bubble + communication (not overlapped), "
             f"assuming {FLOPS / 1e12:.0f} TFLOP/s per device, {NODE_BANDWIDTH / 1e9:.0f} GB/s per rank within a "
             f"node of {gpus_per_node} devices and {BANDWIDTH / 1e9:.0f} GB/s across nodes (tp groups are "
-            f"consecutive ranks, then pp, dp outermost), {LATENCY * 1e6:.0f} us per call; bubble (pp-1)/(m+pp-1) "
-            f"for m micro-batches; ZeRO-2 reduce-scatters and FSDP2 gathers at every micro-step")
+            f"consecutive ranks, then pp, dp outermost), {LATENCY * 1e6:.0f} us per call; bubble of the config's pipeline "
+            f"schedule for m micro-batches (1F1B: (pp-1)/(m+pp-1) of the step); ZeRO-2 reduce-scatters and FSDP2 gathers at every micro-step")
 
 
 @dataclass
@@ -152,9 +155,18 @@ def compute_seconds(cfg: Config, world_size: int) -> float:
     return per_token * t.global_batch_size * m.block_size / world_size / FLOPS
 
 
-def bubble_fraction(pp: int, micro_steps: int) -> float:
-    """The share of a step a 1F1B or GPipe stage idles: (pp-1)/(m+pp-1)."""
-    return (pp - 1) / (micro_steps + pp - 1)
+def bubble_fraction(cfg: Config, micro_steps: int) -> float:
+    """The share of a step a stage idles under the config's pipeline schedule, stages equal."""
+    p = cfg.parallel
+    return _schedule_bubble(p.pp, micro_steps, p.pp_schedule, p.pp_virtual, overlap_p2p(cfg)) if p.pp > 1 else 0.0
+
+
+@functools.lru_cache(maxsize=None)  # (ZB-H1 with fewer micro-batches than stages runs the simulator)
+def _schedule_bubble(pp: int, micro_steps: int, schedule: str, chunks: int, overlap: bool) -> float:
+    from dist_llm.parallel.pipeline.schedule import bubble_fraction as of_schedule
+
+    return of_schedule(pp, micro_steps, schedule=schedule, chunks=chunks if schedule == "interleaved" else 1,
+                       overlap=overlap)
 
 
 # -- candidates -------------------------------------------------------------------------------------------
@@ -162,6 +174,7 @@ def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt
     p = cfg.parallel
     parallel = dataclasses.replace(
         p, dp=dp, tp=tp, pp=pp, zero_stage=zero, pp_layers=p.pp_layers if pp == p.pp else [],
+        pp_virtual=p.pp_virtual if pp > 1 else 1,  # (interleaving's chunks: a pipeline's, refused at pp=1)
         pp_overlap_p2p=p.pp_overlap_p2p if pp > 1 else None,  # (a pipeline's setting: nothing to refuse at pp=1)
         offload=p.offload if zero == 3 else "none",
         grad_accum_dtype=p.grad_accum_dtype if zero in (1, 2) else "fp32")
@@ -169,8 +182,30 @@ def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt
     return dataclasses.replace(cfg, parallel=parallel, train=train)
 
 
+_LAYOUT_RULES = (_check_grad_accum_dtype, _check_tensor_parallel, _check_pipeline, _check_finetuning, _check_moe)
+
+
+def _accepted(c: Config) -> bool:
+    """Whether the config's validation accepts this candidate (the rules that involve the layout: the rest of
+    config.validate passed when the config loaded)."""
+    try:
+        for check in _LAYOUT_RULES:
+            check(c)
+    except ConfigError:
+        return False
+    return True
+
+
+def _micro_batches(cfg: Config, dp: int) -> list[int]:
+    """The micro-batch sizes tried at dp: the divisors of a rank's share of the global batch, up to MAX_MICRO (and
+    the config's own)."""
+    t = cfg.train
+    return [d for d in _divisors(t.global_batch_size // dp) if d <= MAX_MICRO or d == t.micro_batch_size]
+
+
 def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]:
-    """(dp, tp, pp, zero stage) the config's validation accepts at this world size."""
+    """(dp, tp, pp, zero stage) the config's validation accepts at this world size with some micro-batch size
+    (interleaving needs the micro-batches per step to be a multiple of pp)."""
     t = cfg.train
     for tp in _divisors(world_size):
         for pp in _divisors(world_size // tp):
@@ -181,15 +216,9 @@ def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]
             if dp == 1 and cfg.parallel.zero_stage == 3 and pp == 1:
                 zeros = (0, 3)
             for zero in zeros:
-                try:  # the rules that involve the layout (the rest of config.validate passed when the config loaded)
-                    c = _with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=t.global_batch_size // dp,
-                              ckpt=t.activation_checkpointing)
-                    for check in (_check_grad_accum_dtype, _check_tensor_parallel, _check_pipeline, _check_finetuning,
-                                  _check_moe):
-                        check(c)
-                except ConfigError:
-                    continue
-                yield dp, tp, pp, zero
+                if any(_accepted(_with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=micro,
+                                       ckpt=t.activation_checkpointing)) for micro in _micro_batches(cfg, dp)):
+                    yield dp, tp, pp, zero
 
 
 def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS_PER_NODE) -> Plan:
@@ -203,10 +232,11 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
            t.activation_checkpointing)  # (ZeRO-1/2 on one dp rank are plain: counted as stage 0)
     everything: list[Suggestion] = []
     for dp, tp, pp, zero in layouts(cfg, world_size):
-        micros = [d for d in _divisors(t.global_batch_size // dp) if d <= MAX_MICRO or d == t.micro_batch_size]
-        for micro in micros:
+        for micro in _micro_batches(cfg, dp):
             for ckpt in CHECKPOINTING:
                 c = _with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=micro, ckpt=ckpt)
+                if not _accepted(c):  # (interleaving: a micro-batch count that is not a multiple of pp)
+                    continue
                 est = None
                 for s in range(pp):  # as predict: the stage that needs the most
                     key = (dp, tp, pp, s, zero)
@@ -226,9 +256,9 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                 if ckpt not in computes:
                     computes[ckpt] = compute_seconds(c, world_size)
                 compute = computes[ckpt]
-                bubble = bubble_fraction(pp, m)
+                bubble = bubble_fraction(c, m)
                 everything.append(Suggestion(
-                    cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute, bubble_s=compute * (pp - 1) / m,
+                    cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute, bubble_s=compute * bubble / (1 - bubble),
                     comm_s=comm.seconds(world=world_size, tp=tp, pp=pp, gpus_per_node=gpus_per_node),
                     this_config=(dp, tp, pp, zero, micro, ckpt) == own))
     fits = sorted((s for s in everything if s.est.peak_bytes <= budget), key=lambda s: (s.step_s, s.est.peak_bytes))
