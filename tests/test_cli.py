@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.test_launch import env
+from tests.test_readme import readme_command
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -21,25 +24,6 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
 def losses(out_dir: Path) -> dict[int, float]:
     recs = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
-
-
-def test_stop_at_checkpoint_and_resume_equals_uninterrupted(tmp_path: Path) -> None:
-    """The issue's own recipe on configs/tiny.yaml and the stdlib corpus: steps 7-12 after a resume at 6
-    are exactly those of one uninterrupted run (a smaller batch than the config's, for the suite's time)."""
-    common = ["-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", "train.max_steps=12",
-              "train.log_interval=1", "train.ckpt_interval=6", "train.eval_steps=1", "model.block_size=64",
-              "train.micro_batch_size=8", "train.global_batch_size=8"]
-    whole = run(*common, "train.resume=never", f"train.out_dir={tmp_path / 'whole'}")
-    assert whole.returncode == 0, whole.stderr[-2000:]
-    first = run(*common, "train.resume=never", "train.stop_after_step=6", f"train.out_dir={tmp_path / 'parts'}")
-    assert first.returncode == 0, first.stderr[-2000:]
-    assert max(losses(tmp_path / "parts")) == 6
-    second = run(*common, "train.resume=auto", f"train.out_dir={tmp_path / 'parts'}")
-    assert second.returncode == 0, second.stderr[-2000:]
-    assert "resumed from" in second.stderr and "step_000006" in second.stderr
-    a, b = losses(tmp_path / "whole"), losses(tmp_path / "parts")
-    assert sorted(b) == list(range(1, 13))
-    assert [b[s] for s in range(7, 13)] == [a[s] for s in range(7, 13)]
 
 
 def test_train_then_sample(tmp_path: Path) -> None:
@@ -72,13 +56,16 @@ def test_sample_bad_checkpoint_exits_2(tmp_path: Path) -> None:
 
 
 def test_nproc_per_node_relaunches_under_torchrun(tmp_path: Path) -> None:
-    """`--nproc-per-node 2` starts two ranks through torchrun; ZeRO-2 over them gives the one-process losses."""
-    common = ["-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", "train.max_steps=4",
-              "train.log_interval=1", "train.eval_steps=1", "model.n_layer=1", "train.micro_batch_size=8",
-              "train.global_batch_size=16", "train.resume=never"]
-    one = run(*common, f"train.out_dir={tmp_path / 'one'}")
+    """README's `--nproc-per-node 2` command, as written with a small run's overrides appended: two ranks through
+    torchrun, ZeRO-2 over them, give the one-process losses."""
+    small = ["train.max_steps=4", "train.log_interval=1", "train.eval_steps=1", "model.n_layer=1",
+             "train.micro_batch_size=8", "train.global_batch_size=16", "train.resume=never"]
+    one = run("-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", *small, f"train.out_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
-    two = run(*common, "--nproc-per-node", "2", "parallel.zero_stage=2", f"train.out_dir={tmp_path / 'two'}")
+    readme = readme_command("dist-llm train --config configs/tiny.yaml --nproc-per-node 2 parallel.zero_stage=2 "
+                            "train.micro_batch_size=16")
+    two = subprocess.run(["bash", "-c", f"{readme} {shlex.join(small)} train.out_dir={tmp_path / 'two'}"],
+                         capture_output=True, text=True, cwd=REPO, env=env(), timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     header = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
     assert header["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, made_once
+from tests.test_readme import readme_command
 
 BIN = Path(sys.executable).parent
 # a small run: dp x tp layouts of 4 ranks and the single process see the same global batches
@@ -101,27 +103,34 @@ def test_slurm_sbatch_with_fake_srun(tmp_path: Path, reference: list[float]) -> 
         (fake / name).chmod(0o755)
     port, log, out = free_port(), tmp_path / "slurm.log", tmp_path / "run"
     e = env(SLURM_JOB_NODELIST="gpu[01-02]", SLURM_NNODES="2", SLURM_JOB_ID="4242", SLURM_JOB_NAME="dist_llm",
-            NPROC="2", MASTER_PORT=str(port), FAKE_SLURM_LOG=str(log))
+            NPROC="1", MASTER_PORT=str(port), FAKE_SLURM_LOG=str(log))  # (one rank a node: two nodes, tp over them)
     e["PATH"] = f"{fake}:{e['PATH']}"
     proc = subprocess.run(["bash", str(REPO / "launch/slurm.sbatch"), str(REPO / "configs/tiny.yaml"), *RUN,
                            "parallel.tp=2", f"train.out_dir={out}"], capture_output=True, text=True, env=e,
                           cwd=tmp_path, timeout=300)
-    check(proc, out, reference, ranks=4)
+    check(proc, out, reference, ranks=2)
     calls = log.read_text()
     assert "scontrol show hostnames gpu[01-02]" in calls
     srun = next(line for line in calls.splitlines() if line.startswith("srun "))
-    for arg in ["--nnodes 2", "--nproc-per-node 2", "--rdzv-backend c10d", f"--rdzv-endpoint localhost:{port}",
+    for arg in ["--nnodes 2", "--nproc-per-node 1", "--rdzv-backend c10d", f"--rdzv-endpoint localhost:{port}",
                 "--rdzv-id 4242", "--max-restarts 3", "-m dist_llm.train", "train.resume=auto"]:
         assert arg in srun, arg
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["dist_llm-4242-node0.out", "dist_llm-4242-node1.out"]
 
 
+def as_in_the_readme(text: str, out_dir: Path) -> subprocess.CompletedProcess:
+    """A README command (tests/test_readme.py's RUN_ELSEWHERE) run as written from the checkout, this module's
+    small run's overrides appended."""
+    user = {k: v for k, v in env().items() if k != "PYTHON"}  # (the scripts' default: the python on the PATH, the venv's)
+    return subprocess.run(["bash", "-c", f"{readme_command(text)} {shlex.join(RUN)} train.out_dir={out_dir}"],
+                          capture_output=True, text=True, cwd=REPO, env=user, timeout=300)
+
+
 def test_accelerate_launch_multi_cpu(tmp_path: Path, reference: list[float]) -> None:
-    proc = subprocess.run([str(BIN / "accelerate"), "launch", "--config_file", str(REPO / "launch/accelerate.yaml"),
-                           "--multi_gpu", "--num_processes", "2", "--main_process_port", str(free_port()),
-                           "-m", "dist_llm.train", "--config", str(REPO / "configs/tiny.yaml"), *RUN,
-                           f"train.out_dir={tmp_path}"], capture_output=True, text=True,
-                          env=env(ACCELERATE_USE_CPU="1"), timeout=300)
+    """README's Accelerate command (its default port, as written: no other test launches Accelerate)."""
+    proc = as_in_the_readme("ACCELERATE_USE_CPU=1 accelerate launch --config_file launch/accelerate.yaml --multi_gpu "
+                            "--num_processes 2 -m dist_llm.train --config configs/tiny.yaml train.micro_batch_size=16",
+                            tmp_path)
     check(proc, tmp_path, reference, ranks=2)
 
 
@@ -133,9 +142,9 @@ def test_deepspeed_launcher(tmp_path: Path, reference: list[float]) -> None:
 
 
 def test_single_node_script(tmp_path: Path, reference: list[float]) -> None:
-    proc = subprocess.run(["bash", str(REPO / "launch/torchrun_single_node.sh"), str(REPO / "configs/tiny.yaml"), *RUN,
-                           "parallel.tp=2", f"train.out_dir={tmp_path}"], capture_output=True, text=True,
-                          env=env(NPROC="2"), timeout=300)
+    """README's single-node script command: tp=2 (ZeRO-1 at dp=1 is plain)."""
+    proc = as_in_the_readme("NPROC=2 launch/torchrun_single_node.sh configs/tiny.yaml parallel.tp=2 "
+                            "parallel.zero_stage=1", tmp_path)
     check(proc, tmp_path, reference, ranks=2)
 
 

@@ -4,19 +4,24 @@ Each runs in a scratch folder that holds the checkout's configs/, launch/ and sc
 interpreter running the tests (CI's .venv): `dist-llm`, `torchrun`, `accelerate` and `python` are that venv's, as
 after `source .venv/bin/activate`. A command that trains gets a few overrides appended (2 steps, a short block,
 its own `train.out_dir`), nothing else changes; the `make` commands are read with `make -n` and the recipe
-`make train` would run is run. A command that cannot run here is listed in NOT_RUN with the reason, and the list
-must match the README. `dist-llm` commands that do not train run in one process (`dist_llm.cli.main`, each argv
+`make train` would run is run. A command that cannot run here is listed in NOT_RUN with the reason, one that another
+test runs as written (its overrides appended) and checks further in RUN_ELSEWHERE, and both lists must match the
+README. `dist-llm` commands that do not train run in one process (`dist_llm.cli.main`, each argv
 as written: a Python start costs seconds here), after the default run in the same folder, since some read it.
 Each job is a test case of its own, so that pytest-xdist spreads them over its workers."""
 
 from __future__ import annotations
 
+import ast
+import importlib
+import inspect
 import json
 import os
 import re
 import shlex
 import subprocess
 import sys
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +50,17 @@ NOT_RUN: dict[str, str] = {
         "GPT-2 downloaded and sft.jsonl written by the user; tests/test_finetune.py trains LoRA on a local model",
     'dist-llm sample --checkpoint runs/gpt2-lora --prompt "Q: ..."': "the run of the GPT-2 command above",
     "dist-llm convert --to-hf runs/gpt2-lora --out hf/tuned": "the run of the GPT-2 command above",
+}
+#: README commands that another test runs as written, its own overrides appended, and checks further (the losses
+#: of one process): run there, not here as well (each a multi-process run of many seconds of the suite)
+RUN_ELSEWHERE: dict[str, str] = {
+    "dist-llm train --config configs/tiny.yaml --nproc-per-node 2 parallel.zero_stage=2 train.micro_batch_size=16":
+        "tests/test_cli.py::test_nproc_per_node_relaunches_under_torchrun",
+    "NPROC=2 launch/torchrun_single_node.sh configs/tiny.yaml parallel.tp=2 parallel.zero_stage=1":
+        "tests/test_launch.py::test_single_node_script",
+    "ACCELERATE_USE_CPU=1 accelerate launch --config_file launch/accelerate.yaml --multi_gpu --num_processes 2 "
+    "-m dist_llm.train --config configs/tiny.yaml train.micro_batch_size=16":
+        "tests/test_launch.py::test_accelerate_launch_multi_cpu",
 }
 #: the run that later commands read (sample, convert, report runs/tiny) keeps the config's out_dir
 MAKES_RUNS_TINY = "dist-llm train --config configs/tiny.yaml"
@@ -86,6 +102,13 @@ def readme_commands(md: str = README) -> list[Command]:
                 commands.append(Command(start, " ".join(code.split())))
         i += 1
     return commands
+
+
+def readme_command(text: str) -> str:
+    """`text`, a command of RUN_ELSEWHERE, checked to be in README.md as written; the calling test runs it."""
+    assert text in RUN_ELSEWHERE, f"{text!r} is not in tests/test_readme.py's RUN_ELSEWHERE"
+    assert text in {c.text for c in readme_commands()}, f"README.md no longer shows {text!r}"
+    return text
 
 
 def program(cmd: Command) -> tuple[list[str], int]:
@@ -190,7 +213,7 @@ def plan() -> list[Job]:
     cli = Job([])
     seen: set[str] = set()
     for index, cmd in enumerate(readme_commands()):
-        if cmd.text in NOT_RUN:
+        if cmd.text in NOT_RUN or cmd.text in RUN_ELSEWHERE:
             continue
         k = kind(cmd)
         if k == "cli":
@@ -271,6 +294,12 @@ def test_the_commands_not_run_are_still_in_the_readme() -> None:
     """A command left out here that the README no longer shows would hide a new one; each has its reason."""
     texts = {c.text for c in readme_commands()}
     assert sorted(set(NOT_RUN) - texts) == []
+    assert sorted(set(RUN_ELSEWHERE) - texts) == []
+    for text, test in RUN_ELSEWHERE.items():  # the test named holds the text (and runs it through readme_command)
+        path, name = test.split("::")
+        source = inspect.getsource(getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name))
+        strings = {node.value for node in ast.walk(ast.parse(textwrap.dedent(source))) if isinstance(node, ast.Constant)}
+        assert text in strings, f"{test} does not run {text!r}"
     assert MAKES_RUNS_TINY in texts
     for cmd in readme_commands():
         # the files a command names exist in the checkout, run or not

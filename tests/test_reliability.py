@@ -70,13 +70,16 @@ def test_sigterm_saves_and_exits_0_then_resume_goes_on(tmp_path: Path) -> None:
     stopped = heartbeat(out)["step"]
     assert stopped < 400 and "SIGTERM: stopped after step" in err
     assert ckpt.latest_checkpoint(out / "checkpoints") == ckpt.step_dir(out / "checkpoints", stopped)
-    # resume for three more steps; they equal an uninterrupted run's
+    # resume (and stop, train.stop_after_step) three steps later: every step logged once, the resumed ones equal to
+    # an uninterrupted run's (it too stops there)
     more = subprocess.run(train_cmd(out, "train.max_steps=400", f"train.stop_after_step={stopped + 3}"), env=env(),
                           capture_output=True, text=True, timeout=120)
     assert more.returncode == 0, more.stderr[-2000:]
+    assert f"resumed from {ckpt.step_dir(out / 'checkpoints', stopped)} at step {stopped}" in more.stderr
     ref = tmp_path / "ref"
     subprocess.run(train_cmd(ref, "train.max_steps=400", f"train.stop_after_step={stopped + 3}"), env=env(),
                    capture_output=True, text=True, timeout=120, check=True)
+    assert list(by_step(out)) == list(range(1, stopped + 4))
     assert by_step(out) == by_step(ref)
 
 
