@@ -45,8 +45,12 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=1800.0)
     parser.add_argument("--show", action="store_true", help="print the command's output once")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value",
+                        help="config overrides, e.g. parallel.pp_schedule=interleaved parallel.pp_virtual=2 (each "
+                             "schedule counts its own activations and bubble)")
     a = parser.parse_args()
-    args = ["--config", a.config, "--world-size", str(a.world_size), "--gpu-memory", a.gpu_memory, "--suggest"]
+    args = ["--config", a.config, "--world-size", str(a.world_size), "--gpu-memory", a.gpu_memory, "--suggest",
+            *a.overrides]
     walls, cpus = [], []
     for i in range(a.repeat):
         wall, cpu, stdout = run_once(args, a.timeout)

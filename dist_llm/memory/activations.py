@@ -14,6 +14,7 @@ a column-parallel layer keeps the all-gathered input (b*s*h, not b*s*h/t), as a 
 
 from __future__ import annotations
 
+import functools
 from typing import Iterable
 
 import torch
@@ -157,10 +158,16 @@ def _in_flight(cfg: Config, *, pp: int, pp_rank: int, dp: int) -> float:
     if p.pp_schedule == "zb1":  # a held-back W keeps its micro-batch: every stage up to the first's p
         return min(micro, pp)
     if p.pp_schedule == "interleaved" and micro % pp == 0:  # chunk forwards at the peak, each 1/v of the blocks
-        from dist_llm.parallel.pipeline.schedule import interleaved, peak_in_flight
-
-        return peak_in_flight(interleaved(pp, micro, p.pp_virtual)[pp_rank]) / p.pp_virtual
+        return _interleaved_peaks(pp, micro, p.pp_virtual)[pp_rank] / p.pp_virtual
     return min(micro, pp - pp_rank)
+
+
+@functools.lru_cache(maxsize=256)  # (`memory --suggest` asks for every variant's stages: one schedule each)
+def _interleaved_peaks(pp: int, micro: int, chunks: int) -> tuple[int, ...]:
+    """Each stage's peak of chunk forwards in flight under the interleaved schedule."""
+    from dist_llm.parallel.pipeline.schedule import interleaved, peak_in_flight
+
+    return tuple(peak_in_flight(plan) for plan in interleaved(pp, micro, chunks))
 
 
 def _values_bytes(cfg: Config, dp: int, low: float, norm: float = 0.0, fp32: float = 0.0) -> float:

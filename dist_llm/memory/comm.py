@@ -15,7 +15,7 @@ from dist_llm.memory.params import _local_shape, _stage_layers, _stage_params
 NODE_BANDWIDTH = 300e9  # bytes a rank sends per second to ranks of its own node (NVLink)
 BANDWIDTH = 50e9  # ... to ranks of other nodes (one 400 Gb/s NIC per device)
 GPUS_PER_NODE = 8
-LATENCY = 20e-6  # seconds per collective call or point-to-point exchange
+LATENCY = 20e-6  # seconds per collective call or point-to-point send
 
 
 @dataclass
@@ -62,7 +62,7 @@ _LOCAL: dict[tuple[Any, ...], list[tuple[str, tuple[int, ...], bool]]] = {}
 
 def _local_params(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> list[tuple[str, tuple[int, ...], bool]]:
     """(name, shape on tp rank 0, requires_grad) of a stage's parameters, remembered per model and layout."""
-    key = (repr((cfg.model, cfg.peft, cfg.parallel.pp_layers)), tp, pp, pp_rank)
+    key = (repr((cfg.model, cfg.peft, cfg.parallel.pp_layers)), cfg.parallel.pp_virtual, tp, pp, pp_rank)
     if key not in _LOCAL:
         if len(_LOCAL) >= 1024:
             _LOCAL.clear()

@@ -21,10 +21,11 @@ budget; then the one with the least estimated step time comes first,
     bubble         compute x b/(1-b), b the idle share of a step under the config's schedule with m micro-batches
                    per step and equal stages (pipeline/schedule.py's bubble_fraction): (pp-1)/(m+pp-1) for 1F1B
                    and GPipe (compute x (pp-1)/m), (pp-1)/(v*m+pp-1) interleaved with v chunks, ZB-H1's
-                   (pp-1)/(3m+pp-1) with its exchanges overlapped (the default)
+                   (pp-1)/(3m+pp-1) with its exchanges overlapped (the default; 2(pp-1)/(3m+2(pp-1)) waiting for
+                   them; for m < pp the simulator's figure)
     communication  bytes a rank sends per step / bandwidth (NODE_BANDWIDTH for a group whose ranks share a
                    node, --gpus-per-node of them, BANDWIDTH for one that spans nodes; ranks numbered tp
-                   innermost, then pp, dp outermost) + LATENCY per collective or exchange, counted as
+                   innermost, then pp, dp outermost) + LATENCY per collective or point-to-point send, counted as
                    parallel/comm.py counts them (ring all-reduce 2(n-1)/n of the tensor, all-gather (n-1) x the input,
                    reduce-scatter (n-1)/n of the input, p2p the tensor), for the busiest pipeline stage:
       DDP            all-reduce of the fp32 gradients once per step (after the last micro-step)
