@@ -55,19 +55,18 @@ def test_sample_bad_checkpoint_exits_2(tmp_path: Path) -> None:
     assert proc.stderr.strip().splitlines() == [f"dist-llm: error: --checkpoint: no complete checkpoint at {tmp_path}"]
 
 
-def test_nproc_per_node_relaunches_under_torchrun(tmp_path: Path) -> None:
+def test_nproc_per_node_relaunches_under_torchrun(request: pytest.FixtureRequest, tmp_path: Path) -> None:
     """README's `--nproc-per-node 2` command, as written with a small run's overrides appended: two ranks through
     torchrun, ZeRO-2 over them, give the one-process losses."""
     small = ["train.max_steps=4", "train.log_interval=1", "train.eval_steps=1", "model.n_layer=1",
              "train.micro_batch_size=8", "train.global_batch_size=16", "train.resume=never"]
     one = run("-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", *small, f"train.out_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
-    readme = readme_command("dist-llm train --config configs/tiny.yaml --nproc-per-node 2 parallel.zero_stage=2 "
-                            "train.micro_batch_size=16")
-    two = subprocess.run(["bash", "-c", f"{readme} {shlex.join(small)} train.out_dir={tmp_path / 'two'}"],
-                         capture_output=True, text=True, cwd=REPO, env=env(), timeout=240)
+    out = tmp_path / "two"
+    command = f"{readme_command(request)} {shlex.join([*small, f'train.out_dir={out}'])}"
+    two = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, env=env(), timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
-    header = json.loads((tmp_path / "two" / "metrics.jsonl").read_text().splitlines()[0])
+    header = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert header["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1}
     a, b = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert sorted(b) == [1, 2, 3, 4]

@@ -118,19 +118,17 @@ def test_slurm_sbatch_with_fake_srun(tmp_path: Path, reference: list[float]) -> 
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["dist_llm-4242-node0.out", "dist_llm-4242-node1.out"]
 
 
-def as_in_the_readme(text: str, out_dir: Path) -> subprocess.CompletedProcess:
-    """A README command (tests/test_readme.py's RUN_ELSEWHERE) run as written from the checkout, this module's
-    small run's overrides appended."""
+def as_in_the_readme(request: pytest.FixtureRequest, out_dir: Path) -> subprocess.CompletedProcess:
+    """The test's README command (tests/test_readme.py's RUN_ELSEWHERE) run as written from the checkout, this
+    module's small run's overrides appended."""
     user = {k: v for k, v in env().items() if k != "PYTHON"}  # (the scripts' default: the python on the PATH, the venv's)
-    return subprocess.run(["bash", "-c", f"{readme_command(text)} {shlex.join(RUN)} train.out_dir={out_dir}"],
-                          capture_output=True, text=True, cwd=REPO, env=user, timeout=300)
+    command = f"{readme_command(request)} {shlex.join([*RUN, f'train.out_dir={out_dir}'])}"
+    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, env=user, timeout=300)
 
 
-def test_accelerate_launch_multi_cpu(tmp_path: Path, reference: list[float]) -> None:
+def test_accelerate_launch_multi_cpu(request: pytest.FixtureRequest, tmp_path: Path, reference: list[float]) -> None:
     """README's Accelerate command (its default port, as written: no other test launches Accelerate)."""
-    proc = as_in_the_readme("ACCELERATE_USE_CPU=1 accelerate launch --config_file launch/accelerate.yaml --multi_gpu "
-                            "--num_processes 2 -m dist_llm.train --config configs/tiny.yaml train.micro_batch_size=16",
-                            tmp_path)
+    proc = as_in_the_readme(request, tmp_path)
     check(proc, tmp_path, reference, ranks=2)
 
 
@@ -141,10 +139,9 @@ def test_deepspeed_launcher(tmp_path: Path, reference: list[float]) -> None:
     check(proc, tmp_path, reference, ranks=2)
 
 
-def test_single_node_script(tmp_path: Path, reference: list[float]) -> None:
+def test_single_node_script(request: pytest.FixtureRequest, tmp_path: Path, reference: list[float]) -> None:
     """README's single-node script command: tp=2 (ZeRO-1 at dp=1 is plain)."""
-    proc = as_in_the_readme("NPROC=2 launch/torchrun_single_node.sh configs/tiny.yaml parallel.tp=2 "
-                            "parallel.zero_stage=1", tmp_path)
+    proc = as_in_the_readme(request, tmp_path)
     check(proc, tmp_path, reference, ranks=2)
 
 

@@ -12,7 +12,6 @@ Each job is a test case of its own, so that pytest-xdist spreads them over its w
 
 from __future__ import annotations
 
-import ast
 import importlib
 import inspect
 import json
@@ -21,12 +20,12 @@ import re
 import shlex
 import subprocess
 import sys
-import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from dist_llm.config import ConfigError
 from tests.conftest import REPO
 
 README = (REPO / "README.md").read_text()
@@ -104,11 +103,32 @@ def readme_commands(md: str = README) -> list[Command]:
     return commands
 
 
-def readme_command(text: str) -> str:
-    """`text`, a command of RUN_ELSEWHERE, checked to be in README.md as written; the calling test runs it."""
-    assert text in RUN_ELSEWHERE, f"{text!r} is not in tests/test_readme.py's RUN_ELSEWHERE"
+def readme_command(request: pytest.FixtureRequest) -> str:
+    """The README command RUN_ELSEWHERE hands to the requesting test, checked to be in README.md as written and
+    valid as written at its world size (the test appends its own overrides, which could hide a bad value)."""
+    test = request.node.nodeid.split("[", 1)[0]
+    [text] = [text for text, name in RUN_ELSEWHERE.items() if name == test]
     assert text in {c.text for c in readme_commands()}, f"README.md no longer shows {text!r}"
+    check_as_written(text)
     return text
+
+
+def check_as_written(text: str) -> None:
+    """A training command's config (its --config and key=value overrides) loads, and its layout fits the world
+    size it starts (--nproc-per-node, --num_processes or NPROC=): what the run would refuse at its start."""
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import resolve_degrees
+
+    tokens = shlex.split(text)
+    config = tokens[tokens.index("--config") + 1] if "--config" in tokens else next(
+        t for t in tokens if t.startswith("configs/"))
+    overrides = [t for t in tokens if re.fullmatch(r"[a-z_]+\.[a-z_.]+=.*", t)]
+    world = next((int(tokens[i + 1]) for i, t in enumerate(tokens) if t in ("--nproc-per-node", "--num_processes")),
+                 None) or next(int(t.split("=")[1]) for t in tokens if t.startswith("NPROC="))
+    cfg = load_config(REPO / config, overrides)
+    p = cfg.parallel
+    resolve_degrees(world, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
+                    micro_batch_size=cfg.train.micro_batch_size, cp=p.cp)
 
 
 def program(cmd: Command) -> tuple[list[str], int]:
@@ -295,11 +315,14 @@ def test_the_commands_not_run_are_still_in_the_readme() -> None:
     texts = {c.text for c in readme_commands()}
     assert sorted(set(NOT_RUN) - texts) == []
     assert sorted(set(RUN_ELSEWHERE) - texts) == []
-    for text, test in RUN_ELSEWHERE.items():  # the test named holds the text (and runs it through readme_command)
+    for text, test in RUN_ELSEWHERE.items():  # the test named asks for it (readme_command knows it by its id)
         path, name = test.split("::")
         source = inspect.getsource(getattr(importlib.import_module(path.removesuffix(".py").replace("/", ".")), name))
-        strings = {node.value for node in ast.walk(ast.parse(textwrap.dedent(source))) if isinstance(node, ast.Constant)}
-        assert text in strings, f"{test} does not run {text!r}"
+        # (through readme_command, or test_launch's as_in_the_readme, which calls it)
+        assert re.search(r"\b(readme_command|as_in_the_readme)\(request\b", source), f"{test} does not run {text!r}"
+        check_as_written(text)
+    with pytest.raises(ConfigError, match=r"train.global_batch_size: 32 is not divisible by"):  # the check can fail
+        check_as_written("dist-llm train --config configs/tiny.yaml --nproc-per-node 2 train.micro_batch_size=32")
     assert MAKES_RUNS_TINY in texts
     for cmd in readme_commands():
         # the files a command names exist in the checkout, run or not
