@@ -6,6 +6,7 @@ process costs seconds of CPU (torch's import, a save), so they are few and the r
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import signal
@@ -14,10 +15,12 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 from dist_llm.train.checkpoint import latest_checkpoint
+from dist_llm.train.errors import CheckpointError
 from tests.conftest import REPO, made_once, tiny_overrides
 
 
@@ -379,27 +382,86 @@ def _raised_while_interrupted(error: Exception) -> Exception:
         return e
 
 
-@pytest.mark.parametrize("failure", ["wrapped", "wrapped, the writer failing to close", "the writer failing to close"])
-def test_a_second_ctrl_c_that_dcp_wraps_as_a_save_failure_still_aborts(tmp_path: Path, failure: str) -> None:
+UNEXPECTED_POS = "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"  # (torch's zip writer)
+
+
+@pytest.mark.parametrize("failure", ["wrapped", "wrapped, the writer failing to close", "the writer failing to close",
+                                     "shared by DCP (the chain lost), after a second Ctrl-C here"])
+def test_a_second_ctrl_c_that_dcp_wraps_as_a_save_failure_still_aborts(tmp_path: Path, failure: str,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """DCP catches what interrupts its writers and raises a CheckpointException holding it: a second Ctrl-C during
     a save came out as "saving checkpoint ... failed (rank 0: KeyboardInterrupt)", exit 1, not the abort (130).
     A writer it stops can then fail to close, so the failure held is torch's zip writer's "unexpected pos" (seen in
     test_a_second_ctrl_c_aborts_at_once_without_saving when the Ctrl-C landed in a write), the interrupt its
-    context; or an OSError so raised. The half checkpoint is removed either way."""
+    context; or an OSError so raised. With a process group DCP shares each rank's failure pickled, which keeps no
+    __context__: then it is this process's own second Ctrl-C that says so. The half checkpoint is removed."""
+    import pickle
     from types import SimpleNamespace
 
     from torch.distributed.checkpoint.api import CheckpointException
 
+    from dist_llm.train import preemption
     from dist_llm.train.state import RunState
 
     half = tmp_path / "checkpoints" / "step_000003"
     half.mkdir(parents=True)
     fake = SimpleNamespace(ctx=SimpleNamespace(is_main=True), ckpt_root=tmp_path / "checkpoints", step=3)
-    closing = _raised_while_interrupted(RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"))
+    closing = _raised_while_interrupted(RuntimeError(UNEXPECTED_POS))
+    shared = pickle.loads(pickle.dumps(closing))
+    assert shared.__context__ is None  # (what a peer, or DCP's own gather, hands back)
     raised = {"wrapped": CheckpointException("save", {0: (KeyboardInterrupt(), None)}),
               "wrapped, the writer failing to close": CheckpointException("save", {0: (closing, None)}),
-              "the writer failing to close": _raised_while_interrupted(OSError(5, "Input/output error"))}[failure]
+              "the writer failing to close": _raised_while_interrupted(OSError(5, "Input/output error")),
+              "shared by DCP (the chain lost), after a second Ctrl-C here": CheckpointException("save", {0: (shared, None)}),
+              }[failure]
+    monkeypatch.setattr(preemption, "_aborting", False)  # (put back after the test)
+    if failure.startswith("shared"):  # the second Ctrl-C, as Preemption's handler takes it
+        stop = preemption.Preemption()
+        stop.signal_name = "SIGINT"  # (the first)
+        handler = signal.getsignal(signal.SIGINT)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                stop._handle(signal.SIGINT, None)
+        finally:
+            signal.signal(signal.SIGINT, handler)  # (the handler leaves SIGINT's default action: not this worker's)
     with pytest.raises(KeyboardInterrupt), RunState._saving(fake, half) as ours:  # type: ignore[arg-type]
         ours()
         raise raised
     assert not half.exists()
+
+
+def test_a_failed_write_without_a_second_ctrl_c_is_reported_as_one(tmp_path: Path) -> None:
+    """The same failures with no Ctrl-C behind them: one line naming the checkpoint, and the engine's files' writer
+    (DeepSpeed's torch.save) reports its rank's error; a second Ctrl-C that stopped that writer aborts."""
+    import pickle
+    from types import SimpleNamespace
+
+    import torch
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from dist_llm.train.checkpoint import _write_own_files
+    from dist_llm.train.state import RunState
+
+    half = tmp_path / "checkpoints" / "step_000003"
+    half.mkdir(parents=True)
+    fake = SimpleNamespace(ctx=SimpleNamespace(is_main=True), ckpt_root=tmp_path / "checkpoints", step=3)
+    shared = pickle.loads(pickle.dumps(RuntimeError(UNEXPECTED_POS)))
+    with pytest.raises(CheckpointError, match=rf"^saving checkpoint {re.escape(str(half))} failed \(.*unexpected pos"
+                                              r".*\); training stopped at step 3, the last complete checkpoint is none$"):
+        with RunState._saving(fake, half) as ours:  # type: ignore[arg-type]
+            ours()
+            raise CheckpointException("save", {0: (shared, None)})
+    assert not half.exists()
+
+    ctx = SimpleNamespace(rank=1, is_main=False, device=torch.device("cpu"))
+
+    def engine(error: BaseException) -> Callable[[Path], None]:
+        def write(path: Path) -> None:
+            raise error
+        return write
+
+    own = dict(train_state={}, cfg=None, ctx=ctx, extra_files=None)
+    assert _write_own_files(tmp_path / "a", **own, engine_files=engine(RuntimeError(UNEXPECTED_POS))) == (
+        f"rank 1: {tmp_path / 'a'}: RuntimeError: {UNEXPECTED_POS}")
+    with pytest.raises(KeyboardInterrupt):
+        _write_own_files(tmp_path / "b", **own, engine_files=engine(_raised_while_interrupted(RuntimeError(UNEXPECTED_POS))))

@@ -65,6 +65,7 @@ from dist_llm.train.safe_metadata import load_failure, load_index
 from dist_llm.train import checksums
 # re-exported: callers know checkpoints, not how they are hashed
 from dist_llm.train.checksums import MANIFEST, UnreadableCheckpoint  # noqa: F401
+from dist_llm.train.preemption import interrupted
 
 log = logging.getLogger("dist_llm")
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
@@ -156,9 +157,11 @@ def _write_own_files(path: Path, *, train_state: dict[str, Any], cfg: Config, ct
                 shutil.copyfile(source, path / name)
         if engine_files is not None:  # before the manifest, which lists (and checksums) what it wrote
             engine_files(path)
-    except OSError as e:
-        return f"rank {ctx.rank}: {e.filename or path}: {e.strerror or e}"
     except Exception as e:  # noqa: BLE001 - an engine's save may fail otherwise; its peers must still hear of it
+        if interrupted(e):  # a second Ctrl-C that stopped a write: the abort, not a failed save
+            raise KeyboardInterrupt from None
+        if isinstance(e, OSError):
+            return f"rank {ctx.rank}: {e.filename or path}: {e.strerror or e}"
         first = str(e).splitlines()[0] if str(e) else ""
         return f"rank {ctx.rank}: {path}: {type(e).__name__}: {first}"
     return None

@@ -21,6 +21,34 @@ def abort_within(seconds: float | None) -> None:
     _abort_grace_s = seconds
 
 
+# Set by a second Ctrl-C, the abort: a checkpoint write it stops can come out as the writer's own failure, and the
+# KeyboardInterrupt behind it can be lost on the way (DCP shares each rank's failure pickled, without __context__)
+_aborting = False
+
+
+def interrupted(e: BaseException) -> bool:
+    """Whether a failure is the abort a second Ctrl-C asked for: this process saw one, or a KeyboardInterrupt is in
+    the failure's chain (a writer it stopped that then failed to close, torch.save's zip writer: "unexpected pos",
+    the interrupt its context) or among the rank failures DCP wrapped."""
+    if _aborting:
+        return True
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    stack: list[BaseException | None] = [e]
+    seen: set[int] = set()
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, KeyboardInterrupt):
+            return True
+        stack += [x.__context__, x.__cause__]
+        if isinstance(x, CheckpointException):
+            stack += [inner for inner, _ in x.failures.values()]
+    return False
+
+
 def _abort(code: int) -> None:
     sys.stderr.write("dist-llm: error: interrupted: clean-up after the second Ctrl-C did not finish; stopped\n")
     sys.stderr.flush()
@@ -39,6 +67,8 @@ class Preemption:
         self._previous: dict[int, Any] = {}
 
     def install(self) -> Preemption:
+        global _aborting
+        _aborting = False  # (a run of its own: a library caller may train again after an abort)
         if threading.current_thread() is threading.main_thread():  # signals reach the main thread only
             self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
             if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:  # (ignored when started in the background)
@@ -52,6 +82,8 @@ class Preemption:
 
     def _handle(self, signum: int, frame: Any) -> None:
         if signum == signal.SIGINT and self.signal_name == "SIGINT":
+            global _aborting
+            _aborting = True
             signal.signal(signal.SIGINT, signal.SIG_DFL)
             if _abort_grace_s is not None:
                 timer = threading.Timer(_abort_grace_s, _abort, args=(130,))

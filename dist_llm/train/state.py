@@ -32,6 +32,7 @@ from dist_llm.train import checkpoint as ckpt
 from dist_llm.train import run_lock
 from dist_llm.train.errors import CheckpointError
 from dist_llm.train.metrics import truncate_after
+from dist_llm.train.preemption import interrupted
 from dist_llm.train.run_lock import RUN_LOCK
 
 log = logging.getLogger("dist_llm")
@@ -364,7 +365,7 @@ class RunState:
         except (OSError, CheckpointException) as e:
             if self.ctx.is_main and mine[0] and not ckpt.is_complete(path):
                 shutil.rmtree(path, ignore_errors=True)  # (resume=auto would ignore it anyway: no manifest)
-            if _interrupted(e):  # a second Ctrl-C, come out as a failed write: the abort it asked for
+            if interrupted(e):  # a second Ctrl-C, come out as a failed write: the abort it asked for
                 raise KeyboardInterrupt from None
             kept = ckpt.latest_checkpoint(self.ckpt_root)
             raise CheckpointError(f"saving checkpoint {path} failed ({_io_reason(e)}); training stopped at step "
@@ -374,25 +375,6 @@ class RunState:
         """Until a background save has copied what the next optimizer step changes (a no-op without one)."""
         if self.pending_save is not None:
             self.pending_save.wait_staged()
-
-
-def _interrupted(e: BaseException) -> bool:
-    """Whether a KeyboardInterrupt is behind a failed save: DCP wraps what stops its writers as that rank's failure,
-    and a writer it stopped can fail to close (torch.save's zip writer: "unexpected pos"), with the interrupt as
-    the context of that error."""
-    stack: list[BaseException | None] = [e]
-    seen: set[int] = set()
-    while stack:
-        x = stack.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        if isinstance(x, KeyboardInterrupt):
-            return True
-        stack += [x.__context__, x.__cause__]
-        if isinstance(x, CheckpointException):
-            stack += [inner for inner, _ in x.failures.values()]
-    return False
 
 
 def _same_base(saved: Any) -> Any:
