@@ -106,8 +106,10 @@ def readme_commands(md: str = README) -> list[Command]:
 def readme_command(request: pytest.FixtureRequest) -> str:
     """The README command RUN_ELSEWHERE hands to the requesting test, checked to be in README.md as written and
     valid as written at its world size (the test appends its own overrides, which could hide a bad value)."""
-    test = request.node.nodeid.split("[", 1)[0]
-    [text] = [text for text, name in RUN_ELSEWHERE.items() if name == test]
+    test = f"{request.node.path.relative_to(REPO)}::{request.node.originalname}"
+    texts = [text for text, name in RUN_ELSEWHERE.items() if name == test]
+    assert len(texts) == 1, f"RUN_ELSEWHERE names {test} for {len(texts)} commands, not 1"
+    [text] = texts
     assert text in {c.text for c in readme_commands()}, f"README.md no longer shows {text!r}"
     check_as_written(text)
     return text
@@ -122,9 +124,12 @@ def check_as_written(text: str) -> None:
     tokens = shlex.split(text)
     config = tokens[tokens.index("--config") + 1] if "--config" in tokens else next(
         t for t in tokens if t.startswith("configs/"))
-    overrides = [t for t in tokens if re.fullmatch(r"[a-z_]+\.[a-z_.]+=.*", t)]
-    world = next((int(tokens[i + 1]) for i, t in enumerate(tokens) if t in ("--nproc-per-node", "--num_processes")),
-                 None) or next(int(t.split("=")[1]) for t in tokens if t.startswith("NPROC="))
+    overrides = [t for t in tokens if re.fullmatch(r"[a-z_][a-z0-9_]*(\.[a-z0-9_]+)+=.*", t)]
+    flags = ("--nproc-per-node", "--nproc_per_node", "--num_processes", "--num-processes")
+    sizes = [tokens[i + 1] for i, t in enumerate(tokens[:-1]) if t in flags]
+    sizes += [t.split("=", 1)[1] for t in tokens if t.split("=", 1)[0] in (*flags, "NPROC") and "=" in t]
+    assert len(sizes) == 1, f"{text!r}: no world size found (--nproc-per-node N, --num_processes N or NPROC=N)"
+    world = int(sizes[0])
     cfg = load_config(REPO / config, overrides)
     p = cfg.parallel
     resolve_degrees(world, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
