@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
-from tests.test_launch import env
-from tests.test_readme import readme_command
+from tests.test_readme import run_as_written
 
 
 def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -63,8 +61,7 @@ def test_nproc_per_node_relaunches_under_torchrun(request: pytest.FixtureRequest
     one = run("-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", *small, f"train.out_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
     out = tmp_path / "two"
-    command = f"{readme_command(request)} {shlex.join([*small, f'train.out_dir={out}'])}"
-    two = subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, env=env(), timeout=240)
+    two = run_as_written(request, *small, f"train.out_dir={out}", timeout=240)
     assert two.returncode == 0, two.stderr[-3000:]
     header = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
     assert header["layout"] == {"world_size": 2, "dp": 2, "tp": 1, "pp": 1}

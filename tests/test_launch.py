@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import shlex
 import socket
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO, made_once
-from tests.test_readme import readme_command
+from tests.test_readme import run_as_written
 
 BIN = Path(sys.executable).parent
 # a small run: dp x tp layouts of 4 ranks and the single process see the same global batches
@@ -118,17 +117,9 @@ def test_slurm_sbatch_with_fake_srun(tmp_path: Path, reference: list[float]) -> 
     assert sorted(p.name for p in (tmp_path / "logs").iterdir()) == ["dist_llm-4242-node0.out", "dist_llm-4242-node1.out"]
 
 
-def as_in_the_readme(request: pytest.FixtureRequest, out_dir: Path) -> subprocess.CompletedProcess:
-    """The test's README command (tests/test_readme.py's RUN_ELSEWHERE) run as written from the checkout, this
-    module's small run's overrides appended."""
-    user = {k: v for k, v in env().items() if k != "PYTHON"}  # (the scripts' default: the python on the PATH, the venv's)
-    command = f"{readme_command(request)} {shlex.join([*RUN, f'train.out_dir={out_dir}'])}"
-    return subprocess.run(["bash", "-c", command], capture_output=True, text=True, cwd=REPO, env=user, timeout=300)
-
-
 def test_accelerate_launch_multi_cpu(request: pytest.FixtureRequest, tmp_path: Path, reference: list[float]) -> None:
     """README's Accelerate command (its default port, as written: no other test launches Accelerate)."""
-    proc = as_in_the_readme(request, tmp_path)
+    proc = run_as_written(request, *RUN, f"train.out_dir={tmp_path}")
     check(proc, tmp_path, reference, ranks=2)
 
 
@@ -141,7 +132,7 @@ def test_deepspeed_launcher(tmp_path: Path, reference: list[float]) -> None:
 
 def test_single_node_script(request: pytest.FixtureRequest, tmp_path: Path, reference: list[float]) -> None:
     """README's single-node script command: tp=2 (ZeRO-1 at dp=1 is plain)."""
-    proc = as_in_the_readme(request, tmp_path)
+    proc = run_as_written(request, *RUN, f"train.out_dir={tmp_path}")
     check(proc, tmp_path, reference, ranks=2)
 
 

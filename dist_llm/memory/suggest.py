@@ -52,9 +52,9 @@ measurements: the ranking, not the times, is the point.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
-import functools
 from typing import Any, Iterator
 
 from dist_llm.config import (Config, ConfigError, ModelConfig, _check_finetuning, _check_grad_accum_dtype, _check_moe,
@@ -76,8 +76,9 @@ def cost_model(gpus_per_node: int = GPUS_PER_NODE) -> str:
     return (f"ranked by estimated step time = compute + pipeline bubble + communication (not overlapped), "
             f"assuming {FLOPS / 1e12:.0f} TFLOP/s per device, {NODE_BANDWIDTH / 1e9:.0f} GB/s per rank within a "
             f"node of {gpus_per_node} devices and {BANDWIDTH / 1e9:.0f} GB/s across nodes (tp groups are "
-            f"consecutive ranks, then pp, dp outermost), {LATENCY * 1e6:.0f} us per call; bubble of the config's pipeline "
-            f"schedule for m micro-batches (1F1B: (pp-1)/(m+pp-1) of the step); ZeRO-2 reduce-scatters and FSDP2 gathers at every micro-step")
+            f"consecutive ranks, then pp, dp outermost), {LATENCY * 1e6:.0f} us per call; bubble of the config's "
+            f"pipeline schedule for m micro-batches (1F1B: (pp-1)/(m+pp-1) of the step); ZeRO-2 reduce-scatters and "
+            f"FSDP2 gathers at every micro-step")
 
 
 @dataclass
@@ -166,8 +167,7 @@ def bubble_fraction(cfg: Config, micro_steps: int) -> float:
 def _schedule_bubble(pp: int, micro_steps: int, schedule: str, chunks: int, overlap: bool) -> float:
     from dist_llm.parallel.pipeline.schedule import bubble_fraction as of_schedule
 
-    return of_schedule(pp, micro_steps, schedule=schedule, chunks=chunks if schedule == "interleaved" else 1,
-                       overlap=overlap)
+    return of_schedule(pp, micro_steps, schedule=schedule, chunks=chunks, overlap=overlap)  # (chunks: 1 but interleaved)
 
 
 # -- candidates -------------------------------------------------------------------------------------------
@@ -259,7 +259,8 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                 compute = computes[ckpt]
                 bubble = bubble_fraction(c, m)
                 everything.append(Suggestion(
-                    cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute, bubble_s=compute * bubble / (1 - bubble),
+                    cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute,
+                    bubble_s=compute * bubble / (1 - bubble),
                     comm_s=comm.seconds(world=world_size, tp=tp, pp=pp, gpus_per_node=gpus_per_node),
                     this_config=(dp, tp, pp, zero, micro, ckpt) == own))
     fits = sorted((s for s in everything if s.est.peak_bytes <= budget), key=lambda s: (s.step_s, s.est.peak_bytes))
