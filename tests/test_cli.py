@@ -57,7 +57,8 @@ def test_nproc_per_node_relaunches_under_torchrun(request: pytest.FixtureRequest
     """README's `--nproc-per-node 2` command, as written with a small run's overrides appended: two ranks through
     torchrun, ZeRO-2 over them, give the one-process losses."""
     small = ["train.max_steps=4", "train.log_interval=1", "train.eval_steps=1", "model.n_layer=1",
-             "train.micro_batch_size=8", "train.global_batch_size=16", "train.resume=never"]
+             "train.micro_batch_size=8", "train.global_batch_size=16", "train.resume=never",
+             "train.plot=false"]  # (matplotlib: a second a run; test_train_then_sample draws the plot)
     one = run("-m", "dist_llm.cli", "train", "--config", "configs/tiny.yaml", *small, f"train.out_dir={tmp_path / 'one'}")
     assert one.returncode == 0, one.stderr[-2000:]
     out = tmp_path / "two"

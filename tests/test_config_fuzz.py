@@ -94,7 +94,7 @@ def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 TINY = ["model.n_layer=1", "model.n_head=2", "model.n_embd=16", "model.block_size=16", "train.micro_batch_size=2",
         "train.global_batch_size=2", "train.max_steps=2", "train.eval_interval=0", "train.log_interval=1",
-        "optim.warmup_steps=1", "train.device=cpu"]
+        "optim.warmup_steps=1", "train.device=cpu", "train.plot=false"]  # (a drawn train.plot=true comes after)
 
 
 @settings(max_examples=int(os.environ.get("FUZZ_TRAIN_EXAMPLES", "100")), derandomize="CI" in os.environ, deadline=None, suppress_health_check=[HealthCheck.too_slow,
@@ -130,9 +130,6 @@ def test_device_cuda_on_a_cpu_machine_is_one_line(small_corpus: Path, tmp_path: 
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith("dist-llm: error: train.device: ")
 
 
-if __name__ == "__main__":
-    sys.exit(pytest.main([__file__, "-q"]))
-
 
 @pytest.mark.parametrize("case", ["empty file", "missing file", "empty folder", "smaller than a block",
                                   "tokenizer of another kind", "tokenizer not JSON"])
@@ -164,3 +161,7 @@ def test_bad_data_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureF
                      f"data.cache_dir={tmp_path / 'cache'}", *overrides])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"dist-llm: error: {expected}"), err
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))

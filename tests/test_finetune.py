@@ -144,7 +144,8 @@ def test_shipped_finetune_configs_lower_the_loss(tmp_path: Path, method: str) ->
     base, data = demo.make(tmp_path / "demo", records=500)
     cfg = load_config(Path(__file__).parent.parent / "configs" / f"finetune-{method}.yaml", [
         f"model.init_from=hf:{base}", f"data.source={data}", f"data.cache_dir={tmp_path / 'cache'}",
-        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=25", "train.eval_interval=0", "train.log_interval=1"])
+        f"train.out_dir={tmp_path / 'run'}", "train.max_steps=25", "train.eval_interval=0", "train.log_interval=1",
+        "train.plot=false"])
     last = Trainer(cfg, ParallelContext.from_config(cfg)).fit()
     first = next(r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r)
     assert first["step"] == 1 and last["loss"] < first["loss"] - 1.0

@@ -19,7 +19,7 @@ BIN = Path(sys.executable).parent
 # a small run: dp x tp layouts of 4 ranks and the single process see the same global batches
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.block_size=64", "train.micro_batch_size=8",
        "train.global_batch_size=16", "train.max_steps=5", "train.eval_interval=0", "train.log_interval=1",
-       "optim.warmup_steps=2"]
+       "optim.warmup_steps=2", "train.plot=false"]  # (matplotlib: a second a rank 0; test_cli draws the plot)
 
 
 def free_port() -> int:

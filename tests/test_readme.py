@@ -173,8 +173,11 @@ def with_overrides(text: str, index: int) -> str:
     keys = {t.split("=", 1)[0] for t in shlex.split(normal) if "=" in t}
     extra = list(TRAIN_FORCED)
     extra += [f"{k}={v}" for k, v in TRAIN_DEFAULTS.items() if k not in keys]
-    if "train.out_dir" not in keys and normal != MAKES_RUNS_TINY:
-        extra.append(f"train.out_dir=runs/readme-{index}")
+    if normal != MAKES_RUNS_TINY:  # (the first run keeps its out_dir and its loss.png, what a new user looks at)
+        if "train.out_dir" not in keys:
+            extra.append(f"train.out_dir=runs/readme-{index}")
+        if "train.plot" not in keys:  # (matplotlib: a second a run; the plot is the first run's to draw)
+            extra.append("train.plot=false")
     return f"{normal} {' '.join(extra)}"
 
 
@@ -367,6 +370,6 @@ def test_readme_commands_are_parsed_as_bash_would() -> None:
     assert kind(Command(1, "dist-llm memory --config c.yaml --json > m.json")) == "shell"
     assert with_overrides("dist-llm train --config c.yaml model.block_size=64", 7) == (
         "dist-llm train --config c.yaml model.block_size=64 train.max_steps=2 train.eval_steps=1 "
-        "train.out_dir=runs/readme-7")
+        "train.out_dir=runs/readme-7 train.plot=false")
     assert with_overrides(".venv/bin/dist-llm train --config configs/tiny.yaml", 0) == (
         f"{MAKES_RUNS_TINY} train.max_steps=2 train.eval_steps=1 model.block_size=32")

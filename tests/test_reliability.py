@@ -29,7 +29,8 @@ from tests.test_launch import BIN, env
 
 # big enough that a step takes tens of milliseconds, so a signal lands mid-run
 RUN = ["model.n_layer=2", "model.n_embd=64", "model.block_size=64", "train.micro_batch_size=8",
-       "train.global_batch_size=16", "train.eval_interval=0", "train.log_interval=1", "optim.warmup_steps=2"]
+       "train.global_batch_size=16", "train.eval_interval=0", "train.log_interval=1", "optim.warmup_steps=2",
+       "train.plot=false"]  # (matplotlib: a second a run; test_cli draws the plot)
 
 
 def by_step(out_dir: Path) -> dict[int, float]:
