@@ -219,6 +219,42 @@ def test_sequence_parallel_grads_summed_in_buckets() -> None:
         assert all(values == [1.0, 21.0, 41.0, 30.0 + rank] for _, values in got)
 
 
+def test_offloaded_sequence_parallel_grads_are_reduced_on_the_accelerator(monkeypatch: pytest.MonkeyPatch) -> None:
+    """parallel.offload=cpu with tp (sequence parallelism, or MoE): FSDP2 leaves the gradients on the host, and an
+    NCCL group reduces accelerator tensors only. Each bucket (the in-place single tensor too) goes to the
+    collectives' device and its sum comes back into the host gradients. The meta device stands in for the
+    accelerator (tests/standin_device.py); the all-reduce, as NCCL would, refuses a host tensor, and sums with a
+    peer that holds the same values (x2)."""
+    from types import SimpleNamespace
+
+    from dist_llm.parallel import comm
+    from dist_llm.parallel.marks import mark_sequence_parallel
+    from dist_llm.parallel.tensor import sync_sequence_parallel_grads
+    from tests.standin_device import STANDIN, standin
+
+    reduced = []
+
+    def nccl_all_reduce(t: torch.Tensor, group: object, stats: object) -> None:
+        assert t.device == STANDIN, f"a {t.device} tensor given to an accelerator-only group"
+        reduced.append(t.numel())
+        t.mul_(2)
+
+    monkeypatch.setattr(comm, "all_reduce", nccl_all_reduce)
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (1024, 1024, 3, 7)]
+    for p in params[:3]:
+        mark_sequence_parallel(p)
+    ctx = SimpleNamespace(device=STANDIN, tp=2, tp_group=object(), comm=None)
+    for bucket_mb, sizes in ((None, [2051]), (4096 / 2**20, [1024, 1024, 3])):  # (one flat bucket; one tensor each)
+        grads = [torch.arange(p.numel(), dtype=torch.float32) + i for i, p in enumerate(params)]
+        want = [g * 2 for g in grads[:3]] + [grads[3].clone()]
+        reduced.clear()
+        with standin():
+            sync_sequence_parallel_grads([(p, g, 0) for p, g in zip(params, grads)], ctx, bucket_mb=bucket_mb)
+        assert reduced == sizes
+        for g, w in zip(grads, want):
+            assert g.device.type == "cpu" and torch.equal(g, w)
+
+
 def test_config_refusal() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["model.n_experts=4", "parallel.tp=4", "model.block_size=66", "model.n_head=4"])

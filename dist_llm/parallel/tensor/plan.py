@@ -150,11 +150,15 @@ def sync_sequence_parallel_grads(grad_shards: list[tuple[nn.Parameter, torch.Ten
         return
     cap = None if bucket_mb is None else max(1, int(bucket_mb * 2**20))
     for bucket in _buckets(grads, cap):
-        if len(bucket) == 1 and bucket[0].is_contiguous():  # (one tensor, a large one: in place, no copy)
+        # offloaded gradients (parallel.offload=cpu) live on the host, which an NCCL group does not reduce: their
+        # bucket goes to the collectives' device and back
+        here = bucket[0].device.type == ctx.device.type
+        if here and len(bucket) == 1 and bucket[0].is_contiguous():  # (one tensor, a large one: in place, no copy)
             comm.all_reduce(bucket[0], ctx.tp_group, ctx.comm)
             continue
-        flat = torch.cat([g.reshape(-1) for g in bucket])
+        flat = torch.cat([g.reshape(-1) for g in bucket]).to(ctx.device)
         comm.all_reduce(flat, ctx.tp_group, ctx.comm)
+        flat = flat.to(bucket[0].device)
         torch._foreach_copy_(bucket, [f.view_as(g) for f, g in zip(flat.split([g.numel() for g in bucket]), bucket)])
 
 
