@@ -413,6 +413,26 @@ def test_init_transient_of_whole_parameter_builds(tmp_path: Path) -> None:
     assert memory.transient_bytes(small)[0] == max(4 * 256 * 32, (4 + 9) * up + 2 * 16 * 4 * up)
 
 
+def test_init_transient_of_native_zero_builds(tmp_path: Path) -> None:
+    """Native ZeRO-1/2 at dp > 1 takes a materialised fp32 model: in bf16 it holds it while casting each parameter
+    (2 bytes an element beyond the 16-bit parameters it keeps, and the largest one's copy); in fp32 on an
+    accelerator its flat buffer beside the parameters (4 bytes), and on the CPU, whose pages of the buffer come as
+    they are written, nothing beyond the draw. The element counts from the model itself, on the meta device."""
+    from dist_llm.model import GPT
+
+    gpt2 = {"model__n_layer": 2, "model__n_embd": 768, "model__n_head": 12, "model__vocab_size": 50304,
+            "parallel__zero_stage": 2}  # (dp from the world size)
+    with torch.device("meta"):
+        model = GPT(load_config(None, tiny_overrides(tmp_path, **gpt2)).model)
+    n, largest = sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters())
+    draw = 4 * (4194304 // 768) * 768  # (the random init's chunk of rows, as in the test above)
+    for precision, device, want in (("bf16", "cuda", 2 * n + 2 * largest), ("bf16", "cpu", 2 * n + 2 * largest),
+                                    ("fp32", "cuda", 4 * n), ("fp32", "cpu", draw)):
+        cfg = load_config(None, tiny_overrides(tmp_path, **gpt2, train__precision=precision, train__device=device))
+        assert memory.predict(cfg, 2).init_transient_bytes == want, (precision, device)
+        assert memory.predict(cfg, 1).init_transient_bytes == draw  # (dp=1: no flat buffer, the plain form)
+
+
 def test_pipelined_zero3_counts_this_ranks_experts_only() -> None:
     """ZeRO-3 x pp2 x ep2 (dp 2): a stage holds its E/ep experts whole through the step (fp32 gradients, and the
     fp32 parameters gathered at its first forward), not all E (they were counted ep x). By hand: the ep=1 and

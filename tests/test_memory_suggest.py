@@ -35,6 +35,27 @@ def test_every_candidate_has_predicts_own_peak(tmp_path: Path) -> None:
         assert s.est.peak_bytes == memory.predict(s.cfg, 4).peak_bytes, s.cfg.parallel
 
 
+def test_a_layout_must_fit_its_build_too(tmp_path: Path) -> None:
+    """Native ZeRO-1/2 in bf16 builds from the fp32 model (4 bytes a parameter, cast one at a time into the 16-bit
+    flat buffer): with a large model and small activations the build needs more than training. A budget that holds
+    such a candidate's training peak but not its build leaves it out, and its reason says what building needs."""
+    cfg = load_config(None, tiny_overrides(tmp_path, model__n_embd=512, model__n_head=8, train__precision="bf16",
+                                           train__device="cuda", train__micro_batch_size=1, train__global_batch_size=16,
+                                           parallel__zero_stage=2, parallel__bucket_mb=1))  # (small buckets)
+    everything = memory_suggest.suggest(cfg, 16, 2**40)  # (at dp=16 training holds 2 + 16/16 bytes a parameter)
+    z2 = next(s for s in everything.fits if s.layout == (16, 1, 1) and s.cfg.parallel.zero_stage == 2)
+    est = memory.predict(z2.cfg, 16)  # (the counts themselves: test_memory's)
+    assert z2.est.build_peak_bytes == est.params_bytes + est.master_bytes + est.init_transient_bytes
+    assert z2.est.build_peak_bytes > z2.est.peak_bytes
+    budget = z2.est.peak_bytes
+    plan = memory_suggest.suggest(cfg, 16, budget)
+    assert not any(s.layout == z2.layout and s.cfg.parallel == z2.cfg.parallel and s.cfg.train == z2.cfg.train
+                   for s in plan.fits)
+    assert all(max(s.est.peak_bytes, s.est.build_peak_bytes) <= budget for s in plan.fits)
+    assert z2.reason(budget).startswith(f"does not fit: peak {z2.est.peak_bytes / 2**30:.3g} (building: "
+                                        f"{z2.est.build_peak_bytes / 2**30:.3g}) of {budget / 2**30:.3g} GiB;")
+
+
 def test_a_pipeline_setting_does_not_hide_the_layouts_without_a_pipeline(tmp_path: Path) -> None:
     """A config set for pp=2 with parallel.pp_overlap_p2p=true, which pp=1 refuses: the candidates without a pipeline
     are still counted (they drop the setting), not skipped as invalid."""

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dist_llm import memory
 from dist_llm.config import load_config
 from dist_llm.model import GPT
 from dist_llm.model import init as model_init
@@ -129,6 +130,42 @@ def test_a_pipeline_stage_never_allocates_the_other_stages_blocks(tmp_path: Path
         assert stage["peak"] < stage["whole"]
     one = _build_peak(0, 1, tmp_path / "one")  # the meter sees a whole build whole
     assert one["peak"] >= one["whole"]
+
+
+ZERO2_BF16 = {"parallel__zero_stage": 2, "train__precision": "bf16", "model__n_layer": 4, "model__n_embd": 64}
+
+
+def _zero_build_peak(rank: int, world_size: int, out_dir: Path) -> dict[str, int]:
+    cfg = load_config(None, tiny_overrides(out_dir, parallel__dp=world_size, **ZERO2_BF16))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        with LiveBytes() as meter:
+            dp = parallelize(meta_model(cfg, ctx), cfg, ctx).dp
+        params = [p for p in dp.module.parameters() if p.requires_grad]
+        return {"peak": meter.peak, "n": sum(p.numel() for p in params), "largest": max(p.numel() for p in params),
+                "flat": dp.flat_params.numel(), "shard": dp.shard_numel, "dtypes": len({p.dtype for p in params}),
+                "buffers": sum(b.nbytes for b in dp.module.buffers())}
+    finally:
+        ctx.destroy()
+
+
+def test_zero2_build_never_holds_the_fp32_model_beside_the_flat_buffer(tmp_path: Path) -> None:
+    """ZeRO-1/2 in bf16 (zero.py): the parameters move into one flat bf16 buffer and the fp32 masters are this
+    rank's half. On an accelerator `empty` takes the whole buffer at once (the meter counts it so), so allocating it
+    beside the fp32 model peaked at 4 + 2 bytes a parameter (+ 4/dp of masters), a 13B model at dp=64 needing
+    79 GB to build against 29 GB to train. Now each parameter is cast on its own first: the peak is the fp32 model
+    (4 bytes) with one parameter's 16-bit copy, the masters (4/dp), and the buffers; the grad shard (4/dp) comes
+    when the model is down to its 16-bit buffer. `dist-llm memory` (counted for CUDA) predicts it: the parameters
+    and masters it keeps, and the build's transient (memory/transients.py zero_flat_build_bytes)."""
+    est = memory.predict(load_config(None, tiny_overrides(tmp_path, train__device="cuda", **ZERO2_BF16)), 2)
+    predicted = est.params_bytes + est.master_bytes + est.init_transient_bytes
+    for rank in run_distributed(_zero_build_peak, 2, tmp_path, init_group=False):
+        # (the prediction holds the largest parameter's 16-bit copy; the meter saw the first one cast: smaller)
+        assert predicted - 2 * rank["largest"] <= rank["peak"] <= predicted, (rank, predicted)
+        assert rank["dtypes"] == 1 and rank["flat"] >= rank["n"]  # (all of them bf16 views of the buffer)
+        masters = 4 * rank["shard"]
+        assert rank["peak"] <= 4 * rank["n"] + 2 * rank["largest"] + masters + rank["buffers"], rank
+        assert rank["peak"] < 4 * rank["n"] + 2 * rank["flat"] + masters, rank  # (what the old order held at once)
 
 
 def test_init_from_draws_nothing_random(tmp_path: Path, llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811

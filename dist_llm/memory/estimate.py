@@ -31,7 +31,8 @@ class Estimate:
     init_transient_bytes: int = 0
     """Building the model: the largest piece of a parameter drawn in fp32 (one expert, or a chunk of rows:
     model/init.py) before a rank keeps its part; a whole parameter and its 16-bit copy under DeepSpeed's ZeRO-3,
-    a whole block linear and its quantiser's working space under QLoRA (`init_transient_bytes`)."""
+    a whole block linear and its quantiser's working space under QLoRA; under native ZeRO-1/2 the fp32 model it
+    casts into its flat buffer, or in fp32 on an accelerator the buffer beside it (`init_transient_bytes`)."""
     load_transient_bytes: int = 0
     """Loading weights (model.init_from, resume): the largest full tensor read in its source dtype and its fp32
     copy."""
@@ -51,13 +52,20 @@ class Estimate:
         device_states = 0 if self.offloaded else self.model_states_bytes
         return device_states + self.activation_bytes + self.temporary_bytes + self.pending_weight_bytes
 
+    @property
+    def build_peak_bytes(self) -> int:
+        """Building the model: the parameters and masters it keeps (on the device unless offloaded) and its
+        transient; no gradient or optimizer state exists yet."""
+        return (0 if self.offloaded else self.params_bytes + self.master_bytes) + self.init_transient_bytes
+
     def to_json(self) -> dict[str, Any]:
         return {"params_bytes": self.params_bytes, "grads_bytes": self.grads_bytes, "master_bytes": self.master_bytes,
                 "optimizer_bytes": self.optimizer_bytes, "model_states_bytes": self.model_states_bytes,
                 "activation_bytes": self.activation_bytes, "temporary_bytes": self.temporary_bytes,
                 "pending_weight_bytes": self.pending_weight_bytes, "peak_bytes": self.peak_bytes,
                 "host_bytes": self.model_states_bytes if self.offloaded else 0,
-                "init_transient_bytes": self.init_transient_bytes, "load_transient_bytes": self.load_transient_bytes,
+                "init_transient_bytes": self.init_transient_bytes, "build_peak_bytes": self.build_peak_bytes,
+                "load_transient_bytes": self.load_transient_bytes,
                 "export_transient_bytes": self.export_transient_bytes, **({"moe": self.moe} if self.moe else {})}
 
 
@@ -90,7 +98,8 @@ def table(est: Estimate, title: str) -> str:
     for label, value in rows:
         lines.append(f"{label:<22}{value / GB:>12.3f}{value / GiB:>12.3f}")
     if est.init_transient_bytes or est.load_transient_bytes or est.export_transient_bytes:
-        lines.append("transients: the largest whole tensor while building, loading weights and exporting (besides "
+        lines.append("transients: the largest whole tensor while building (native ZeRO-1/2: the model cast into its "
+                     "flat buffer), loading weights and exporting (besides "
                      "the model states; not in the training peak)")
     if est.moe:
         for label, key in (("activations, worst", "activation_bytes_worst"),

@@ -48,7 +48,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         if best is None or est.peak_bytes > best.peak_bytes:
             best = est
     assert best is not None
-    best.init_transient_bytes, best.load_transient_bytes, best.export_transient_bytes = transient_bytes(cfg)
+    best.init_transient_bytes, best.load_transient_bytes, best.export_transient_bytes = transient_bytes(cfg, dp=dp, pp=pp)
     return best
 
 

@@ -65,7 +65,7 @@ from dist_llm.memory.comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWID
 from dist_llm.memory.estimate import Estimate, GiB
 from dist_llm.memory.model_states import model_state_bytes
 from dist_llm.memory.params import _model_params
-from dist_llm.memory.transients import pipelined_zero3_bytes, temporary_bytes
+from dist_llm.memory.transients import pipelined_zero3_bytes, temporary_bytes, zero_flat_build_bytes
 
 FLOPS = 200e12  # achieved per device (about 40-60% of an H100's dense bf16 peak)
 MAX_MICRO = 64
@@ -101,9 +101,17 @@ class Suggestion:
         p = self.cfg.parallel
         return p.dp, p.tp, p.pp
 
+    @property
+    def needs_bytes(self) -> int:
+        """What must fit: the training peak, or the build's where it is higher (native ZeRO-1/2 casting the fp32
+        model into its flat buffer)."""
+        return max(self.est.peak_bytes, self.est.build_peak_bytes)
+
     def reason(self, budget: int) -> str:
-        fits = "fits" if self.est.peak_bytes <= budget else "does not fit"
-        return (f"{fits}: peak {self.est.peak_bytes / GiB:.3g} of {budget / GiB:.3g} GiB; comm "
+        fits = "fits" if self.needs_bytes <= budget else "does not fit"
+        build = self.est.build_peak_bytes
+        built = f" (building: {build / GiB:.3g})" if build > self.est.peak_bytes else ""
+        return (f"{fits}: peak {self.est.peak_bytes / GiB:.3g}{built} of {budget / GiB:.3g} GiB; comm "
                 f"{_size(self.comm.total)}/step in {self.comm.calls} calls ({_time(self.comm_s)}); bubble "
                 f"{100 * self.bubble:.1f}% ({_time(self.bubble_s)}); compute {_time(self.compute_s)}")
 
@@ -248,6 +256,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp))
                     e.temporary_bytes += pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
                     e.offloaded = c.parallel.offload == "cpu"
+                    e.init_transient_bytes = zero_flat_build_bytes(c, dp=dp, pp=pp)
                     if est is None or e.peak_bytes > est.peak_bytes:
                         est = e
                 assert est is not None
@@ -263,7 +272,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     bubble_s=compute * bubble / (1 - bubble),
                     comm_s=comm.seconds(world=world_size, tp=tp, pp=pp, gpus_per_node=gpus_per_node),
                     this_config=(dp, tp, pp, zero, micro, ckpt) == own))
-    fits = sorted((s for s in everything if s.est.peak_bytes <= budget), key=lambda s: (s.step_s, s.est.peak_bytes))
+    fits = sorted((s for s in everything if s.needs_bytes <= budget), key=lambda s: (s.step_s, s.est.peak_bytes))
     best: dict[tuple[int, int, int], list[Any]] = {}
     for s in fits:
         best.setdefault(s.layout, [s, 0])[1] += 1
@@ -271,7 +280,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
     exact = next((s for s in mine if s.this_config), None)
     return Plan(world_size=world_size, budget=budget, fits=fits, layouts=[(s, n) for s, n in best.values()],
                 variants=len(everything), this_layout=own[:3] if mine else None, this_config=exact,
-                smallest=min(everything, key=lambda s: s.est.peak_bytes, default=None), gpus_per_node=gpus_per_node)
+                smallest=min(everything, key=lambda s: s.needs_bytes, default=None), gpus_per_node=gpus_per_node)
 
 
 def _cached_comm(cache: dict[tuple[Any, ...], Comm], c: Config, dp: int, tp: int, pp: int, s: int, zero: int,
@@ -361,8 +370,8 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
         lines.append(f"as configured it cannot run on {plan.world_size} ranks: the micro batch, ZeRO stage or "
                      "checkpointing is not one of this layout's (train.global_batch_size must split into dp x "
                      "train.micro_batch_size)")
-    elif own is not None and own.est.peak_bytes > plan.budget:
-        lines.append(f"as configured it needs a peak of {own.est.peak_bytes / GiB:.3g} GiB: does not fit")
+    elif own is not None and own.needs_bytes > plan.budget:
+        lines.append(f"as configured it needs a peak of {own.needs_bytes / GiB:.3g} GiB: does not fit")
     elif own is not None:
         lines.append(f"as configured (zero {own.cfg.parallel.zero_stage}, micro batch {own.cfg.train.micro_batch_size},"
                      f" checkpointing {own.cfg.train.activation_checkpointing}): est. step {_time(own.step_s)}; "

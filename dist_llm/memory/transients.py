@@ -118,7 +118,34 @@ def _block_linear(name: str) -> bool:
     return name.startswith("blocks.") and name.endswith(tuple(f".{path}.weight" for path in BLOCK_LINEARS))
 
 
-def init_transient_bytes(cfg: Config) -> int:
+def zero_flat_build_bytes(cfg: Config, *, dp: int, pp: int) -> int:
+    """Native ZeRO-1/2's build (parallel/data/zero.py) beyond the parameters it keeps: in mixed precision the
+    model it takes is fp32 (4 bytes an element, where the 16-bit parameters count 2), each trained parameter cast
+    to 16 bits on its own (its copy held beside it for a moment); in fp32 on an accelerator the flat buffer is
+    allocated whole beside the parameters it then takes in (on the CPU its pages come as they are written: one
+    parameter at a time). A form of its own over the experts under ep (built after the dense one): the larger of
+    the two. The stage holding the most."""
+    p = cfg.parallel
+    if p.backend != "native" or p.zero_stage not in (1, 2) or dp * p.cp == 1:
+        return 0
+    tp, ep = p.tp, memory_moe.ep_degree(cfg)
+    fp32 = cfg.train.precision == "fp32"
+    if fp32 and _runs_on_gloo(cfg):
+        return 0
+    worst = 0
+    for stage in range(pp):
+        parts = {False: [0, 0], True: [0, 0]}  # expert part or not -> [elements, largest]
+        for name, shape, trains in _stage_params(cfg, pp, stage):
+            if trains:
+                n = math.prod(_rank_shape(name, shape, cfg, tp, ep))
+                part = parts[ep > 1 and memory_moe.is_expert(name)]
+                part[0], part[1] = part[0] + n, max(part[1], n)
+        for n, largest in parts.values():
+            worst = max(worst, 4 * n if fp32 else 2 * n + 2 * largest)
+    return worst
+
+
+def init_transient_bytes(cfg: Config, *, dp: int = 1, pp: int | None = None) -> int:
     """The build's transient beyond this rank's parameters, by the largest of what the build allocates whole:
       - in fp32, the largest piece model/init.py draws (`init_draw_numel`);
       - DeepSpeed's ZeRO-3 (`deepspeed_shards.build_partitioned`): each parameter of this rank's tp/ep part
@@ -126,11 +153,13 @@ def init_transient_bytes(cfg: Config) -> int:
         range: the largest parameter at 4 + 2 bytes an element (4 in fp32);
       - QLoRA (`qlora.materialise_quantised`, `qlora.quantise`, `_build_nf4`): each block linear allocated whole
         in fp32 and quantised to NF4 (`NF4Weight.quantize`'s working space: `_NF4_BYTES_PER_ELEMENT`, and the
-        level search over at most nf4._SEARCH_CHUNK elements at once)."""
+        level search over at most nf4._SEARCH_CHUNK elements at once);
+      - native ZeRO-1/2 at dp > 1 (`zero_flat_build_bytes`): the fp32 model it casts parameter by parameter, or in
+        fp32 on an accelerator its flat buffer beside the parameters."""
     from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
     from dist_llm.peft.nf4 import _SEARCH_CHUNK
 
-    candidates = [4 * init_draw_numel(cfg)]
+    candidates = [4 * init_draw_numel(cfg), zero_flat_build_bytes(cfg, dp=dp, pp=pp or cfg.parallel.pp)]
     tp, ep = cfg.parallel.tp, memory_moe.ep_degree(cfg)
     qlora = cfg.peft.method == "qlora"
     for name, shape, _ in _model_params(cfg, peft=False):
@@ -142,13 +171,13 @@ def init_transient_bytes(cfg: Config) -> int:
     return max(candidates)
 
 
-def transient_bytes(cfg: Config) -> tuple[int, int, int]:
+def transient_bytes(cfg: Config, *, dp: int = 1, pp: int | None = None) -> tuple[int, int, int]:
     """(init, load, export) transients: what building the model allocates beyond a rank's shards
     (`init_transient_bytes`), and what holding the largest full tensor costs while loading weights and exporting
     a checkpoint. The bound a shard-by-shard implementation keeps to (issue 17); beyond a rank's own shards,
     which the model states count."""
     largest = largest_tensor_numel(cfg)
-    return init_transient_bytes(cfg), largest * (_source_bytes(cfg) + 4), 8 * largest
+    return init_transient_bytes(cfg, dp=dp, pp=pp), largest * (_source_bytes(cfg) + 4), 8 * largest
 
 
 def pipelined_zero3_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> int:

@@ -183,28 +183,33 @@ class ZeroDataParallel(DataParallel):
         total = sum(b.numel for b in self.buckets)
         self.shard_numel = total // self.dp
 
-        # Parameters become views of one flat buffer, in the compute dtype (16-bit in mixed precision). Each is
-        # copied in and its own storage released at once, and the fp32 masters (mixed precision only: in fp32 runs
-        # the parameter shard is its own master) are taken straight from it for this rank's segments: the build
-        # never holds more than the parameters once plus the flat buffer's filled part (no full fp32 copy).
-        # `empty`: on the CPU the pages of a large buffer become resident only as they are written, so the peak
-        # stays near one copy; only the padding is zeroed.
+        # Parameters become views of one flat buffer, in the compute dtype (16-bit in mixed precision), and in mixed
+        # precision the fp32 masters (in fp32 runs the parameter shard is its own master) are taken from them. In
+        # two passes, so that the fp32 model and the whole buffer are never held at once (6 bytes a parameter on an
+        # accelerator, where `empty` takes the whole buffer at once): first each parameter gives this rank's
+        # segments of it to the masters and is cast on its own, its fp32 storage freed; then the buffer is made and
+        # each is copied in and its own storage freed. The peak is the model in fp32, or in 16 bits twice
+        # (memory/transients.py counts it). On the CPU the pages of `empty` become resident only as they are
+        # written, so there the buffer adds about one parameter at a time; only its padding is zeroed.
         self.segments = rank_segments(self.buckets, self.rank)
-        self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device) if self.mixed else None
-        mine: dict[int, list[Segment]] = {}
-        for seg in self.segments:
-            mine.setdefault(id(seg.entry), []).append(seg)
+        if self.master is not None:
+            mine: dict[int, list[Segment]] = {}
+            for seg in self.segments:
+                mine.setdefault(id(seg.entry), []).append(seg)
+            for e in self.entries:
+                src = e.param.detach().reshape(-1)
+                for seg in mine.get(id(e), []):
+                    a, z = seg.shard_range(self.rank)
+                    self.master[a:z].copy_(src[seg.lo - e.offset : seg.hi - e.offset])
+                del src
+                e.param.data = e.param.data.to(self.param_dtype)
+        self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
         for b in self.buckets:
             end = b.start + sum(e.numel for e in b.entries)
             self.flat_params[end : b.start + b.numel].zero_()
             for e in b.entries:
-                src = e.param.detach().reshape(-1)
-                for seg in mine.get(id(e), []) if self.master is not None else []:
-                    a, z = seg.shard_range(self.rank)
-                    self.master[a:z].copy_(src[seg.lo - e.offset : seg.hi - e.offset])
-                self.flat_params[e.offset : e.offset + e.numel].copy_(src)
-                del src
+                self.flat_params[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
                 e.param.data = self.flat_params[e.offset : e.offset + e.numel].view_as(e.param)
 
         self.accum_dtype = accum_dtype(cfg)
