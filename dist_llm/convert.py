@@ -14,7 +14,8 @@ transformers writes it.
 Face files (block of rows by block of rows), converted to fp32 and written, then freed before the next
 (`convert_io.StreamingSavePlanner`); no optimizer state is written. Peak: the largest tensor in fp32.
 
-A PEFT (LoRA/QLoRA) checkpoint holds only the adapters; its base is what `model.init_from` names. Each base
+A PEFT (LoRA/QLoRA) checkpoint holds only the adapters and the buffers the run trained (an MoE layer's expert
+bias, written as the checkpoint holds it); its base is what `model.init_from` names. Each base
 tensor is read alone (a Hugging Face directory's by lazy slices, a checkpoint's from its chunks), a
 QLoRA base weight goes through NF4 and back as training saw it, and its LoRA update `alpha/r * B A` is added:
 the merged model, tensor by tensor. (A PEFT run on a random base, `model.init_from` empty, rebuilds that base
@@ -139,7 +140,9 @@ _BLOCK_LINEAR = re.compile(r"^blocks\.\d+\.(attn\.qkv|attn\.proj|mlp\.up|mlp\.ga
 class MergedPeft:
     """A LoRA/QLoRA checkpoint's merged weights: each base tensor (NF4 and back for QLoRA's block linears, as
     training saw it) plus its LoRA update (a stacked expert weight: each expert's own), as
-    `dist_llm.peft.merge_into_base` folds them."""
+    `dist_llm.peft.merge_into_base` folds them. A model tensor the checkpoint holds itself (a buffer the run
+    trained: an MoE layer's expert bias) is the checkpoint's, as `sample.load_model` loads it: the base's
+    would route otherwise than training did."""
 
     def __init__(self, adapters: CheckpointWeights, cfg: Config) -> None:
         if cfg.peft.method not in ("lora", "qlora"):
@@ -160,9 +163,14 @@ class MergedPeft:
         else:
             ckpt.check_seeded_base(adapters.path, cfg, what="convert --to-hf")
             self.base = _RandomBase(cfg)
+        # the model's own tensors among the checkpoint's (its adapter tensors have names no base weight has)
+        self.trained = {name: shape for name, shape in weight_shapes(cfg.model).items() if adapters.has(name)}
+        adapters.check(self.trained)
 
     @torch.no_grad()
     def get(self, name: str) -> torch.Tensor:
+        if name in self.trained:
+            return self.adapters.get(name)
         w = self.base.get(name)
         if self.cfg.peft.method == "qlora" and _BLOCK_LINEAR.match(name):
             from dist_llm.peft.nf4 import NF4Weight

@@ -347,6 +347,45 @@ def test_a_lora_checkpoint_keeps_the_expert_bias(tmp_path: Path) -> None:
         assert torch.equal(sampled[name], bias), name
 
 
+def test_a_lora_export_takes_the_trained_expert_bias_from_the_checkpoint(tmp_path: Path) -> None:
+    """`convert --to-full` of a LoRA checkpoint writes the expert bias the run trained, which the checkpoint holds
+    (it wrote the base's zeros before), and `--to-hf` refuses it as it refuses a full checkpoint's: Mixtral routes
+    without a bias, so the export would route otherwise than training did (it passed the check on those zeros)."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from dist_llm.convert import convert_checkpoint_to_hf, save_full
+    from dist_llm.train.trainer import Trainer
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(UNEVEN_TEXT)
+    cfg = load_config(None, tiny_overrides(tmp_path / "run", **{
+        "data__source": str(corpus), "train__eval_interval": 0, "train__max_steps": 2, "train__ckpt_interval": 2,
+        "model__n_experts": 4, "model__moe_top_k": 2, "model__mlp": "swiglu", "model__pos_emb": "rope",
+        "model__norm": "rmsnorm", "model__bias": False, "model__moe_bias_update_rate": 0.01,
+        "peft__method": "lora", "peft__targets": "[qkv, experts_up]", "peft__rank": 4}))
+    trainer = Trainer(cfg, ParallelContext.from_config(cfg))
+    try:
+        trainer.fit()
+    finally:
+        trainer.ctx.destroy()
+    step = tmp_path / "run" / "checkpoints" / "step_000002"
+    names = [f"blocks.{i}.moe.expert_bias" for i in range(cfg.model.n_layer)]
+    saved = {"model": {name: torch.empty(4) for name in names}}
+    dcp.load(saved, checkpoint_id=str(step), no_dist=True)  # the checkpoint's own tensors, read by DCP
+    assert all(b.any() for b in saved["model"].values())  # (trained: not the base's zeros)
+
+    full = save_full(step, tmp_path / "full.safetensors")
+    with safe_open(str(full), framework="pt") as f:
+        for name in names:
+            assert torch.equal(f.get_tensor(name), saved["model"][name]), name
+    with pytest.raises(ConfigError) as e:
+        convert_checkpoint_to_hf(step, tmp_path / "hf")
+    assert str(e.value) == ("cannot export as Mixtral: blocks.0.moe.expert_bias is not zero and Mixtral has no place "
+                            "for it (the aux-loss-free routing bias of model.moe_bias_update_rate)")
+    assert not (tmp_path / "hf").exists()
+
+
 def test_an_adapter_file_keeps_the_expert_bias(tmp_path: Path) -> None:
     """save_adapter / load_adapter (README, "Adapters") carry the bias a run trained with the LoRA tensors: without
     it the adapter on its base routes otherwise than training did (it was left as the base's, before)."""
