@@ -396,9 +396,10 @@ def test_an_adapter_file_keeps_the_expert_bias(tmp_path: Path) -> None:
     assert bias
     for b in bias.values():
         b.copy_(torch.linspace(-0.1, 0.1, b.numel()))
-    save_adapter(trained, tmp_path / "adapter", load_config(None, tiny_overrides(tmp_path, **LORA)).peft, {})
+    peft = load_config(None, tiny_overrides(tmp_path, **LORA)).peft
+    save_adapter(trained, tmp_path / "adapter", peft, {})
     fresh = _build(tmp_path, **LORA)
-    load_adapter(fresh, tmp_path / "adapter")
+    load_adapter(fresh, tmp_path / "adapter", peft)
     loaded = dict(fresh.named_buffers())
     for name, b in bias.items():
         assert torch.equal(loaded[name], b), name

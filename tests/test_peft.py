@@ -102,12 +102,75 @@ def test_adapter_weights_save_and_load_on_a_base(tmp_path: Path) -> None:
     assert stored["method"] == "lora" and stored["base"]["model_fingerprint"] == cfg.fingerprint()
     fresh, _ = _model(tmp_path)  # the same base weights (seed 0), no adapter yet
     apply_peft(fresh, cfg.peft, seed=5)
-    load_adapter(fresh, tmp_path / "adapter")
+    load_adapter(fresh, tmp_path / "adapter", cfg.peft)
     torch.testing.assert_close(fresh(_idx()), model(_idx()), rtol=0, atol=0)
-    other, other_cfg = _model(tmp_path, peft__method="lora", peft__targets="[qkv]")
+    other, other_cfg = _model(tmp_path, model__mlp="swiglu", **LORA)  # the same settings, one more layer (gate)
     apply_peft(other, other_cfg.peft, seed=0)
     with pytest.raises(ConfigError, match="adapter.safetensors: does not fit this model"):
-        load_adapter(other, tmp_path / "adapter")
+        load_adapter(other, tmp_path / "adapter", other_cfg.peft)
+
+
+def _saved_adapter(tmp_path: Path, **extra: Any) -> tuple[Path, dict[str, torch.Tensor]]:
+    """An adapter of a LoRA model (B made non-zero) saved at tmp_path/adapter, and its trained tensors."""
+    model, cfg = _model(tmp_path, **{**LORA, **extra})
+    apply_peft(model, cfg.peft, seed=0)
+    with torch.no_grad():
+        for _, lora in lora_modules(model):
+            lora.B.normal_(std=0.1)
+    save_adapter(model, tmp_path / "adapter", cfg.peft, base={})
+    return tmp_path / "adapter", {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(("key", "setting", "message"), [
+    ("rank", {"peft__rank": 8}, "rank is 4, this model's peft.rank is 8"),
+    ("alpha", {"peft__alpha": 4.0}, "alpha is 16.0, this model's peft.alpha is 4.0"),
+    ("targets", {"peft__targets": "[qkv]"},
+     "targets is ['qkv', 'attn_out', 'mlp_up', 'mlp_down'], this model's peft.targets is ['qkv']"),
+    ("method", {"peft__method": "adapter"}, "method is 'lora', this model's peft.method is 'adapter'"),
+])
+def test_an_adapter_of_other_settings_is_refused_by_key(tmp_path: Path, key: str, setting: dict[str, Any],
+                                                        message: str) -> None:
+    """adapter.json's settings must be the model's: a rank-4 LoRA copied into a rank-8 one broadcast its A rows and B
+    columns (and loaded without a word, before); another alpha scales the update otherwise."""
+    path, _ = _saved_adapter(tmp_path)
+    model, cfg = _model(tmp_path, **{**LORA, **setting})
+    apply_peft(model, cfg.peft, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError) as e:
+        load_adapter(model, path, cfg.peft)
+    assert str(e.value) == f"{path / 'adapter.json'}: {message}"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing copied
+
+
+def test_adapter_targets_in_another_order_load(tmp_path: Path) -> None:
+    path, trained = _saved_adapter(tmp_path)
+    model, cfg = _model(tmp_path, **{**LORA, "peft__targets": "[mlp_down, mlp_up, attn_out, qkv]"})
+    apply_peft(model, cfg.peft, seed=0)
+    load_adapter(model, path, cfg.peft)
+    loaded = dict(model.named_parameters())
+    assert all(torch.equal(loaded[n], t) for n, t in trained.items())
+
+
+@pytest.mark.parametrize("bad", ["shape", "dtype"])
+def test_an_adapter_tensor_of_another_shape_or_dtype_is_refused(tmp_path: Path, bad: str) -> None:
+    """Each tensor is checked against the model's before any is copied: copy_ broadcast a (1, 32) A into a (4, 32)
+    one, and cast integers silently."""
+    from safetensors.torch import load_file, save_file
+
+    path, _ = _saved_adapter(tmp_path)
+    name = "blocks.0.attn.qkv.lora.A"
+    tensors = load_file(str(path / "adapter.safetensors"))
+    assert tuple(tensors[name].shape) == (4, 32)
+    tensors[name] = tensors[name][:1] if bad == "shape" else tensors[name].to(torch.int64)
+    save_file(tensors, str(path / "adapter.safetensors"))
+    model, cfg = _model(tmp_path, **LORA)
+    apply_peft(model, cfg.peft, seed=0)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(ConfigError) as e:
+        load_adapter(model, path, cfg.peft)
+    why = "has shape (1, 32), this model's has (4, 32)" if bad == "shape" else "is torch.int64, not a floating-point tensor"
+    assert str(e.value) == f"{path / 'adapter.safetensors'}: {name} {why}"
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())  # nothing copied
 
 
 def test_adapters_start_as_the_base_and_train_alone(tmp_path: Path) -> None:

@@ -213,22 +213,65 @@ def save_adapter(model: nn.Module, path: Path, cfg: PeftConfig, base: dict[str, 
     atomic_write_text(path / "adapter.json", json.dumps(meta, indent=1))
 
 
-def load_adapter(model: nn.Module, path: Path) -> dict[str, Any]:
-    """Put the tensors of `save_adapter` back on a model that has the same PEFT modules; returns adapter.json."""
+#: adapter.json's keys that must equal the loading model's peft settings: the method and its rank always (a
+#: bottleneck's width for adapters); alpha (the update's scale) and the targets only where LoRA has them
+_SETTINGS = {"adapter": ("method", "rank"), "lora": ("method", "rank", "alpha", "targets"),
+             "qlora": ("method", "rank", "alpha", "targets")}
+
+
+def _same_setting(key: str, saved: Any, ours: Any) -> bool:
+    if key == "targets":  # (their order changes nothing: apply_peft adds each target's layers in any order)
+        return isinstance(saved, list) and sorted(map(str, saved)) == sorted(ours)
+    if key == "alpha":
+        return isinstance(saved, (int, float)) and not isinstance(saved, bool) and float(saved) == float(ours)
+    return type(saved) is type(ours) and saved == ours
+
+
+def _check_settings(file: Path, meta: Any, cfg: PeftConfig) -> None:
+    """adapter.json (`meta`) was written for the peft settings `cfg`: a LoRA of another rank, scale or targets is
+    another model, refused in one line naming the key."""
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{file}: not a JSON object")
+    for key in _SETTINGS[cfg.method]:
+        ours = list(cfg.targets) if key == "targets" else getattr(cfg, key)
+        if key not in meta:
+            raise ConfigError(f"{file}: has no {key!r} (this model's peft.{key} is {ours})")
+        if not _same_setting(key, meta[key], ours):
+            raise ConfigError(f"{file}: {key} is {meta[key]!r}, this model's peft.{key} is {ours!r}")
+
+
+def load_adapter(model: nn.Module, path: Path, cfg: PeftConfig) -> dict[str, Any]:
+    """Put the tensors of `save_adapter` back on a model that has the same PEFT modules, added with the peft
+    settings `cfg` (those adapter.json must record); returns adapter.json. What does not fit is refused in one
+    line before any tensor is copied: `copy_` would broadcast a rank-1 LoRA into a rank-8 one without a word."""
     from dist_llm.model.buffers import trained_buffers
 
-    tensors = load_file(str(path / "adapter.safetensors"))
+    if cfg.method == "none":
+        raise ConfigError("peft.method: none: this model has no PEFT modules to load an adapter into")
+    json_file, tensors_file = path / "adapter.json", path / "adapter.safetensors"
+    try:
+        meta = json.loads(json_file.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{json_file}: unreadable ({e})") from None
+    _check_settings(json_file, meta, cfg)
+    tensors = load_file(str(tensors_file))
     targets = dict(model.named_parameters()) | trained_buffers(model)
     wanted = set(trainable_names(model))
     optional = set(trained_buffers(model))  # (an adapter saved before they were kept leaves them as built)
     if not wanted <= set(tensors) or not set(tensors) <= wanted | optional:
         missing, extra = sorted(wanted - set(tensors)), sorted(set(tensors) - wanted - optional)
-        raise ConfigError(f"{path / 'adapter.safetensors'}: does not fit this model (missing {missing[:3]}, "
+        raise ConfigError(f"{tensors_file}: does not fit this model (missing {missing[:3]}, "
                           f"unexpected {extra[:3]})")
+    for name, t in tensors.items():
+        if not t.is_floating_point():
+            raise ConfigError(f"{tensors_file}: {name} is {t.dtype}, not a floating-point tensor")
+        if t.shape != targets[name].shape:
+            raise ConfigError(f"{tensors_file}: {name} has shape {tuple(t.shape)}, this model's has "
+                              f"{tuple(targets[name].shape)}")
     with torch.no_grad():
         for name, t in tensors.items():
             targets[name].copy_(t)
-    return json.loads((path / "adapter.json").read_text())
+    return meta
 
 
 __all__ = ["BLOCK_LINEARS", "EXPERT_TARGETS", "TARGETS", "Adapter", "ExpertLoRA", "LoRA", "ParameterCounts", "adapter_state", "add_adapter", "add_expert_lora", "add_lora",
