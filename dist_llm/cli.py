@@ -118,7 +118,7 @@ def relaunch_under_torchrun(args: argparse.Namespace) -> int:
     second makes them stop at once, and torchrun is ended with them. A SIGTERM or SIGHUP sent to this process (a
     scheduler, a closed terminal) is passed to the workers as SIGTERM: they save at the step boundary, and this
     process exits 128 + the signal's number."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
+    cmd = [sys.executable, "-m", "dist_llm.torchrun", "--standalone", f"--nproc-per-node={args.nproc_per_node}",
            "-m", "dist_llm.train"]
     if args.config is not None:
         cmd += ["--config", str(args.config)]
@@ -210,12 +210,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.nproc_per_node < 1:
         raise ConfigError(f"--nproc-per-node: must be at least 1, got {args.nproc_per_node}")
     if args.nproc_per_node > 1 and not _under_torchrun():
-        from dist_llm.parallel.context import resolve_degrees
+        from dist_llm.parallel.context import layout_degrees
 
         try:
-            resolve_degrees(args.nproc_per_node, cfg.parallel.dp, cfg.parallel.tp, cfg.parallel.pp,
-                            global_batch_size=cfg.train.global_batch_size, micro_batch_size=cfg.train.micro_batch_size,
-                            cp=cfg.parallel.cp)
+            layout_degrees(cfg, args.nproc_per_node)
         except ConfigError as e:
             raise ConfigError(f"--nproc-per-node {args.nproc_per_node}: {e}") from None
         return relaunch_under_torchrun(args)

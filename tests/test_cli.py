@@ -86,6 +86,57 @@ def test_bad_layout_exits_2(tmp_path: Path) -> None:
         "train.micro_batch_size * dp = 8 * 3"]
 
 
+def test_layout_rules_that_need_dp_are_checked_before_the_launch(tmp_path: Path) -> None:
+    """Expert parallelism's share of dp and interleaving's micro-batch count: refused before torchrun starts
+    (before, each rank refused it, and torchrun added its traceback and failure table to the line)."""
+    proc = run("-m", "dist_llm.cli", "train", "--config", "configs/moe.yaml", "--nproc-per-node", "2", "parallel.ep=4",
+               "train.micro_batch_size=2", "train.global_batch_size=4", f"train.out_dir={tmp_path}")
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+        "dist-llm: error: --nproc-per-node 2: parallel.ep: 4 does not divide dp=2 (WORLD_SIZE=2 / (cp*tp*pp))"])
+    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.pp=2", "parallel.pp_schedule=interleaved",
+               "parallel.pp_virtual=2", f"train.out_dir={tmp_path}")
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+        "dist-llm: error: --nproc-per-node 2: parallel.pp_schedule: interleaved needs the micro-batches per step "
+        "(train.global_batch_size / (train.micro_batch_size * dp) = 1) to be a multiple of parallel.pp=2"])
+
+
+def test_bad_data_under_two_ranks_is_one_line(tmp_path: Path) -> None:
+    """Empty data under --nproc-per-node 2, which only the ranks find (local rank 0 prepares the data): every rank
+    stops on it, so the run ends in rank 0's one line and exit 2. Before, rank 1 waited in a barrier until rank 0's
+    exit broke it, printed that traceback, and torchrun added its own and a failure table (exit 1)."""
+    (tmp_path / "empty.txt").write_text("")
+    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", f"data.source={tmp_path / 'empty.txt'}",
+               "train.micro_batch_size=8", "train.global_batch_size=16", f"train.out_dir={tmp_path / 'run'}")
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+        f"dist-llm: error: data.source: {tmp_path / 'empty.txt'} is empty"]), proc.stderr[-3000:]
+
+
+def test_the_launcher_says_only_what_no_worker_could() -> None:
+    """dist_llm.torchrun: a worker's exit code is the launcher's (the worker said why); a worker killed by a signal
+    gets one line naming its rank and the signal, and 128 + the signal's number."""
+    import io
+    import signal
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from dist_llm.torchrun import exit_code
+
+    def failed(code: int) -> ChildFailedError:
+        return ChildFailedError("dist_llm.train", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=code,
+                                                                       error_file="<N/A>")})
+
+    for code in (2, 1):
+        err = io.StringIO()
+        assert (exit_code(failed(code), err), err.getvalue()) == (code, "")
+    err = io.StringIO()
+    assert exit_code(failed(-signal.SIGKILL), err) == 128 + signal.SIGKILL
+    assert err.getvalue() == ("dist-llm: error: rank 1 (pid 4242) was killed by SIGKILL (out of memory?); the other "
+                              "ranks were stopped\n")
+    err = io.StringIO()
+    assert exit_code(failed(-signal.SIGSEGV), err) == 128 + signal.SIGSEGV
+    assert "rank 1 (pid 4242) was killed by SIGSEGV;" in err.getvalue()
+
+
 def test_tp_larger_than_the_world_exits_2(tmp_path: Path) -> None:
     proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.tp=4", f"train.out_dir={tmp_path}")
     assert proc.returncode == 2

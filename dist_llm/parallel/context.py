@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, check_interleaved
 from dist_llm.parallel.comm import CommStats
 
 log = logging.getLogger("dist_llm")
@@ -65,6 +65,19 @@ def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_
     if global_batch_size % (micro_batch_size * dp):
         raise ConfigError(f"train.global_batch_size: {global_batch_size} is not divisible by "
                           f"train.micro_batch_size * dp = {micro_batch_size} * {dp}")
+    return dp, tp, pp
+
+
+def layout_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) of `cfg` at `world_size` ranks, with the rules that need dp known (expert parallelism's
+    carve-out of dp, interleaving's micro-batch count): checked before a launcher starts any process, and again
+    by each rank."""
+    p = cfg.parallel
+    dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
+                                 micro_batch_size=cfg.train.micro_batch_size, cp=p.cp)
+    if dp % p.ep:
+        raise ConfigError(f"parallel.ep: {p.ep} does not divide dp={dp} (WORLD_SIZE={world_size} / (cp*tp*pp))")
+    check_interleaved(cfg, dp)
     return dp, tp, pp
 
 
@@ -260,10 +273,7 @@ class ParallelContext:
         local_rank = int(env.get("LOCAL_RANK", "0"))
         p = cfg.parallel
         cp = p.cp
-        dp, tp, pp = resolve_degrees(world_size, p.dp, p.tp, p.pp, global_batch_size=cfg.train.global_batch_size,
-                                     micro_batch_size=cfg.train.micro_batch_size, cp=cp)
-        if dp % p.ep:
-            raise ConfigError(f"parallel.ep: {p.ep} does not divide dp={dp} (WORLD_SIZE={world_size} / (cp*tp*pp))")
+        dp, tp, pp = layout_degrees(cfg, world_size)
         device = pick_device(cfg.train.device, local_rank)
         ctx = cls(rank=rank, world_size=world_size, local_rank=local_rank, dp=dp, tp=tp, pp=pp, device=device,
                   ep=p.ep, cp=cp)
@@ -319,6 +329,17 @@ class ParallelContext:
     def barrier(self) -> None:
         if dist.is_initialized():
             dist.barrier()
+
+    def first_failure(self, failure: Exception | None) -> Exception | None:
+        """Every rank's `failure` (None: it went well) exchanged: the lowest rank's, or None when every rank's
+        went well. A step only some ranks take (local rank 0 prepares the data) ends alike on all: a rank that
+        failed alone would leave the others waiting in the next collective until its connection closes, and
+        the launcher would report that broken connection, not the cause. (Pickled over the gloo group.)"""
+        if self.world_size == 1 or not dist.is_initialized():
+            return failure
+        every: list[Exception | None] = [None] * self.world_size
+        dist.all_gather_object(every, failure, group=self.cpu_group)
+        return next((f for f in every if f is not None), None)
 
     def destroy(self) -> None:
         """Tear down the process group this context created (DeepSpeed ZeRO-2 offload aborts at exit without it)."""

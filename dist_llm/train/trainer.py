@@ -108,10 +108,21 @@ class Trainer:
         t, m = cfg.train, cfg.model
         self.device = ctx.device
 
-        # Local rank 0 prepares the token files; the others then find them in the cache.
+        # Local rank 0 prepares the token files; the others then find them in the cache. What stops it (empty
+        # data, a bad tokenizer: one line; anything else) stops every rank alike.
+        failure: Exception | None = None
         if ctx.local_rank == 0:
-            self.data = prepare_data(cfg.data, m.vocab_size)
-        ctx.barrier()
+            try:
+                self.data = prepare_data(cfg.data, m.vocab_size)
+            except ConfigError as e:
+                failure = ConfigError(str(e))
+            except Exception as e:
+                ctx.first_failure(TrainingError(f"rank {ctx.rank}: preparing data.source failed "
+                                                f"({type(e).__name__}: {e})"))
+                raise  # (on this rank its own error: the line or traceback it gives)
+        failure = ctx.first_failure(failure)
+        if failure is not None:
+            raise failure
         if ctx.local_rank != 0:
             self.data = prepare_data(cfg.data, m.vocab_size)
         self.train_tokens = self.data.train_tokens()
