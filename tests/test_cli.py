@@ -19,6 +19,16 @@ def run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout, cwd=REPO, env=env)
 
 
+def refused(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, list[str]]:
+    """`dist-llm ARGS` in this process, for what is refused before any process starts: the exit code and the lines
+    on stderr."""
+    from dist_llm.cli import main
+
+    capsys.readouterr()
+    code = main(list(args))
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
 def losses(out_dir: Path) -> dict[int, float]:
     recs = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return {r["step"]: r["loss"] for r in recs if "loss" in r}
@@ -72,30 +82,26 @@ def test_nproc_per_node_relaunches_under_torchrun(request: pytest.FixtureRequest
         assert b[step] == pytest.approx(a[step], rel=1e-5)
 
 
-def test_bad_layout_exits_2(tmp_path: Path) -> None:
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.dp=4", "train.micro_batch_size=8",
-               f"train.out_dir={tmp_path}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "dist-llm: error: --nproc-per-node 2: parallel: dp*tp*pp = 4*1*1 = 4 does not match WORLD_SIZE=2"]
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "3", "train.global_batch_size=32",
-               "train.micro_batch_size=8", f"train.out_dir={tmp_path}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
+def test_bad_layout_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert refused(capsys, "train", "--nproc-per-node", "2", "parallel.dp=4", "train.micro_batch_size=8",
+                   f"train.out_dir={tmp_path}") == (2, [
+        "dist-llm: error: --nproc-per-node 2: parallel: dp*tp*pp = 4*1*1 = 4 does not match WORLD_SIZE=2"])
+    assert refused(capsys, "train", "--nproc-per-node", "3", "train.global_batch_size=32", "train.micro_batch_size=8",
+                   f"train.out_dir={tmp_path}") == (2, [
         "dist-llm: error: --nproc-per-node 3: train.global_batch_size: 32 is not divisible by "
-        "train.micro_batch_size * dp = 8 * 3"]
+        "train.micro_batch_size * dp = 8 * 3"])
 
 
-def test_layout_rules_that_need_dp_are_checked_before_the_launch(tmp_path: Path) -> None:
+def test_layout_rules_that_need_dp_are_checked_before_the_launch(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
     """Expert parallelism's share of dp and interleaving's micro-batch count: refused before torchrun starts
     (before, each rank refused it, and torchrun added its traceback and failure table to the line)."""
-    proc = run("-m", "dist_llm.cli", "train", "--config", "configs/moe.yaml", "--nproc-per-node", "2", "parallel.ep=4",
-               "train.micro_batch_size=2", "train.global_batch_size=4", f"train.out_dir={tmp_path}")
-    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+    assert refused(capsys, "train", "--config", str(REPO / "configs/moe.yaml"), "--nproc-per-node", "2",
+                   "parallel.ep=4", "train.micro_batch_size=2", "train.global_batch_size=4",
+                   f"train.out_dir={tmp_path}") == (2, [
         "dist-llm: error: --nproc-per-node 2: parallel.ep: 4 does not divide dp=2 (WORLD_SIZE=2 / (cp*tp*pp))"])
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.pp=2", "parallel.pp_schedule=interleaved",
-               "parallel.pp_virtual=2", f"train.out_dir={tmp_path}")
-    assert (proc.returncode, proc.stderr.strip().splitlines()) == (2, [
+    assert refused(capsys, "train", "--nproc-per-node", "2", "parallel.pp=2", "parallel.pp_schedule=interleaved",
+                   "parallel.pp_virtual=2", f"train.out_dir={tmp_path}") == (2, [
         "dist-llm: error: --nproc-per-node 2: parallel.pp_schedule: interleaved needs the micro-batches per step "
         "(train.global_batch_size / (train.micro_batch_size * dp) = 1) to be a multiple of parallel.pp=2"])
 
@@ -137,17 +143,13 @@ def test_the_launcher_says_only_what_no_worker_could() -> None:
     assert "rank 1 (pid 4242) was killed by SIGSEGV;" in err.getvalue()
 
 
-def test_tp_larger_than_the_world_exits_2(tmp_path: Path) -> None:
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "2", "parallel.tp=4", f"train.out_dir={tmp_path}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "dist-llm: error: --nproc-per-node 2: parallel: WORLD_SIZE=2 is not divisible by tp*pp = 4*1"]
+def test_tp_larger_than_the_world_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert refused(capsys, "train", "--nproc-per-node", "2", "parallel.tp=4", f"train.out_dir={tmp_path}") == (2, [
+        "dist-llm: error: --nproc-per-node 2: parallel: WORLD_SIZE=2 is not divisible by tp*pp = 4*1"])
 
 
-def test_pipeline_with_fsdp_offload_exits_2(tmp_path: Path) -> None:
+def test_pipeline_with_fsdp_offload_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # (FSDP2 composes with pp; its CPU offload under a pipeline does not yet: refused before any launch)
-    proc = run("-m", "dist_llm.cli", "train", "--nproc-per-node", "4", "parallel.pp=2", "parallel.zero_stage=3",
-               "parallel.offload=cpu", f"train.out_dir={tmp_path}")
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == [
-        "dist-llm: error: parallel.offload=cpu is not supported with parallel.pp>1; use parallel.offload=none"]
+    assert refused(capsys, "train", "--nproc-per-node", "4", "parallel.pp=2", "parallel.zero_stage=3",
+                   "parallel.offload=cpu", f"train.out_dir={tmp_path}") == (2, [
+        "dist-llm: error: parallel.offload=cpu is not supported with parallel.pp>1; use parallel.offload=none"])
