@@ -132,7 +132,7 @@ def test_device_cuda_on_a_cpu_machine_is_one_line(small_corpus: Path, tmp_path: 
 
 
 @pytest.mark.parametrize("case", ["empty file", "missing file", "empty folder", "smaller than a block",
-                                  "tokenizer of another kind", "tokenizer not JSON"])
+                                  "tokenizer of another kind", "tokenizer not JSON", "a fifo"])
 def test_bad_data_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "empty.txt").write_text("")
     (tmp_path / "folder").mkdir()
@@ -140,6 +140,7 @@ def test_bad_data_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureF
     (tmp_path / "short.txt").write_text("a short text, of some forty bytes only.\n")
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "n_embd": 768}')  # JSON, not a tokenizer
     (tmp_path / "vocab.txt").write_text("hello\nworld\n")
+    os.mkfifo(tmp_path / "fifo")
     overrides, expected = {
         "empty file": (["data.source=EMPTY"], "data.source: EMPTY is empty"),
         "missing file": (["data.source=MISSING"], "data.source: file or directory not found: MISSING"),
@@ -151,9 +152,11 @@ def test_bad_data_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureF
                                       "data.tokenizer: CONFIG is not a Hugging Face tokenizer.json ("),
         "tokenizer not JSON": (["data.source=SHORT", "data.tokenizer=VOCAB", "model.vocab_size=50304"],
                                "data.tokenizer: VOCAB is not a Hugging Face tokenizer.json ("),
+        "a fifo": (["data.source=FIFO"], "data.source: FIFO is not a regular file or directory"),
     }[case]
     names = {"EMPTY": tmp_path / "empty.txt", "MISSING": tmp_path / "missing.txt", "FOLDER": tmp_path / "folder",
-             "SHORT": tmp_path / "short.txt", "CONFIG": tmp_path / "config.json", "VOCAB": tmp_path / "vocab.txt"}
+             "SHORT": tmp_path / "short.txt", "CONFIG": tmp_path / "config.json", "VOCAB": tmp_path / "vocab.txt",
+             "FIFO": tmp_path / "fifo"}
     for name, path in names.items():
         overrides = [o.replace(name, str(path)) for o in overrides]
         expected = expected.replace(name, str(path))
@@ -161,6 +164,27 @@ def test_bad_data_is_one_line(case: str, tmp_path: Path, capsys: pytest.CaptureF
                      f"data.cache_dir={tmp_path / 'cache'}", *overrides])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and err[0].startswith(f"dist-llm: error: {expected}"), err
+
+
+def test_a_data_source_this_process_cannot_read_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import errno
+
+    src = (tmp_path / "corpus.txt").resolve()
+    src.write_text("text " * 200)
+    real_open = os.open
+
+    def refusing(path: object, *args: Any, **kwargs: Any) -> int:
+        # as a file without read permission would (the tests run as root, which a chmod does not stop)
+        if Path(path) == src:  # type: ignore[arg-type]
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", refusing)
+    code = cli.main(["train", *TINY, f"data.source={src}", f"train.out_dir={tmp_path / 'run'}",
+                     f"data.cache_dir={tmp_path / 'cache'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == [f"dist-llm: error: data.source: cannot read {src}: Permission denied"], err
 
 
 if __name__ == "__main__":

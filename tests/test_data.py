@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 import time
@@ -271,6 +272,56 @@ def test_bad_sources_and_vocab_raise_config_errors(tmp_path: Path) -> None:
         prepare_data(DataConfig(source=str(src), val_fraction=0.001, cache_dir=str(tmp_path)), 256)
     with pytest.raises(ConfigError, match=r"^data\.tokenizer:"):
         prepare_data(DataConfig(source=str(src), tokenizer=str(tmp_path / "nope.json"), cache_dir=str(tmp_path)), 256)
+
+
+def _refuse(monkeypatch: pytest.MonkeyPatch, name: str, refused: Path) -> None:
+    """Make os.<name> refuse `refused` as a folder or file without read permission would: the tests run as root,
+    which the permission bits do not stop, so a chmod would prove nothing here."""
+    real = getattr(os, name)
+
+    def refusing(path: object, *args: object, **kwargs: object) -> object:
+        if Path(path) == refused:  # type: ignore[arg-type]
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, name, refusing)
+
+
+@pytest.mark.parametrize("what", ["subfolder", "top folder", "document", "folder above"])
+def test_a_source_this_process_cannot_read_is_one_line_naming_data_source(
+        what: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = (tmp_path / "corpus").resolve()
+    root.mkdir()
+    _write_docs(root)
+    # os.walk lists with os.scandir (its onerror gets the refusal), a document is opened with os.open, and a source
+    # under a folder that cannot be searched is refused its stat
+    name, refused, source = {"subfolder": ("scandir", root / "sub", root),
+                             "top folder": ("scandir", root, root),
+                             "document": ("open", root / "doc01.txt", root),
+                             "folder above": ("stat", root / "doc01.txt", root / "doc01.txt")}[what]
+    _refuse(monkeypatch, name, refused)
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(source=str(source), cache_dir=str(tmp_path / "cache")), 256)
+    assert str(e.value) == f"data.source: cannot read {refused}: Permission denied"
+
+
+def test_a_single_file_source_this_process_cannot_read_is_one_line(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    src = (tmp_path / "a.txt").resolve()
+    src.write_text(TRAIN_TEXT)
+    _refuse(monkeypatch, "open", src)
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(source=str(src), cache_dir=str(tmp_path / "cache")), 256)
+    assert str(e.value) == f"data.source: cannot read {src}: Permission denied"
+
+
+def test_a_source_that_is_not_a_regular_file_or_folder_is_named_so(tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for source in (str(fifo), os.devnull):  # (reading a fifo would block; /dev/null gives nothing)
+        with pytest.raises(ConfigError) as e:
+            prepare_data(DataConfig(source=source, cache_dir=str(tmp_path / "cache")), 256)
+        assert str(e.value) == f"data.source: {source} is not a regular file or directory"
 
 
 def test_external_tokenizer_larger_than_model_vocab(tmp_path: Path) -> None:

@@ -91,38 +91,69 @@ class PreparedData:
 
 # --- listing and splitting -------------------------------------------------------------------------
 
+def _unreadable(e: OSError) -> ConfigError:
+    """An OSError met listing or opening data.source, as one line naming the key (a permission, not a bug)."""
+    return ConfigError(f"data.source: cannot read {e.filename}: {e.strerror or e}")
+
+
+def _raise_unreadable(e: OSError) -> None:
+    # os.walk's onerror: without it a subdirectory it cannot list is skipped in silence, and the run trains on
+    # part of the data (or, the top one, finds "no documents")
+    raise _unreadable(e)
+
+
 def _source_kind(source: str) -> str:
     if source == "stdlib":
         return "stdlib"
     path = Path(source).expanduser()
-    if path.is_dir():
-        return "dir"
-    if path.is_file():
-        return {".bin": "bin", ".jsonl": "jsonl"}.get(path.suffix, "file")
+    try:  # (a folder above it that cannot be searched: the stat is refused, not "not found")
+        if path.is_dir():
+            return "dir"
+        if path.is_file():
+            return {".bin": "bin", ".jsonl": "jsonl"}.get(path.suffix, "file")
+        if path.exists():  # a fifo, a socket, a device such as /dev/null: reading one would block or give nothing
+            raise ConfigError(f"data.source: {source} is not a regular file or directory")
+    except OSError as e:
+        raise _unreadable(e) from None
     raise ConfigError(f"data.source: file or directory not found: {source}")
+
+
+def _check_readable(path: Path) -> None:
+    """Open `path` once now, so a document this process may not read is one line naming data.source before any
+    work, not an OSError from whichever reader (text, records, a memmap, BPE training) meets it first."""
+    try:
+        os.close(os.open(path, os.O_RDONLY))
+    except OSError as e:
+        raise _unreadable(e) from None
 
 
 def documents(source: str) -> list[tuple[str, Path]]:
     """(relative name, path) of every text document of `source`, sorted by name.
 
     'stdlib': *.py under the stdlib, skipping site-packages/dist-packages so installed packages do not
-    change the corpus. A directory: every regular file under it except hidden ones. A file: itself.
+    change the corpus. A directory: every regular file under it except hidden ones. A file: itself. A folder or
+    document this process cannot read is a ConfigError naming data.source, never a part of the data left out.
     """
     kind = _source_kind(source)
     if kind in ("file", "bin", "jsonl"):
         path = Path(source).expanduser().resolve()
+        _check_readable(path)
         return [(path.name, path)]
     stdlib = kind == "stdlib"
     root = Path(sysconfig.get_paths()["stdlib"] if stdlib else source).expanduser().resolve()
     found: list[tuple[str, Path]] = []
-    for dirpath, dirnames, filenames in os.walk(root):
+    for dirpath, dirnames, filenames in os.walk(root, onerror=_raise_unreadable):
         dirnames[:] = [d for d in dirnames if not d.startswith(".") and not (stdlib and d in _EXCLUDED_DIRS)]
         for name in filenames:
             if name.startswith(".") or (stdlib and not name.endswith(".py")):
                 continue
             path = Path(dirpath, name)
-            if path.is_file():  # skips sockets, fifos and dangling links
-                found.append((path.relative_to(root).as_posix(), path))
+            try:
+                if path.is_file():  # skips sockets, fifos and dangling links
+                    _check_readable(path)
+                    found.append((path.relative_to(root).as_posix(), path))
+            except OSError as e:  # (a folder that can be listed but not searched: the stat is refused)
+                raise _unreadable(e) from None
     return sorted(found)
 
 
