@@ -611,6 +611,9 @@ def validate(cfg: Config) -> None:
         raise ConfigError(f"model.dropout: must be in [0, 1), got {m.dropout}")
     if not 0.0 < d.val_fraction < 1.0:
         raise ConfigError(f"data.val_fraction: must be in (0, 1), got {d.val_fraction}")
+    if not d.source.strip():  # Path("") is ".": an empty value would train on whatever folder the run started in
+        raise ConfigError("data.source: is empty; give stdlib, a text file, a folder or a .bin/.jsonl file "
+                          "(. for the current folder)")
     if d.source != "stdlib" and not Path(d.source).expanduser().exists():
         raise ConfigError(f"data.source: file or directory not found: {d.source}")
     if d.tokenizer not in ("byte", "bpe") and not Path(d.tokenizer).expanduser().is_file():

@@ -98,6 +98,14 @@ def test_bad_values_name_the_key(overrides: list[str], message: str) -> None:
     assert "\n" not in str(info.value)
 
 
+@pytest.mark.parametrize("value", ["", "'  '"])
+def test_an_empty_data_source_is_refused_not_read_as_the_current_folder(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"data.source={value}"])
+    assert str(info.value) == ("data.source: is empty; give stdlib, a text file, a folder or a .bin/.jsonl file "
+                               "(. for the current folder)")
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--config: file not found"):
         load_config(tmp_path / "nope.yaml")
