@@ -324,6 +324,18 @@ def test_a_source_that_is_not_a_regular_file_or_folder_is_named_so(tmp_path: Pat
         assert str(e.value) == f"data.source: {source} is not a regular file or directory"
 
 
+@pytest.mark.parametrize("where", ["the folder", "a folder above"])
+def test_a_cache_dir_that_is_a_file_is_one_line_naming_data_cache_dir(where: str, tmp_path: Path) -> None:
+    src = tmp_path / "a.txt"
+    src.write_text(TRAIN_TEXT)
+    blocker = (tmp_path / "cache").resolve()
+    blocker.write_text("not a folder")
+    cache = blocker if where == "the folder" else blocker / "sub"
+    with pytest.raises(ConfigError) as e:
+        prepare_data(DataConfig(source=str(src), cache_dir=str(cache)), 256)
+    assert str(e.value) == f"data.cache_dir: cannot create {cache}: {blocker} is a file, not a folder"
+
+
 def test_external_tokenizer_larger_than_model_vocab(tmp_path: Path) -> None:
     path = BPETokenizer.train([TRAIN_TEXT], 300).save(tmp_path / "tok")
     src = tmp_path / "a.txt"

@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from dist_llm.config import ConfigError
+
 try:
     import fcntl
 except ImportError:  # not POSIX: no host lock, the atomic rename still keeps readers safe
@@ -32,6 +34,24 @@ def cache_root(cache_dir: str) -> Path:
     """`cache_dir` if set, else $DIST_LLM_CACHE, else ~/.cache/dist_llm."""
     root = cache_dir or os.environ.get("DIST_LLM_CACHE") or "~/.cache/dist_llm"
     return Path(root).expanduser().resolve()
+
+
+def ready_cache_root(cache_dir: str) -> Path:
+    """`cache_root(cache_dir)`, created if missing. One that cannot be a folder (it, or a folder above it, is a
+    file) is one line naming data.cache_dir, not an OSError from deep in the build. Its writability is not
+    probed: a read-only cache that already holds the prepared folder is fine."""
+    root = cache_root(cache_dir)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        reason = e.strerror or str(e)
+        if isinstance(e, (FileExistsError, NotADirectoryError)):
+            blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
+            reason = f"{blocker} is a file, not a folder" if blocker is not None else reason
+        # (unset, the value came from the environment or the default: say so, the key alone would mislead)
+        origin = "" if cache_dir else " (from $DIST_LLM_CACHE)" if os.environ.get("DIST_LLM_CACHE") else " (the default)"
+        raise ConfigError(f"data.cache_dir: cannot create {root}{origin}: {reason}") from None
+    return root
 
 
 def folder_name(label: str, key: dict[str, Any]) -> str:

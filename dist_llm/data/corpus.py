@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 import numpy as np
 
 from dist_llm.config import ConfigError, DataConfig
-from dist_llm.data.cache import COMPLETE_FILE, build_once, cache_root, folder_name
+from dist_llm.data.cache import COMPLETE_FILE, build_once, folder_name, ready_cache_root
 from dist_llm.data.records import MASK_DTYPE, build_records
 from dist_llm.data.tokenizer import (MAX_VOCAB, UINT16_VOCAB, BPETokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
                                      token_dtype)
@@ -412,7 +412,7 @@ def prepare_data(data: DataConfig, vocab_size: int) -> PreparedData:
         (tmp / COMPLETE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
 
     key = _cache_key(data, kind, tok_spec, vocab_size, docs)
-    folder = build_once(cache_root(data.cache_dir), folder_name(_label(data, kind, tok_spec), key), build)
+    folder = build_once(ready_cache_root(data.cache_dir), folder_name(_label(data, kind, tok_spec), key), build)
     meta = json.loads((folder / COMPLETE_FILE).read_text())
     return PreparedData(directory=folder, train_path=folder / "train.bin", val_path=folder / "val.bin",
                         tokenizer_spec=_spec_in(folder, tok_spec), meta=meta)
