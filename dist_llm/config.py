@@ -25,6 +25,11 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 
 
+# parallel.timeout_s's floor: a collective timeout under a second is of no use (one step's all-reduce can take
+# longer), and at 1e-6 s the process group failed to form with pages of C++ traces from every rank, not one line.
+MIN_TIMEOUT_S = 1.0
+
+
 class ConfigError(ValueError):
     """A bad config value. Its message is one line that names the key and the rule it broke."""
 
@@ -217,7 +222,7 @@ class ParallelConfig:
     """backend=deepspeed: a ds_config.json merged over the one derived from this config; keys both set
     (batch sizes, ZeRO stage, precision, clipping) must agree."""
     timeout_s: float = 600.0
-    """Timeout of collectives, in seconds."""
+    """Timeout of collectives, in seconds (at least 1)."""
 
 
 @dataclass
@@ -595,6 +600,9 @@ def validate(cfg: Config) -> None:
               "train.micro_batch_size", "train.global_batch_size", "train.max_steps", "train.log_interval",
               "train.eval_steps", "train.loss_scale_init", "train.max_bad_steps", "parallel.tp", "parallel.pp", "parallel.cp",
               "parallel.timeout_s", "optim.lr")
+    if p.timeout_s < MIN_TIMEOUT_S:
+        raise ConfigError(f"parallel.timeout_s: must be at least {MIN_TIMEOUT_S:g} second, got {p.timeout_s:g} (the "
+                          f"time a collective may wait for every rank)")
     _non_negative(cfg, "model.n_kv_head", "model.mlp_hidden", "optim.min_lr", "optim.warmup_steps",
                   "optim.weight_decay", "optim.grad_clip", "optim.eps", "parallel.dp", "train.eval_interval", "train.peak_tflops",
                   "train.ckpt_interval", "train.keep_checkpoints", "train.stop_after_step", "train.seed",

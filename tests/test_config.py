@@ -106,6 +106,15 @@ def test_an_empty_data_source_is_refused_not_read_as_the_current_folder(value: s
                                "(. for the current folder)")
 
 
+@pytest.mark.parametrize("value", ["0.000001", "0.5"])
+def test_a_collective_timeout_under_a_second_is_refused(value: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(None, [f"parallel.timeout_s={value}"])
+    assert str(info.value) == (f"parallel.timeout_s: must be at least 1 second, got {float(value):g} (the time a "
+                               f"collective may wait for every rank)")
+    assert load_config(None, ["parallel.timeout_s=1"]).parallel.timeout_s == 1.0
+
+
 def test_missing_config_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="--config: file not found"):
         load_config(tmp_path / "nope.yaml")
