@@ -25,11 +25,22 @@ def job_id() -> str | None:
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: nothing is sent, only whether the process exists
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # (a pid beyond a C pid_t: no process has it)
         return False
     except PermissionError:  # exists, another user's
         return True
     return True
+
+
+def _holder(path: Path) -> tuple[int, str, object]:
+    """(pid, host, job) of the lock at `path`. ValueError (or KeyError, TypeError) when it names no process: the
+    pid must be a positive JSON integer, since os.kill reads 0 and -1 as process groups (-1: every process this
+    user may signal, so a pid of -1 was "in use" forever), and a true would read as 1, init."""
+    holder = json.loads(path.read_text())
+    pid = holder["pid"]
+    if type(pid) is not int or pid <= 0:
+        raise ValueError(f"pid {pid!r} is not a process id")
+    return pid, str(holder["host"]), holder.get("job")
 
 
 def _create(path: Path) -> bool:
@@ -53,8 +64,7 @@ def take(path: Path) -> str | None:
         if _create(path):
             return None
         try:
-            holder = json.loads(path.read_text())
-            pid, their_host, their_job = int(holder["pid"]), str(holder["host"]), holder.get("job")
+            pid, their_host, their_job = _holder(path)
         except FileNotFoundError:
             continue
         except (OSError, ValueError, KeyError, TypeError):
@@ -81,8 +91,7 @@ def held_elsewhere(path: Path) -> str | None:
     """Why a run may not start in this out_dir (take()'s refusal for a live holder), checked without taking
     the lock: before any process is started or anything built. A stale lock is left for take() to take over."""
     try:
-        holder = json.loads(path.read_text())
-        pid, their_host, their_job = int(holder["pid"]), str(holder["host"]), holder.get("job")
+        pid, their_host, their_job = _holder(path)
     except FileNotFoundError:
         return None
     except (OSError, ValueError, KeyError, TypeError):
