@@ -180,7 +180,7 @@ class OptimConfig:
 @dataclass
 class ParallelConfig:
     dp: int = 0
-    """Data-parallel degree; 0 means WORLD_SIZE / (tp * pp)."""
+    """Data-parallel degree; 0 means WORLD_SIZE / (cp * tp * pp)."""
     tp: int = 1
     """Tensor-parallel degree."""
     pp: int = 1

@@ -1,5 +1,6 @@
 """The documents say what their own figures say: docs/benchmarks.md's prose quotes its table's numbers, and
-the README quotes no test count (a number that drifts with every test added)."""
+the README quotes no test count (a number that drifts with every test added), and the layout rule it states is
+the one the code checks."""
 
 from __future__ import annotations
 
@@ -141,3 +142,17 @@ def test_readme_quotes_no_test_count() -> None:
     readme = " ".join((REPO / "README.md").read_text().split())
     counts = re.findall(r"\b\d[\d,]*\+? (?:[a-z-]+ )?tests?\b", readme, flags=re.IGNORECASE)
     assert counts == [], f"README quotes a test count ({counts[0]!r}): say 'the suite' instead"
+
+
+def test_the_layout_product_the_docs_state_is_the_one_the_code_checks() -> None:
+    """world = dp * cp * tp * pp (context_parallel is a mesh dim of its own); the dp docstring and the README had
+    left cp out, from before it existed."""
+    from dist_llm.config import describe_keys
+    from dist_llm.parallel.context import resolve_degrees
+
+    assert resolve_degrees(16, 0, 2, 2, cp=2) == (2, 2, 2)  # dp = WORLD_SIZE / (cp * tp * pp)
+    about = {key: text for key, _, text in describe_keys()}
+    assert about["parallel.dp"] == "Data-parallel degree; 0 means WORLD_SIZE / (cp * tp * pp)."
+    readme = " ".join((REPO / "README.md").read_text().split())
+    assert "it checks `dp * cp * tp * pp == WORLD_SIZE`" in readme
+    assert "`dp * tp * pp" not in readme and '("dp", "pp", "tp")' not in readme
