@@ -147,6 +147,25 @@ def test_bad_steps_stop_the_run_at_a_log_step(tmp_path: Path, corpus_file: Path,
     assert ckpt.list_checkpoints(out / "checkpoints") == []
 
 
+@pytest.mark.parametrize("saved", [False, True])
+def test_the_bad_steps_stop_names_a_checkpoint_only_where_one_was_saved(tmp_path: Path, corpus_file: Path,
+                                                                        saved: bool) -> None:
+    """Before, the stop said "the last complete checkpoint is kept" in a run that had saved none."""
+    out = tmp_path / "run"
+    if saved:  # two good steps, saved at the end; the run resumed from them then diverges
+        make_trainer(out, corpus_file, train__max_steps=2, train__eval_interval=0).fit()
+    trainer = make_trainer(out, corpus_file, train__max_bad_steps=1, train__log_interval=1, train__max_steps=8,
+                           train__eval_interval=0)
+    trainer.model.blocks[0].mlp.up.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+    with pytest.raises(TrainingError) as info:
+        trainer.fit()
+    step = 3 if saved else 1
+    where = (f"the last complete checkpoint ({out / 'checkpoints' / 'step_000002'}) is kept" if saved else
+             "and no checkpoint has been saved")
+    assert str(info.value) == ("1 step in a row had non-finite gradients (train.max_bad_steps=1); stopping at step "
+                               f"{step}, {where}")
+
+
 def test_loss_scaler() -> None:
     bad, good = torch.tensor(1.0), torch.tensor(0.0)
     s = LossScaler(enabled=True, scale=1024.0, growth_interval=3)

@@ -290,8 +290,11 @@ class Trainer:
         worst = self.scaler.take_worst_run()
         limit = self.cfg.train.max_bad_steps
         if worst >= limit:
-            raise TrainingError(f"{worst} steps in a row had non-finite gradients (train.max_bad_steps={limit}); "
-                                f"stopping at step {self.step}, the last complete checkpoint is kept")
+            # (the diverged state is not saved: say what a resume would start from, where there is anything)
+            kept = ckpt.latest_checkpoint(self.ckpt_root)
+            where = f"the last complete checkpoint ({kept}) is kept" if kept else "and no checkpoint has been saved"
+            raise TrainingError(f"{worst} step{'s' * (worst != 1)} in a row had non-finite gradients "
+                                f"(train.max_bad_steps={limit}); stopping at step {self.step}, {where}")
 
     def pipeline_times(self) -> dict[str, list[float]]:
         """Every stage's busy and idle seconds in the last training step (a collective over the pp group)."""
