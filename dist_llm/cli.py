@@ -355,6 +355,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from dist_llm import memory
 
     extra: dict[str, str] = {}
+    # (0 was read as unset, the config's layout; a negative size reached the layout checks, which blamed
+    # parallel.* keys the user never set)
+    if args.world_size is not None and args.world_size < 1:
+        raise ConfigError(f"memory: --world-size must be at least 1, got {args.world_size}")
     if args.params is not None and args.config is None and not args.overrides and not args.suggest:
         if args.params <= 0 or args.dp < 1:
             raise ConfigError(f"memory: --params and --dp must be positive, got {args.params:g} and {args.dp}")

@@ -447,3 +447,14 @@ def test_pipelined_zero3_counts_this_ranks_experts_only() -> None:
         one = memory.pipelined_zero3_bytes(load_config(None, base), tp=1, pp=2, pp_rank=stage)
         two = memory.pipelined_zero3_bytes(load_config(None, [*base, "parallel.ep=2"]), tp=1, pp=2, pp_rank=stage)
         assert one - two == (e // 2) * (c * h + h * c + h + c) * (4 + 4)
+
+
+@pytest.mark.parametrize("size", ["0", "-2"])
+@pytest.mark.parametrize("suggest", [False, True])
+def test_a_world_size_under_one_is_refused_in_one_line(size: str, suggest: bool) -> None:
+    """Before, 0 was taken for unset (the config's own layout, silently) and -2 was refused by the layout
+    checks, naming parallel.* keys that were never set."""
+    extra = ["--suggest", "--gpu-memory", "80GiB"] if suggest else []
+    proc = cli("--config", "configs/tiny.yaml", "--world-size", size, *extra)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (
+        2, "", f"dist-llm: error: memory: --world-size must be at least 1, got {size}\n")
