@@ -43,6 +43,14 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
             return fail(str(e))
         except TrainingError as e:
             return fail(str(e), code=1, every_rank=isinstance(e, CollectiveError))
+        except (RuntimeError, MemoryError) as e:  # out of memory: the config's size, not a bug; each rank says its own
+            from dist_llm.train.errors import out_of_memory
+
+            line = out_of_memory(e, rank=os.environ.get("RANK", "0"), config=getattr(args, "config", None),
+                                 overrides=getattr(args, "overrides", None))
+            if line is None:
+                raise
+            return fail(line, code=1, every_rank=True)
         except OSError as e:  # a disk full or unwritable --out: the file and the reason, from the rank that met it
             where = f"{e.filename}: " if e.filename else ""
             rank = os.environ.get("RANK")

@@ -153,3 +153,61 @@ def test_pipeline_with_fsdp_offload_exits_2(tmp_path: Path, capsys: pytest.Captu
     assert refused(capsys, "train", "--nproc-per-node", "4", "parallel.pp=2", "parallel.zero_stage=3",
                    "parallel.offload=cpu", f"train.out_dir={tmp_path}") == (2, [
         "dist-llm: error: parallel.offload=cpu is not supported with parallel.pp>1; use parallel.offload=none"])
+
+
+CUDA_OOM = ("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity of 79.10 GiB of which 3.12 GiB "
+            "is free. Of the allocated memory 70.02 GiB is allocated by PyTorch")
+CPU_OOM = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 400000000000 bytes. Error code 12 (Cannot allocate memory)")
+
+
+@pytest.mark.parametrize(("where", "error", "said"), [
+    ("train_step", "cuda", "rank 0: out of GPU memory: 20 GiB could not be allocated"),
+    ("__init__", "cpu", "rank 0: out of host memory: 372.53 GiB could not be allocated"),  # (the build)
+    ("__init__", "numpy", "rank 0: out of host memory: 745 GiB could not be allocated"),
+])
+def test_out_of_memory_is_one_line_naming_the_rank_and_the_memory_command(
+        where: str, error: str, said: str, tmp_path: Path, corpus_file: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, 40-65 lines of traceback ending in the allocator's message (`ulimit -v` and model.vocab_size=2e9, or
+    a huge micro-batch); the size of a config is what `dist-llm memory` predicts."""
+    import shlex
+
+    import torch
+
+    from dist_llm import cli
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    raised = {"cuda": torch.OutOfMemoryError(CUDA_OOM), "cpu": RuntimeError(CPU_OOM),
+              "numpy": MemoryError("Unable to allocate 745. GiB for an array with shape (100000000000,) and data "
+                                   "type float64")}[error]
+
+    def allocate(*args: object, **kwargs: object) -> None:
+        raise raised
+
+    monkeypatch.setattr(Trainer, where, allocate)
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    config = REPO / "configs" / "tiny.yaml"
+    overrides = tiny_overrides(tmp_path / "run", data__source=str(corpus_file), train__max_steps=2)
+    code = cli.main(["train", "--config", str(config), *overrides])
+    err = capsys.readouterr().err
+    command = shlex.join(["dist-llm", "memory", "--config", str(config), *overrides])
+    assert "Traceback" not in err
+    assert code == 1 and [line for line in err.splitlines() if line.startswith("dist-llm: error:")] == [
+        f"dist-llm: error: {said}; `{command}` predicts what a rank of this config needs"]
+
+
+def test_an_error_that_is_not_out_of_memory_is_not_taken_for_one(tmp_path: Path, corpus_file: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from dist_llm import cli
+    from dist_llm.train.trainer import Trainer
+    from tests.conftest import tiny_overrides
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("a bug: shapes (2, 3) and (4, 5) do not multiply")
+
+    monkeypatch.setattr(Trainer, "__init__", broken)
+    with pytest.raises(RuntimeError, match="^a bug"):
+        cli.main(["train", *tiny_overrides(tmp_path / "run", data__source=str(corpus_file))])
