@@ -35,6 +35,16 @@ def test_every_candidate_has_predicts_own_peak(tmp_path: Path) -> None:
         assert s.est.peak_bytes == memory.predict(s.cfg, 4).peak_bytes, s.cfg.parallel
 
 
+def test_context_parallelism_is_refused_not_miscounted(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--suggest at cp=2 listed dp=4 at 4 ranks as the config's own layout (dp x cp x tp x pp = 8): it searches
+    without context parallelism, so it says so."""
+    code, out, err = memory_cli(capsys, "--config", str(Path(__file__).parent.parent / "configs" / "tiny.yaml"),
+                                "--world-size", "4", "--suggest", "--gpu-memory", "80GiB", "parallel.cp=2")
+    assert (code, out, err.strip().splitlines()) == (2, "", [
+        "dist-llm: error: parallel.cp: --suggest searches dp x tp x pp without context parallelism (its ring's "
+        "exchanges are not in the cost model), got cp=2; `dist-llm memory` without --suggest counts this layout"])
+
+
 def test_a_layout_must_fit_its_build_too(tmp_path: Path) -> None:
     """Native ZeRO-1/2 in bf16 builds from the fp32 model (4 bytes a parameter, cast one at a time into the 16-bit
     flat buffer): with a large model and small activations the build needs more than training. A budget that holds

@@ -233,8 +233,13 @@ def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]
 def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS_PER_NODE) -> Plan:
     """Every candidate layout of `world_size` ranks counted; those whose peak fits `budget`, best first."""
     t, p = cfg.train, cfg.parallel
+    if p.cp > 1:  # (it took dp = world / (tp*pp) as if cp were 1, and priced no ring exchange)
+        raise ConfigError(f"parallel.cp: --suggest searches dp x tp x pp without context parallelism (its ring's "
+                          f"exchanges are not in the cost model), got cp={p.cp}; `dist-llm memory` without --suggest "
+                          f"counts this layout")
     states: dict[tuple[int, ...], Estimate] = {}
     comms: dict[tuple[Any, ...], Comm] = {}
+    builds: dict[tuple[int, ...], int] = {}  # native ZeRO-1/2's build transient per (dp, tp, pp, zero)
     computes: dict[str, float] = {}
     own_dp = p.dp or world_size // (p.tp * p.pp)
     own = (own_dp, p.tp, p.pp, 0 if own_dp == 1 and p.zero_stage in (1, 2) else p.zero_stage, t.micro_batch_size,
@@ -256,7 +261,10 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp))
                     e.temporary_bytes += pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
                     e.offloaded = c.parallel.offload == "cpu"
-                    e.init_transient_bytes = zero_flat_build_bytes(c, dp=dp, pp=pp)
+                    builds_key = (dp, tp, pp, zero)
+                    if builds_key not in builds:
+                        builds[builds_key] = zero_flat_build_bytes(c, dp=dp, pp=pp)
+                    e.init_transient_bytes = builds[builds_key]
                     if est is None or e.peak_bytes > est.peak_bytes:
                         est = e
                 assert est is not None
