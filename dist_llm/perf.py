@@ -35,8 +35,11 @@ def measure_peak_flops(device: torch.device, dtype: torch.dtype = torch.bfloat16
     On a GPU a large bf16 matmul runs near the tensor cores' real peak (an H100 SXM reaches about 75-80% of its
     989 TFLOP/s datasheet figure), which makes it the honest denominator for MFU on the machine at hand."""
     n = n or (8192 if device.type == "cuda" else 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
+    # its own generator: the global one's next draws are dropout's, which a resumed run must repeat exactly (the
+    # fit measures after a resume restored the RNG)
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=generator)
     for _ in range(2):
         torch.mm(a, b)
     best = float("inf")

@@ -494,15 +494,31 @@ def load_model_state(path: Path, state: dict[str, Any], group: Any = None, *, re
     _load(state, path, group, reader)
 
 
-def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, group: Any = None) -> dict[str, Any]:
+#: after a resume at another layout, the seed of stage k's stream is train.seed + 100 k (the start's, see
+#: parallel/parallelize.py PP_SEED_STRIDE) + this x the step resumed from
+RESHARD_SEED_STRIDE = 10_000
+
+
+def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, group: Any = None,
+                    stage_seed: int = 0) -> dict[str, Any]:
     """Fill `state` (tensors of this layout's shapes and shards) from the checkpoint, resharding as needed,
-    restore this rank's RNG, and return the train state saved with them. Collective over `group` (None: the
-    default group), as `save_checkpoint`. A checkpoint without optimizer state (`holds_optimizer_state`: a model
-    converted from Hugging Face) fills only the model's tensors of `state`."""
+    restore the RNG, and return the train state saved with them. Collective over `group` (None: the default
+    group), as `save_checkpoint`. A checkpoint without optimizer state (`holds_optimizer_state`: a model
+    converted from Hugging Face) fills only the model's tensors of `state`.
+
+    The RNG (dropout's masks): at the saving layout each rank takes back its own stream, so the run goes on as
+    if never stopped. At another layout a rank's saved stream belongs to another role (rank 1 of a tp=2 run may
+    have been stage 1 of a pp=2 one, or not have existed), and the ranks that must draw alike (a stage's tp
+    ranks, which drop the same elements of activations they all hold whole) would draw apart and train their
+    shared weights apart: every rank starts its stage's stream anew instead, from `stage_seed` (the stage's
+    start seed) and the step."""
     if state.get("optim", {}).get("state") and not holds_optimizer_state(path):
         state = {k: v for k, v in state.items() if k != "optim"}
     _load(state, path, group)
+    train_state = read_json(path / "train_state.json")
     rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
-    if rng_file.is_file():  # absent when the saving layout had fewer ranks: then fresh streams are fine
+    if read_json(path / MANIFEST).get("layout") == ctx.layout() and rng_file.is_file():
         set_rng_state(read_json(rng_file), ctx.device)
-    return read_json(path / "train_state.json")
+    else:
+        torch.manual_seed(stage_seed + RESHARD_SEED_STRIDE * int(train_state["step"]))  # (CUDA's generators too)
+    return train_state

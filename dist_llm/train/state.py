@@ -24,6 +24,7 @@ from dist_llm.config import Config, ConfigError, resolved_init_from
 from dist_llm.data import GlobalBatchSampler
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data import DataParallel
+from dist_llm.parallel.parallelize import PP_SEED_STRIDE
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.model.buffers import trained_buffers
 from dist_llm.peft import trainable_names
@@ -171,7 +172,8 @@ class RunState:
         everything = self.dp.checkpoint_state()
         held = ckpt.model_keys(path) if self.cfg.peft.method != "none" else None
         wanted = self._chunked(self._saved_part(everything, held=held))
-        state = ckpt.load_checkpoint(path, state=wanted, ctx=self.ctx, group=self.ckpt_group)
+        state = ckpt.load_checkpoint(path, state=wanted, ctx=self.ctx, group=self.ckpt_group,
+                                     stage_seed=self.cfg.train.seed + PP_SEED_STRIDE * self.ctx.pp_rank)
         self.dp.load_checkpoint_state(everything)
         if wanted["optim"]["state"] and not ckpt.holds_optimizer_state(path):
             # a model converted from Hugging Face: its weights only. What checkpoint_state() made is not a fresh
