@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
-import yaml
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from dist_llm.config import Config, ConfigError, ModelConfig, config_from_dict
+from dist_llm.config import Config, ConfigError, ModelConfig
 from dist_llm.convert_io import ChunkReader, StreamingSavePlanner, placeholders, streaming_writer
 from dist_llm.fileio import atomic_folder, atomic_path, atomic_write_text
 from dist_llm.hf import (
@@ -157,6 +156,7 @@ class MergedPeft:
             if not ckpt.is_complete(base_dir):
                 raise ConfigError(f"model.init_from: {base_dir} is not a complete checkpoint "
                                   f"(the base of {adapters.path})")
+            ckpt.refuse_damaged(base_dir, "model.init_from")
             base = CheckpointWeights(base_dir)
             base.check(weight_shapes(cfg.model))
             self.base = base
@@ -190,14 +190,13 @@ class MergedPeft:
 
 # -- checkpoints --------------------------------------------------------------------------------------------
 def _checkpoint(path: str | Path, flag: str) -> tuple[Path, Config]:
-    """The checkpoint directory `path` names (a run directory: its newest) and its config."""
-    from dist_llm.sample import resolve_checkpoint
+    """The checkpoint directory `path` names (a run directory: its newest) and its config; a damaged one refused."""
+    from dist_llm.sample import checked_checkpoint
 
     path = Path(path).expanduser()
     if not path.is_dir():
         raise ConfigError(f"{flag}: checkpoint directory not found: {path}")
-    path = resolve_checkpoint(path)
-    return path, config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), check=False)
+    return checked_checkpoint(path, flag)
 
 
 def checkpoint_weights(path: Path, cfg: Config) -> Weights:

@@ -5,9 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import yaml
 
-from dist_llm.config import ConfigError, config_from_dict
+from dist_llm.config import Config, ConfigError
 from dist_llm.data import load_tokenizer
 from dist_llm.model import GPT
 from dist_llm.parallel.context import pick_device
@@ -25,10 +24,17 @@ def resolve_checkpoint(path: Path) -> Path:
     raise ConfigError(f"--checkpoint: no complete checkpoint at {path}")
 
 
+def checked_checkpoint(path: Path, what: str) -> tuple[Path, Config]:
+    """The checkpoint `path` names (`resolve_checkpoint`) and its config, once its files match its manifest:
+    a damaged one is refused in one line naming the file, as resume refuses it (`what`: the flag that named it)."""
+    path = resolve_checkpoint(path)
+    ckpt.refuse_damaged(path, what)
+    return path, ckpt.saved_config(path, what)
+
+
 def load_model(path: Path, device: torch.device, *, init_from: str | None = None) -> tuple[GPT, Path]:
     """The checkpoint's model in eval mode; `init_from` replaces the base model a PEFT checkpoint names."""
-    path = resolve_checkpoint(path)
-    cfg = config_from_dict(yaml.safe_load((path / "config.yaml").read_text()), check=False)
+    path, cfg = checked_checkpoint(path, "--checkpoint")
     if init_from is not None:
         cfg.model.init_from = init_from
     if cfg.peft.method == "none":

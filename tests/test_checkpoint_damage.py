@@ -198,14 +198,19 @@ def test_a_fifo_is_damage_not_a_hang(run: Path) -> None:
 
 
 def test_loading_refuses_a_symlinked_shard(run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """DCP's own reads: `sample` (which loads the weights without the manifest) refuses a shard that is a link to
-    a file outside the checkpoint, in one line, exit 2 (before: it loaded the linked file and exited 0)."""
+    """A shard that is a link to a file outside the checkpoint: `sample` refuses it in one line, exit 2 (before:
+    it loaded the linked file and exited 0), at its manifest check; and DCP's own reads refuse it too."""
     path = ckpt.step_dir(run / "checkpoints", 4)
     shard = _link_to_a_copy(path, next(p.name for p in path.glob("__*.distcp")), tmp_path / "elsewhere.distcp")
     code = cli.main(["sample", "--checkpoint", str(path), "--max-new-tokens", "2"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == [f"dist-llm: error: {path}: its tensors cannot be read (rank 0: {shard}: a symbolic "
-                                 "link or not a regular file; a checkpoint's files are its own)"], err
+    assert code == 2 and err == [f"dist-llm: error: --checkpoint: {shard}: a symbolic link or not a regular file; "
+                                 "a checkpoint's files are its own"], err
+    cfg = load_config(path / "config.yaml")
+    with pytest.raises(ConfigError) as info:  # (the load alone, without the manifest check)
+        ckpt.load_model_weights(path, GPT(cfg.model))
+    assert str(info.value) == (f"{path}: its tensors cannot be read (rank 0: {shard}: a symbolic link or not a "
+                               "regular file; a checkpoint's files are its own)")
 
 
 def test_loading_refuses_a_symlinked_index(run: Path, tmp_path: Path) -> None:

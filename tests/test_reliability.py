@@ -4,6 +4,7 @@ and one consolidated file from a checkpoint of any layout."""
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -338,7 +339,11 @@ def test_loading_a_checkpoint_runs_no_code_from_it(tmp_path: Path, corpus: Path)
     index.write_bytes(pickle.dumps(metadata))
     with pytest.raises(ConfigError, match=rf"^{index}: entry 'model.wte.weight' is not a tensor"):
         ckpt.load_model_weights(path, model)
-    # through the CLI: one line, exit 2 (the checksum would catch the change first on resume; sample has none)
+    # through the CLI: one line, exit 2 (every reader checks the checksums first: vouched for, as a forger would)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    data = index.read_bytes()
+    manifest["files"][".metadata"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     proc = subprocess.run([sys.executable, "-m", "dist_llm.cli", "sample", "--checkpoint", str(tmp_path),
                            "--max-new-tokens", "2"],
                           capture_output=True, text=True, env=env(), timeout=120)

@@ -40,12 +40,14 @@ import stat
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, cast
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import yaml
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
@@ -55,7 +57,7 @@ from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, config_from_dict
 from dist_llm.fileio import atomic_write_text
 from dist_llm.model.init import INIT_SCHEME
 from dist_llm.parallel.comm import shared_error
@@ -65,10 +67,12 @@ from dist_llm.train.safe_metadata import load_failure, load_index
 from dist_llm.train import checksums
 # re-exported: callers know checkpoints, not how they are hashed
 from dist_llm.train.checksums import MANIFEST, UnreadableCheckpoint  # noqa: F401
+from dist_llm.train.errors import ReadError
 from dist_llm.train.preemption import interrupted
 
 log = logging.getLogger("dist_llm")
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+CONFIG_FILE = "config.yaml"
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -152,7 +156,7 @@ def _write_own_files(path: Path, *, train_state: dict[str, Any], cfg: Config, ct
         _atomic_write(path / "rng" / f"rank_{ctx.rank:05d}.json", json.dumps(rng_state(ctx.device)))
         if ctx.is_main:
             _atomic_write(path / "train_state.json", json.dumps(train_state, indent=1))
-            _atomic_write(path / "config.yaml", cfg.to_yaml())
+            _atomic_write(path / CONFIG_FILE, cfg.to_yaml())
             for name, source in (extra_files or {}).items():
                 shutil.copyfile(source, path / name)
         if engine_files is not None:  # before the manifest, which lists (and checksums) what it wrote
@@ -291,6 +295,65 @@ def verify(path: Path, *, group: Any = None) -> str | None:
     the file (a truncated shard, a changed byte, a missing file). Collective over `group` when a process group
     exists (each rank checks a share); an I/O error raises UnreadableCheckpoint instead of calling it damaged."""
     return checksums.verify(path, group=group)
+
+
+def _check_timeout_s(path: Path, timeout_s: float, ranks: int) -> float:
+    """How long a rank may wait for the others while `ranks` ranks check the checkpoint at `path`: `timeout_s` plus
+    the time to hash the largest share (`checksums.partition`: at most an even share and one file) at the slowest
+    assumed rate. From the manifest's sizes; a manifest that cannot be read gives the floor (verify says why)."""
+    try:
+        files = checksums.read_manifest(path)
+    except UnreadableCheckpoint:
+        files = "unreadable"
+    sizes = [entry["bytes"] for entry in files.values()] if isinstance(files, dict) else [0]
+    return timeout_s + max(sum(sizes) / ranks + max(sizes), FLOOR_BYTES) / SLOWEST_BYTES_PER_S
+
+
+def damage(path: Path, what: str, *, timeout_s: float = 600.0) -> str | None:
+    """What is wrong with the checkpoint at `path` (a file that does not match its manifest, a missing manifest),
+    naming the file, or None: `verify` for a reader other than resume (which does its own checking, in
+    train/state.py). A file that cannot be read (an I/O error) raises ReadError "<what>: cannot check ...": nothing
+    can be said of it. Collective over every rank when a process group exists (model.init_from=ckpt:), and reached
+    by every rank whatever it finds: each checks a share of the files, over a gloo group made for the check whose
+    timeout (`timeout_s` plus the time to hash the largest share) scales with the checkpoint as resume's does, so
+    no rank reads every file. Alone (sample, convert) it checks them all."""
+    group = None
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        group = dist.new_group(backend="gloo", timeout=timedelta(
+            seconds=_check_timeout_s(path, timeout_s, dist.get_world_size())))
+    try:
+        return verify(path, group=group)
+    except UnreadableCheckpoint as e:  # (raised on every rank alike)
+        raise ReadError(f"{what}: cannot check {path}: {e}") from None
+    finally:
+        if group is not None:
+            dist.destroy_process_group(group)
+
+
+def refuse_damaged(path: Path, what: str, *, timeout_s: float = 600.0) -> None:
+    """`damage`, refused as resume refuses a damaged checkpoint: a ConfigError "<what>: <the file>: <what is wrong>"."""
+    problem = damage(path, what, timeout_s=timeout_s)
+    if problem is not None:
+        raise ConfigError(f"{what}: {problem}")
+
+
+def saved_config(path: Path, what: str) -> Config:
+    """The config checkpoint `path` was saved with (for rebuilding its model: not validated for training). Where
+    its config.yaml is not YAML or not a config, a ConfigError in one line: "<what>: <the file>: <why>"."""
+    file = path / CONFIG_FILE
+    try:
+        tree = yaml.safe_load(file.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{what}: {file}: missing") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:  # (a YAML error's text is a dozen lines with a caret)
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        why = getattr(e, "problem", None) or (str(e).splitlines() or [type(e).__name__])[0]
+        raise ConfigError(f"{what}: {file} is not valid YAML{at}: {why}") from None
+    try:
+        return config_from_dict(tree, check=False)
+    except ConfigError as e:
+        raise ConfigError(f"{what}: {file}: {e}") from None
 
 
 def is_complete(path: Path) -> bool:

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from dist_llm.config import Config, ConfigError, config_from_dict
+from dist_llm.config import Config, ConfigError
 from dist_llm.model import GPT
 from dist_llm.model.init import parameter_name
 from dist_llm.parallel.comm import shared_error
@@ -57,12 +56,18 @@ def resolve_architecture(cfg: Config) -> Config:
 
 
 def _checked_checkpoint(cfg: Config) -> Path:
+    """The `ckpt:` directory, once its files match its manifest (collective: every rank checks a share, and
+    every rank reaches the check, before anything that could fail on one rank alone) and it holds this model."""
     from dist_llm.train import checkpoint as ckpt
 
     _, where = _split(cfg.model.init_from)
-    if not ckpt.is_complete(where):
+    complete = ckpt.is_complete(where)
+    problem = ckpt.damage(where, "model.init_from", timeout_s=cfg.parallel.timeout_s)
+    if not complete:
         raise ConfigError(f"model.init_from: {where} is not a complete checkpoint (no {ckpt.MANIFEST})")
-    saved = config_from_dict(yaml.safe_load((where / "config.yaml").read_text()), check=False)
+    if problem is not None:
+        raise ConfigError(f"model.init_from: {problem}")
+    saved = ckpt.saved_config(where, "model.init_from")
     if saved.fingerprint() != cfg.fingerprint():
         raise ConfigError(f"model.init_from: {where} holds a different model than the model.* settings describe")
     return where
@@ -211,7 +216,7 @@ def _one_line(e: BaseException, ctx: ParallelContext) -> str:
     if not isinstance(e, ConfigError):  # not a damaged input we named: keep the traceback in the rank's log
         log.debug("model.init_from failed on rank %d", ctx.rank, exc_info=e)
     text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    if isinstance(e, ConfigError):
+    if isinstance(e, (ConfigError, ReadError)):  # (a ReadError names what it read already)
         line = text
     elif isinstance(e, OSError) and e.strerror:  # the file and what the system said
         line = f"model.init_from: {e.filename + ': ' if e.filename else ''}{e.strerror}"

@@ -1,0 +1,157 @@
+"""Every reader of a checkpoint, not only resume, checks it against its manifest first: `sample`,
+`convert --to-hf/--to-full` and `model.init_from=ckpt:` refuse a damaged file in one line naming it, exit 2 (before,
+they loaded a changed shard silently). Under several ranks each checks a share of the files, as resume does; a
+file that cannot be read is exit 1. A config.yaml that is not YAML, or not a config, is one line naming it too."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from dist_llm import cli
+from dist_llm.config import ConfigError, load_config
+from dist_llm.parallel.context import ParallelContext
+from dist_llm.train import checksums
+from tests.conftest import tiny_overrides
+from tests.distributed import run_distributed
+from tests.test_checkpoint_security import _checkpoint, _train_args, saved_run  # noqa: F401
+
+# command -> (the flag its refusal names, argv for (run, saved_run, tmp_path))
+READERS: dict[str, tuple[str, Callable[[Path, Path, Path], list[str]]]] = {
+    "sample": ("--checkpoint", lambda run, saved, tmp: ["sample", "--checkpoint", str(run), "--max-new-tokens", "2"]),
+    "train init_from=ckpt:": ("model.init_from", lambda run, saved, tmp: [
+        *_train_args(tmp / "new", saved), f"model.init_from=ckpt:{_checkpoint(run)}"]),
+    "convert --to-hf": ("--to-hf", lambda run, saved, tmp: ["convert", "--to-hf", str(run), "--out", str(tmp / "hf")]),
+    "convert --to-full": ("--to-full", lambda run, saved, tmp: [
+        "convert", "--to-full", str(run), "--out", str(tmp / "full.safetensors")]),
+}
+
+
+@pytest.fixture
+def run(saved_run: Path, tmp_path: Path) -> Path:  # noqa: F811
+    copy = tmp_path / "run"
+    shutil.copytree(saved_run, copy)
+    return copy
+
+
+def _flip_a_byte(file: Path) -> None:
+    """One byte changed, the size kept: only the checksum can tell."""
+    data = bytearray(file.read_bytes())
+    data[len(data) // 2] ^= 1
+    file.write_bytes(bytes(data))
+
+
+def _vouch(checkpoint: Path, name: str, data: bytes) -> Path:
+    """Write `data` as the checkpoint's file `name` and make the manifest vouch for it (as a forger would)."""
+    (checkpoint / name).write_bytes(data)
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
+    return checkpoint / name
+
+
+def _errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
+    capsys.readouterr()
+    code = cli.main(argv)
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err[-3000:]
+    return code, [line for line in err.splitlines() if line.startswith("dist-llm: error:")]
+
+
+@pytest.mark.parametrize("command", list(READERS))
+def test_every_reader_refuses_a_changed_shard_in_one_line(command: str, run: Path, saved_run: Path,  # noqa: F811
+                                                           tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flag, argv = READERS[command]
+    shard = _checkpoint(run) / "__0_0.distcp"
+    _flip_a_byte(shard)
+    code, errors = _errors(argv(run, saved_run, tmp_path), capsys)
+    assert (code, errors) == (2, [f"dist-llm: error: {flag}: {shard}: checksum differs from the manifest's"])
+    assert not (tmp_path / "hf").exists() and not (tmp_path / "full.safetensors").exists()
+    assert not (tmp_path / "new" / "checkpoints").exists()
+
+
+@pytest.mark.parametrize("command", list(READERS))
+def test_a_config_yaml_that_is_not_yaml_is_one_line(command: str, run: Path, saved_run: Path,  # noqa: F811
+                                                     tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Vouched for by the manifest, so that the checksum passes and the reader meets it (before: 68 lines of
+    yaml's traceback from sample and convert)."""
+    flag, argv = READERS[command]
+    file = _vouch(_checkpoint(run), "config.yaml", b"model: [\n")
+    code, errors = _errors(argv(run, saved_run, tmp_path), capsys)
+    assert (code, errors) == (2, [f"dist-llm: error: {flag}: {file} is not valid YAML at line 2, column 1: "
+                                  "expected the node content, but found '<stream end>'"])
+
+
+def test_a_config_yaml_that_is_not_a_config_names_the_file(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    file = _vouch(_checkpoint(run), "config.yaml", b"- 1\n")
+    code, errors = _errors(READERS["sample"][1](run, run, run), capsys)
+    assert (code, errors) == (2, [f"dist-llm: error: --checkpoint: {file}: config: expected a mapping of keys, got [1]"])
+
+
+def test_a_file_that_cannot_be_read_is_exit_1(run: Path, monkeypatch: pytest.MonkeyPatch,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """An I/O error says nothing of the checkpoint: not called damaged (exit 2), but the disk's failure (exit 1)."""
+    def sha256_fd(fd: int, nbytes: int) -> str:
+        raise OSError(errno.EIO, os.strerror(errno.EIO))
+
+    monkeypatch.setattr(checksums, "_sha256_fd", sha256_fd)
+    path = _checkpoint(run)
+    code, [error] = _errors(["convert", "--to-full", str(path), "--out", str(run / "full.safetensors")], capsys)
+    first = next(iter(checksums.partition(checksums.read_manifest(path), 1)[0]))  # (the largest: checked first)
+    assert (code, error) == (1, f"dist-llm: error: --to-full: cannot check {path}: rank 0: {path / first}: "
+                                f"{os.strerror(errno.EIO)}")
+
+
+def _init_from_on_2_ranks(rank: int, world_size: int, out: Path, checkpoint: Path) -> dict[str, Any]:
+    """model.init_from=ckpt: built on each of 2 ranks: the files each rank checked; then, a file only rank 1
+    checked changed, what each rank raises."""
+    import torch.distributed as dist
+
+    from dist_llm.parallel.parallelize import meta_model, parallelize
+    from dist_llm.train.init_from import load_initial_weights
+
+    opened: list[str] = []
+    real = checksums._open_regular
+
+    def recording(root: Path, name: str) -> tuple[int, int]:
+        opened.append(name)
+        return real(root, name)
+
+    checksums._open_regular = recording  # type: ignore[assignment]  (this rank's process only)
+    cfg = load_config(None, tiny_overrides(out, model__init_from=f"ckpt:{checkpoint}"))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
+        checked = list(opened)
+        victim = [checked[0] if rank == 1 else None]
+        dist.broadcast_object_list(victim, src=1)
+        if rank == 1:
+            _flip_a_byte(checkpoint / victim[0])
+        dist.barrier()
+        try:
+            parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights)
+            error = None
+        except ConfigError as e:
+            error = str(e)
+        return {"checked": checked, "victim": victim[0], "error": error}
+    finally:
+        ctx.destroy()
+
+
+def test_init_from_on_several_ranks_checks_a_share_on_each(run: Path, tmp_path: Path) -> None:
+    checkpoint = _checkpoint(run)
+    ranks = run_distributed(_init_from_on_2_ranks, 2, tmp_path / "new", checkpoint, init_group=False, timeout=120)
+    manifest = set(json.loads((checkpoint / "manifest.json").read_text())["files"])
+    shares = [set(r["checked"]) for r in ranks]
+    assert all(len(r["checked"]) == len(set(r["checked"])) for r in ranks)  # each file once
+    assert shares[0] and shares[1] and not shares[0] & shares[1] and shares[0] | shares[1] == manifest
+    victim = checkpoint / ranks[1]["victim"]
+    assert ranks[0]["error"] == ranks[1]["error"] == (f"rank 0: model.init_from: {victim}: checksum differs from "
+                                                      "the manifest's")
