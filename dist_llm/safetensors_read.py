@@ -14,7 +14,8 @@ The format (https://github.com/huggingface/safetensors, "Format"): an 8-byte lit
 N bytes of JSON ({name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}), then the
 tensors' bytes, little-endian, C order, `data_offsets` relative to the end of the header. Everything a read
 trusts is checked: the header when it is parsed (`read_header`: the length against the file, each tensor's
-dtype, shape and its offsets against its size), the file's length when it is opened for reading (`ShardFile`:
+dtype, shape and its offsets against its size, all exact integers, and the tensors' ranges tiling the data
+from its start, no two sharing a byte), the file's length when it is opened for reading (`ShardFile`:
 a truncated file is found by the first read of any of its tensors, as safe_open found it).
 """
 
@@ -63,17 +64,43 @@ def read_header(file: Path) -> dict[str, Stored]:
     for k, v in header.items():
         if k == "__metadata__":
             continue
-        if v["dtype"] not in DTYPES:
-            raise ValueError(f"tensor {k!r} is {v['dtype']}, not a floating-point weight")
-        shape = tuple(int(n) for n in v["shape"])
+        if not isinstance(v, dict):
+            raise ValueError(f"tensor {k!r}: its entry is not an object")
+        if v.get("dtype") not in DTYPES:
+            raise ValueError(f"tensor {k!r} is {v.get('dtype')}, not a floating-point weight")
+        shape, offsets = v.get("shape"), v.get("data_offsets")
+        # exact integers: int() would take 64.9 as 64 and true as 1, and read other bytes than the file meant
+        if not isinstance(shape, list) or not all(_is_int(n) for n in shape):
+            raise ValueError(f"tensor {k!r}: shape {shape!r} is not a list of integers")
         if any(n < 0 for n in shape):
-            raise ValueError(f"tensor {k!r} has a negative dimension {shape}")
-        dtype = DTYPES[v["dtype"]]
-        begin, end = (int(x) for x in v["data_offsets"])
+            raise ValueError(f"tensor {k!r} has a negative dimension {tuple(shape)}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(x) for x in offsets):
+            raise ValueError(f"tensor {k!r}: data_offsets {offsets!r} are not two integers")
+        dtype, (begin, end) = DTYPES[v["dtype"]], offsets
         if not 0 <= begin <= end or end - begin != math.prod(shape) * dtype.itemsize:
-            raise ValueError(f"tensor {k!r}: data_offsets [{begin}, {end}] do not hold {shape} of {v['dtype']}")
-        out[k] = Stored(shape, dtype, 8 + size + begin, 8 + size + end)
+            raise ValueError(f"tensor {k!r}: data_offsets [{begin}, {end}] do not hold {tuple(shape)} of {v['dtype']}")
+        out[k] = Stored(tuple(shape), dtype, 8 + size + begin, 8 + size + end)
+    _check_tiling(out, 8 + size)
     return out
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int  # (not bool, which JSON's true gives)
+
+
+def _check_tiling(tensors: dict[str, Stored], start: int) -> None:
+    """The tensors' byte ranges, sorted by where they begin, tile the data region from its start (`start`, absolute):
+    no gap, no overlap (two tensors reading the same bytes), as safetensors' reference reader insists."""
+    before: tuple[str, Stored] | None = None
+    for name, t in sorted(tensors.items(), key=lambda item: (item[1].begin, item[1].end)):
+        at = before[1].end if before is not None else start
+        if t.begin != at:
+            span = f"tensor {name!r}: data_offsets [{t.begin - start}, {t.end - start}]"
+            if before is None:
+                raise ValueError(f"{span} leave a gap at the start of the data: invalid offset")
+            other = f"those of {before[0]!r} [{before[1].begin - start}, {before[1].end - start}]"
+            raise ValueError(f"{span} {'overlap' if t.begin < at else 'leave a gap after'} {other}: invalid offset")
+        before = name, t
 
 
 class ShardFile:

@@ -110,6 +110,88 @@ def test_offsets_that_do_not_hold_the_shape_are_refused_at_the_header(tmp_path: 
         read_header(file)
 
 
+def _rewrite(file: Path, edit: Callable[[dict], None]) -> None:
+    """Rewrite `file`'s header with `edit` applied (its length recounted; the data left as it is)."""
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    edit(header)
+    new = json.dumps(header).encode()
+    file.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n :])
+
+
+def _set(key: str, **entry: object) -> Callable[[dict], None]:
+    return lambda header: header[key].update(entry)
+
+
+@pytest.mark.parametrize("edit, why", [
+    (_set("b", data_offsets=[0, 16]), "tensor 'a': data_offsets [0, 64] overlap those of 'b' [0, 16]"),
+    (_set("b", data_offsets=[60, 76]), "tensor 'b': data_offsets [60, 76] overlap those of 'a' [0, 64]"),
+    (_set("b", data_offsets=[68, 84]), "tensor 'b': data_offsets [68, 84] leave a gap after those of 'a' [0, 64]"),
+    (_set("b", data_offsets=[16, 32]), "tensor 'b': data_offsets [16, 32] overlap those of 'a' [0, 64]"),
+    (lambda h: (h.pop("a"), h["b"].update(data_offsets=[64, 80])),
+     "tensor 'b': data_offsets [64, 80] leave a gap at the start of the data"),
+], ids=["same-start", "into-the-previous", "gap", "inside-the-previous", "gap-at-start"])
+def test_tensors_must_tile_the_data_without_overlap_or_gap(tmp_path: Path, edit: Callable[[dict], None],
+                                                           why: str) -> None:
+    """Two tensors reading the same bytes (or bytes no tensor owns) are refused, as safetensors' reference reader
+    refuses them ('invalid offset'): before, a forged header could make one weight another's bytes."""
+    file = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(4, 4), "b": torch.ones(4)}, str(file))  # a: [0, 64), b: [64, 80)
+    _rewrite(file, edit)
+    with pytest.raises(ValueError) as e:
+        read_header(file)
+    assert str(e.value) == f"{why}: invalid offset"
+
+
+@pytest.mark.parametrize("entry, why", [
+    ({"shape": [4.9, 4]}, "shape [4.9, 4] is not a list of integers"),
+    ({"shape": [True, 16]}, "shape [True, 16] is not a list of integers"),
+    ({"shape": "4"}, "shape '4' is not a list of integers"),
+    ({"data_offsets": [False, 64]}, "data_offsets [False, 64] are not two integers"),
+    ({"data_offsets": [0, 64.0]}, "data_offsets [0, 64.0] are not two integers"),
+    ({"data_offsets": None}, "data_offsets None are not two integers"),
+    ({"data_offsets": [0, 64, 80]}, "data_offsets [0, 64, 80] are not two integers"),
+], ids=["float-dim", "true-dim", "string-shape", "false-offset", "float-offset", "null-offsets", "three-offsets"])
+def test_shapes_and_offsets_must_be_exact_integers(tmp_path: Path, entry: dict, why: str) -> None:
+    """int() would have read 64.9 as 64 and true as 1: a header that says something else than it means."""
+    file = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(4, 4), "b": torch.ones(4)}, str(file))
+    _rewrite(file, _set("a", **entry))
+    with pytest.raises(ValueError) as e:
+        read_header(file)
+    assert str(e.value) == f"tensor 'a': {why}"
+
+
+def test_two_weights_on_the_same_bytes_are_one_line_from_convert(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Through `convert --from-hf`: exit 2, one line naming the file and the tensors (before: v_proj read k_proj's
+    bytes, of the same shape, and the conversion succeeded)."""
+    from dist_llm.cli import main
+    from tests.test_hf import hf_llama, save
+
+    torch.manual_seed(4)
+    path = save(hf_llama(), tmp_path / "llama")
+    k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "kv")
+    _rewrite(path / "model.safetensors", lambda header: header[v].update(data_offsets=header[k]["data_offsets"]))
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(path), "--out", str(tmp_path / "out")]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    pair = rf"(tensor '{k}': .* overlap those of '{v}'|tensor '{v}': .* overlap those of '{k}')"
+    assert re.fullmatch(rf"dist-llm: error: {re.escape(str(path / 'model.safetensors'))}: cannot read weights \(not a "
+                        rf"safetensors file: {pair} \[\d+, \d+\]: invalid offset\)", line), line
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_entry_that_is_not_an_object_is_one_line(tmp_path: Path) -> None:
+    file = tmp_path / "w.safetensors"
+    save_file({"a": torch.zeros(4, 4)}, str(file))
+    _rewrite(file, lambda header: header.update(a=[1]))
+    with pytest.raises(ValueError) as e:
+        read_header(file)
+    assert str(e.value) == "tensor 'a': its entry is not an object"
+
+
 def test_a_file_cut_short_is_one_line_at_its_first_read(tmp_path: Path) -> None:
     """Headers intact, data cut short: opening the checkpoint (headers only) succeeds; the first read of any of
     the file's tensors fails with one line naming the file and tensor."""
