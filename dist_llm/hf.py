@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 import torch
 
 from dist_llm.config import ConfigError, ModelConfig
-from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _get, _whole
+from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _bool, _float, _int, _whole
 from dist_llm.hf_moe import (
     DENSE_ARCH,
     MOE_FAMILIES,
@@ -112,8 +112,8 @@ def _rope_theta(config: dict[str, Any], file: Path) -> float:
         if kind != "default":
             raise ConfigError(f"{file}: {key}.rope_type {kind!r} is not supported (only plain RoPE, 'default')")
     if params is not None and params.get("rope_theta") is not None:
-        return float(params["rope_theta"])
-    return float(config.get("rope_theta") or 10000.0)
+        return _float({"rope_parameters.rope_theta": params["rope_theta"]}, file, "rope_parameters.rope_theta")
+    return _float(config, file, "rope_theta", default=10000.0)
 
 
 def model_config_from_hf(path: str | Path, base: ModelConfig | None = None) -> ModelConfig:
@@ -151,26 +151,26 @@ def _gpt2_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
                           f"approximation: {' or '.join(_GELU_TANH)})")
     for key, ok in (("scale_attn_weights", True), ("scale_attn_by_inverse_layer_idx", False),
                     ("add_cross_attention", False)):
-        if bool(c.get(key, ok)) != ok:
+        if _bool(c, file, key, ok) != ok:
             raise ConfigError(f"{file}: {key}={c[key]!r} is not supported (dist_llm needs {str(ok).lower()})")
-    n_embd = int(_get(c, file, "n_embd", "hidden_size"))
-    n_inner = c.get("n_inner")
+    n_embd = _int(c, file, "n_embd", "hidden_size")
+    n_inner = _int(c, file, "n_inner", default=None)
     return {
-        "n_layer": int(_get(c, file, "n_layer", "num_hidden_layers")),
-        "n_head": int(_get(c, file, "n_head", "num_attention_heads")),
+        "n_layer": _int(c, file, "n_layer", "num_hidden_layers"),
+        "n_head": _int(c, file, "n_head", "num_attention_heads"),
         "n_kv_head": 0,
         "n_embd": n_embd,
-        "vocab_size": int(_get(c, file, "vocab_size")),
-        "block_size": int(_get(c, file, "n_positions", "n_ctx", "max_position_embeddings")),
+        "vocab_size": _int(c, file, "vocab_size"),
+        "block_size": _int(c, file, "n_positions", "n_ctx", "max_position_embeddings"),
         "pos_emb": "learned",
         "rope_theta": ModelConfig.rope_theta,
         "norm": "layernorm",
-        "norm_eps": float(c.get("layer_norm_epsilon", 1e-5)),
+        "norm_eps": _float(c, file, "layer_norm_epsilon", default=1e-5),
         "mlp": "gelu",
-        "mlp_hidden": 0 if n_inner in (None, 4 * n_embd) else int(n_inner),
+        "mlp_hidden": 0 if n_inner in (None, 4 * n_embd) else n_inner,
         "bias": True,
         "qkv_bias": False,
-        "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
+        "tie_embeddings": _bool(c, file, "tie_word_embeddings", True),
     }
 
 
@@ -178,43 +178,43 @@ def _llama_arch(c: dict[str, Any], file: Path) -> dict[str, Any]:
     act = c.get("hidden_act", "silu")
     if act != "silu":
         raise ConfigError(f"{file}: hidden_act {act!r} is not supported (dist_llm's SwiGLU uses silu)")
-    n_embd = int(_get(c, file, "hidden_size"))
-    n_head = int(_get(c, file, "num_attention_heads"))
-    n_kv = int(c.get("num_key_value_heads") or n_head)
-    head_dim = c.get("head_dim")
-    if head_dim is not None and n_head * int(head_dim) != n_embd:
+    n_embd = _int(c, file, "hidden_size")
+    n_head = _int(c, file, "num_attention_heads")
+    n_kv = _int(c, file, "num_key_value_heads", default=n_head)
+    head_dim = _int(c, file, "head_dim", default=None)
+    if head_dim is not None and n_head * head_dim != n_embd:
         raise ConfigError(f"{file}: head_dim {head_dim} is not hidden_size/num_attention_heads = {n_embd}/{n_head} "
                           f"(dist_llm derives the head size from the width)")
-    hidden = int(_get(c, file, "intermediate_size"))
-    block_size = int(_get(c, file, "max_position_embeddings"))
+    hidden = _int(c, file, "intermediate_size")
+    block_size = _int(c, file, "max_position_embeddings")
     # A sliding window never applies to sequences no longer than it, so capping the context keeps it exact.
-    window = c.get("sliding_window")
-    sliding = c.get("use_sliding_window", True) if c.get("model_type") in ("qwen2", "qwen2_moe") else True
-    if window and sliding:
-        block_size = min(block_size, int(window))
+    window = _int(c, file, "sliding_window", default=None, minimum=0)  # (0, as Mixtral's may say: no window)
     model_type = c.get("model_type")
+    sliding = _bool(c, file, "use_sliding_window", True) if model_type in ("qwen2", "qwen2_moe") else True
+    if window and sliding:
+        block_size = min(block_size, window)
     # (qwen2_moe: q/k/v biases, `qkv_bias` in transformers 5, always there in 4.x)
-    has_attn_bias = bool(c.get("qkv_bias", True) if model_type == "qwen2_moe" else
-                         c.get("attention_bias", model_type == "qwen2"))
-    has_mlp_bias = bool(c.get("mlp_bias", False))
+    has_attn_bias = (_bool(c, file, "qkv_bias", True) if model_type == "qwen2_moe" else
+                     _bool(c, file, "attention_bias", model_type == "qwen2"))
+    has_mlp_bias = _bool(c, file, "mlp_bias", False)
     return {
-        "n_layer": int(_get(c, file, "num_hidden_layers")),
+        "n_layer": _int(c, file, "num_hidden_layers"),
         "n_head": n_head,
         "n_kv_head": 0 if n_kv == n_head else n_kv,
         "n_embd": n_embd,
-        "vocab_size": int(_get(c, file, "vocab_size")),
+        "vocab_size": _int(c, file, "vocab_size"),
         "block_size": block_size,
         "pos_emb": "rope",
         "rope_theta": _rope_theta(c, file),
         "norm": "rmsnorm",
-        "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
+        "norm_eps": _float(c, file, "rms_norm_eps", default=1e-6),
         "mlp": "swiglu",
         # 0 where it is what model.mlp_hidden=0 means (the Llama rule), as a config written by hand would say
         "mlp_hidden": 0 if hidden == ModelConfig(n_embd=n_embd, mlp="swiglu").ffn_hidden else hidden,
         # Qwen2-MoE's q/k/v biases alone: qkv_bias, so that its other linears stay bias-free (and exportable)
         "bias": (has_attn_bias or has_mlp_bias) and model_type != "qwen2_moe",
         "qkv_bias": has_attn_bias and model_type == "qwen2_moe",
-        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "tie_embeddings": _bool(c, file, "tie_word_embeddings", False),
     }
 
 

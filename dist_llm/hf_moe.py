@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_llm.config import ConfigError, ModelConfig
-from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _get, _whole
+from dist_llm.hf_mapping import HFTensor, Mapping, Piece, _bool, _int, _whole
 
 MOE_FAMILIES = ("mixtral", "qwen2_moe")
 LABEL = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE"}
@@ -45,25 +45,23 @@ _EXPERT_NAMES = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_p
 def moe_arch(c: dict[str, Any], file: Path, family: str) -> dict[str, Any]:
     """The MoE keys of a Mixtral or Qwen2-MoE config.json."""
     if family == "mixtral":
-        experts = int(_get(c, file, "num_local_experts"))
+        experts = _int(c, file, "num_local_experts")
         # (every block MoE: intermediate_size is the experts' width, and no dense MLP exists for mlp_hidden)
-        arch = {"mlp_hidden": 0, "moe_every": 1, "moe_hidden": int(_get(c, file, "intermediate_size")),
+        arch = {"mlp_hidden": 0, "moe_every": 1, "moe_hidden": _int(c, file, "intermediate_size"),
                 "n_shared_experts": 0, "moe_shared_hidden": 0, "moe_shared_gate": False,
                 "moe_router_order": "topk_softmax"}
     else:
-        experts = int(_get(c, file, "num_experts"))
+        experts = _int(c, file, "num_experts")
         if c.get("mlp_only_layers"):
             raise ConfigError(f"{file}: mlp_only_layers {c['mlp_only_layers']} is not supported (dist_llm places its "
                               f"dense blocks by decoder_sparse_step alone)")
-        shared = int(_get(c, file, "shared_expert_intermediate_size"))
-        if shared <= 0:
-            raise ConfigError(f"{file}: shared_expert_intermediate_size must be positive, got {shared}")
-        arch = {"moe_every": int(c.get("decoder_sparse_step") or 1),
-                "moe_hidden": int(_get(c, file, "moe_intermediate_size")), "n_shared_experts": 1,
+        shared = _int(c, file, "shared_expert_intermediate_size")
+        arch = {"moe_every": _int(c, file, "decoder_sparse_step", default=1),
+                "moe_hidden": _int(c, file, "moe_intermediate_size"), "n_shared_experts": 1,
                 "moe_shared_hidden": shared, "moe_shared_gate": True,
-                "moe_router_order": "topk_softmax" if c.get("norm_topk_prob", False) else "softmax_topk"}
-    top_k = int(_get(c, file, "num_experts_per_tok"))
-    if experts <= 0 or not 1 <= top_k <= experts:
+                "moe_router_order": "topk_softmax" if _bool(c, file, "norm_topk_prob", False) else "softmax_topk"}
+    top_k = _int(c, file, "num_experts_per_tok")
+    if not top_k <= experts:
         raise ConfigError(f"{file}: {experts} experts with num_experts_per_tok {top_k}: expected 1 <= k <= experts")
     return {"n_experts": experts, "moe_top_k": top_k, **arch}
 

@@ -236,6 +236,64 @@ def run(*args: str) -> subprocess.CompletedProcess:
     return cli("convert", *args)
 
 
+def _without(config: dict, *keys: str) -> dict:
+    return {k: v for k, v in config.items() if k not in keys}
+
+
+GPT2_CONFIG = {"model_type": "gpt2", "n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": VOCAB, "n_positions": 32}
+LLAMA_CONFIG = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                "num_key_value_heads": 2, "vocab_size": VOCAB, "intermediate_size": 96, "max_position_embeddings": 32,
+                "rms_norm_eps": 1e-5, "rope_parameters": {"rope_type": "default", "rope_theta": 5000.0}}
+
+
+@pytest.mark.parametrize("config, says", [
+    ({**LLAMA_CONFIG, "rms_norm_eps": "x"}, 'rms_norm_eps must be a positive number, got "x"'),
+    ({**LLAMA_CONFIG, "hidden_size": [64]}, "hidden_size must be a positive integer, got [64]"),
+    ({**LLAMA_CONFIG, "num_hidden_layers": 2.5}, "num_hidden_layers must be a positive integer, got 2.5"),
+    ({**LLAMA_CONFIG, "num_attention_heads": True}, "num_attention_heads must be a positive integer, got true"),
+    ({**LLAMA_CONFIG, "num_key_value_heads": -2}, "num_key_value_heads must be a positive integer, got -2"),
+    ({**LLAMA_CONFIG, "head_dim": "16"}, 'head_dim must be a positive integer, got "16"'),
+    ({**LLAMA_CONFIG, "model_type": "mistral", "sliding_window": "x"},
+     'sliding_window must be an integer >= 0, got "x"'),
+    ({**LLAMA_CONFIG, "rope_parameters": {"rope_type": "default", "rope_theta": "abc"}},
+     'rope_parameters.rope_theta must be a positive number, got "abc"'),
+    ({**_without(LLAMA_CONFIG, "rope_parameters"), "rope_theta": "abc"}, 'rope_theta must be a positive number, got "abc"'),
+    ({**LLAMA_CONFIG, "tie_word_embeddings": "false"}, 'tie_word_embeddings must be true or false, got "false"'),
+    ({**LLAMA_CONFIG, "model_type": "mixtral", "num_local_experts": "4", "num_experts_per_tok": 2},
+     'num_local_experts must be a positive integer, got "4"'),
+    ({**GPT2_CONFIG, "n_embd": 64.0}, "n_embd must be a positive integer, got 64.0"),
+    ({**GPT2_CONFIG, "layer_norm_epsilon": True}, "layer_norm_epsilon must be a positive number, got true"),
+    ({**GPT2_CONFIG, "scale_attn_weights": "no"}, 'scale_attn_weights must be true or false, got "no"'),
+], ids=["eps-string", "hidden-list", "layers-float", "heads-true", "kv-negative", "head-dim-string",
+        "window-string", "rope-parameters-string", "rope-theta-string", "tie-string", "experts-string",
+        "gpt2-width-float", "gpt2-eps-true", "gpt2-flag-string"])
+def test_config_json_values_of_the_wrong_type_are_one_line(config: dict, says: str, tmp_path: Path) -> None:
+    """int() and float() took 64.9 as 64 and true as 1, and turned "x" or [64] into a traceback: each key is read
+    as the type it is, one line naming the file and the key."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError) as e:
+        model_config_from_hf(tmp_path)
+    assert str(e.value) == f"{tmp_path / 'config.json'}: {says}"
+
+
+def test_config_json_of_the_wrong_type_through_convert_and_init_from(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                     corpus_file: Path) -> None:
+    """As a user meets it: `convert --from-hf` and `train model.init_from=hf:` exit 2 with one line (before: a
+    traceback from int() or float())."""
+    from dist_llm.cli import main
+
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**LLAMA_CONFIG, "rms_norm_eps": "x"}))
+    line = f'dist-llm: error: {tmp_path / "hf" / "config.json"}: rms_norm_eps must be a positive number, got "x"'
+    capsys.readouterr()
+    assert main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [line]
+    assert main(["train", f"model.init_from=hf:{tmp_path / 'hf'}", f"data.source={corpus_file}",
+                 f"train.out_dir={tmp_path / 'run'}", "train.max_steps=1", "train.device=cpu"]) == 2
+    assert [e for e in capsys.readouterr().err.splitlines() if e.startswith("dist-llm: error:")] == [line]
+    assert not (tmp_path / "out").exists()
+
+
 def test_convert_round_trip(tmp_path: Path, tokens: torch.Tensor) -> None:
     from dist_llm.parallel.context import ParallelContext
     from dist_llm.parallel.data.base import DataParallel
