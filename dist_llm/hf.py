@@ -50,7 +50,7 @@ from dist_llm.hf_moe import (
     moe_hf_config,
 )
 from dist_llm.model import GPT
-from dist_llm.safetensors_read import ShardFile, Stored, read_header
+from dist_llm.safetensors_read import NonFinite, ShardFile, Stored, check_finite, read_header
 
 #: ModelConfig keys that a Hugging Face config.json decides; the others (dropout, init_std, pad_vocab_to,
 #: init_from) keep the value of the `base` config handed to `model_config_from_hf`.
@@ -484,6 +484,8 @@ class HFCheckpoint:
                         dst[:, i : i + len(block)].copy_(block.t())
                 else:  # (straight into dst where it has the file's dtype and whole rows are read)
                     shard.read_rows_into(entry.key, (r0, r1), dst, (c0, c1) if len(mapping.shape) > 1 else None)
+            except NonFinite as e:  # (every block is checked as it is read: a NaN weight would skip every step)
+                raise ConfigError(f"{entry.file}: {e}") from None
             except ValueError as e:  # the file is bad (cut short inside the tensor)
                 raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
             except OSError as e:
@@ -506,6 +508,7 @@ class HFCheckpoint:
                     dst.zero_()
                 elif entry.tensor is not None:  # pytorch_model.bin, mapped
                     src = entry.tensor[None] if len(p.hf_shape) == 2 else entry.tensor[r0:r1, part[0]:part[1]]
+                    check_finite(entry.key, src, 0 if len(p.hf_shape) == 2 else r0)
                     dst.copy_(src.transpose(1, 2))
                 elif len(p.hf_shape) == 2:  # one expert's (out, in): its rows are our columns
                     for i, block in self._shard(entry).blocks(entry.key, (0, p.hf_shape[0])):
@@ -516,6 +519,9 @@ class HFCheckpoint:
             except OSError as e:  # the system failed to read (not the file's fault): as for dense tensors
                 assert entry is not None
                 raise _read_failure(e, entry) from None
+            except NonFinite as e:
+                assert entry is not None
+                raise ConfigError(f"{entry.file}: {e}") from None
             except (ValueError, RuntimeError) as e:
                 assert entry is not None
                 raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
@@ -528,11 +534,15 @@ class HFCheckpoint:
         assert src is not None
         try:
             if vector:
-                dst.copy_(src[r0:r1])
-            elif transposed:
-                dst.copy_(src[c0:c1, r0:r1].t())
+                region, first = src[r0:r1], r0
+            elif transposed:  # Conv1D (in, out): our rows are its columns
+                region, first = src[c0:c1, r0:r1], c0
             else:
-                dst.copy_(src[r0:r1, c0:c1])
+                region, first = src[r0:r1, c0:c1], r0
+            check_finite(entry.key, region, first)  # (in pieces of the mapped file, before the copy)
+            dst.copy_(region.t() if transposed and not vector else region)
+        except NonFinite as e:
+            raise ConfigError(f"{entry.file}: {e}") from None
         except Exception as e:  # noqa: BLE001 - any reader failure is a bad file to the user
             raise ConfigError(f"{entry.file}: cannot read tensor {entry.key!r} ({_first_line(e)})") from None
 

@@ -16,7 +16,8 @@ tensors' bytes, little-endian, C order, `data_offsets` relative to the end of th
 trusts is checked: the header when it is parsed (`read_header`: the length against the file, each tensor's
 dtype, shape and its offsets against its size, all exact integers, and the tensors' ranges tiling the data
 from its start, no two sharing a byte), the file's length when it is opened for reading (`ShardFile`:
-a truncated file is found by the first read of any of its tensors, as safe_open found it).
+a truncated file is found by the first read of any of its tensors, as safe_open found it), and the values a
+read keeps, block by block while they are in hand (`check_finite`: a NaN or an infinity is no weight).
 """
 
 from __future__ import annotations
@@ -156,7 +157,9 @@ class ShardFile:
             self._read_into(memoryview(buffer)[: n * row_bytes], t.begin + a * row_bytes)
             block = torch.frombuffer(buffer, dtype=t.dtype, count=n * row_bytes // t.dtype.itemsize)
             block = block.view(n, *row_shape)
-            yield a - r0, block if cols is None else block[:, cols[0]:cols[1]]
+            block = block if cols is None else block[:, cols[0]:cols[1]]
+            check_finite(key, block, a)  # (what this read keeps, while it is in the buffer)
+            yield a - r0, block
 
     def read_rows_into(self, key: str, rows: tuple[int, int], out: torch.Tensor,
                        cols: tuple[int, int] | None = None, *, block_bytes: int = BLOCK_BYTES) -> None:
@@ -176,6 +179,7 @@ class ShardFile:
             row_bytes = math.prod(t.shape[1:]) * t.dtype.itemsize
             if out.numel():
                 self._read_into(_bytes_of(out), t.begin + r0 * row_bytes)
+                check_finite(key, out, r0, block_bytes=block_bytes)
             return
         for i, block in self._blocks(key, rows, cols, block_bytes):  # (one read, whichever way it goes)
             out[i : i + len(block)].copy_(block)
@@ -189,10 +193,28 @@ class ShardFile:
             done += got
 
 
+class NonFinite(ValueError):
+    """A tensor holds a NaN or an infinity: no weight does, and training from it would skip every step."""
+
+    def __init__(self, key: str, row: int) -> None:
+        super().__init__(f"tensor {key!r} holds a NaN or infinite value (row {row})")
+
+
+def check_finite(key: str, t: torch.Tensor, first_row: int = 0, *, block_bytes: int = BLOCK_BYTES) -> None:
+    """Raise NonFinite (naming tensor `key` and the row, counted from `first_row`) where `t` holds a NaN or an
+    infinity. Checked in pieces of rows: isfinite's mask takes a byte a value, so at most `block_bytes` of it."""
+    rows = t.reshape(1) if t.dim() == 0 else t
+    step = max(1, block_bytes // max(1, rows[0].numel()))
+    for a in range(0, len(rows), step):
+        ok = torch.isfinite(rows[a : a + step])
+        if not ok.all():
+            raise NonFinite(key, first_row + a + int((~ok).reshape(len(ok), -1).any(1).nonzero()[0]))
+
+
 def _bytes_of(t: torch.Tensor) -> memoryview:
     """The memory of a contiguous CPU tensor as writable bytes (valid while `t` lives: the caller holds it)."""
     n = t.numel() * t.element_size()
     return memoryview((ctypes.c_char * n).from_address(t.data_ptr())).cast("B")
 
 
-__all__ = ["BLOCK_BYTES", "DTYPES", "MAX_HEADER", "ShardFile", "Stored", "read_header"]
+__all__ = ["BLOCK_BYTES", "DTYPES", "MAX_HEADER", "NonFinite", "ShardFile", "Stored", "check_finite", "read_header"]

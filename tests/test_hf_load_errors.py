@@ -124,3 +124,67 @@ def test_an_io_error_exits_1_a_damaged_file_exits_2(tmp_path: Path, corpus_file:
         assert code == 1, err[-3000:]
         assert re.match(rf"^dist-llm: error: model.init_from: {re.escape(str(file))}: cannot read tensor '[^']+': "
                         rf"{os.strerror(errno.EIO)}$", errors[0]), errors
+
+
+# -- a NaN or an infinity in the weights ------------------------------------------------------------------------
+def _poison(path: Path, pattern: str, row: int, value: float) -> tuple[Path, str]:
+    """Set one value in row `row` of the first weight matching `pattern` in the directory's weight file; (the file,
+    the tensor's name in it)."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    file = next(f for f in (path / "model.safetensors", path / "pytorch_model.bin") if f.is_file())
+    tensors = load_file(str(file)) if file.suffix == ".safetensors" else torch.load(file, weights_only=True)
+    key = next(k for k in sorted(tensors) if re.search(pattern, k))
+    tensors[key] = tensors[key].clone()
+    tensors[key][row].view(-1)[-1] = value  # (the row's last value: a read that stops short of it misses it)
+    if file.suffix == ".safetensors":
+        with safe_open(str(file), framework="pt") as f:
+            metadata = f.metadata()
+        save_file(tensors, str(file), metadata=metadata)
+    else:
+        torch.save(tensors, file)
+    return file, key
+
+
+def _hf(kind: str, path: Path) -> Path:
+    from tests.test_hf import hf_gpt2, hf_llama
+
+    if kind == "mixtral":
+        from tests.test_hf_moe import hf_moe
+
+        hf_moe("mixtral").save_pretrained(path)
+    else:
+        (hf_gpt2() if kind == "gpt2" else hf_llama()).save_pretrained(path, safe_serialization=kind != "llama-bin")
+    return path
+
+
+@pytest.mark.parametrize("kind, pattern, row, value", [
+    ("llama", r"layers\.0\.mlp\.up_proj\.weight", 3, float("nan")),  # read straight into the destination
+    ("llama", r"norm\.weight", 17, float("inf")),  # a vector
+    ("gpt2", r"h\.1\.attn\.c_attn\.weight", 5, float("-inf")),  # Conv1D, transposed block by block
+    ("llama-bin", r"layers\.1\.self_attn\.k_proj\.weight", 2, float("nan")),  # pytorch_model.bin, mapped
+    ("mixtral", r"experts\.1\.w2\.weight", 4, float("nan")),  # one expert's weight
+], ids=["llama-nan", "llama-norm-inf", "gpt2-conv1d", "pytorch-model-bin", "mixtral-expert"])
+def test_a_nan_or_inf_weight_is_refused_naming_the_file_and_tensor(kind: str, pattern: str, row: int, value: float,
+                                                                   tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """Before, it was read as any value, and training from it skipped every step: each block is checked as it is
+    read (`convert --from-hf` reads every tensor)."""
+    from dist_llm import cli
+
+    torch.manual_seed(6)
+    file, key = _poison(_hf(kind, tmp_path / "hf"), pattern, row, value)
+    capsys.readouterr()
+    assert cli.main(["convert", "--from-hf", str(tmp_path / "hf"), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"dist-llm: error: {file}: tensor {key!r} holds a NaN or infinite value (row {row})"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_nan_weight_stops_init_from_hf_on_every_rank(tmp_path: Path) -> None:
+    """pp=2: the stage that reads the poisoned block finds it; both ranks raise the same line."""
+    torch.manual_seed(6)
+    file, key = _poison(_hf("llama", tmp_path / "hf"), r"layers\.1\.mlp\.down_proj\.weight", 0, float("nan"))
+    ranks = run_distributed(_build_pp, 2, tmp_path / "run", tmp_path / "hf", init_group=False, timeout=60)
+    assert ranks[0]["error"] == ranks[1]["error"] == f"rank 1: {file}: tensor {key!r} holds a NaN or infinite value (row 0)"

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 
 from dist_llm.config import ConfigError, ModelConfig
 from dist_llm.hf import HFCheckpoint
-from dist_llm.safetensors_read import ShardFile, read_header
+from dist_llm.safetensors_read import NonFinite, ShardFile, check_finite, read_header
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 
@@ -271,3 +271,34 @@ def test_a_read_in_the_files_dtype_goes_straight_into_the_destination(tmp_path: 
                 assert peak < 16 * 1024, (rows, cols, dtype, peak)  # some small Python objects, no buffer
             else:
                 assert peak >= read, (rows, cols, dtype, peak, nbytes)
+
+
+@pytest.mark.parametrize("out_dtype, cols", [(torch.float32, None), (torch.float64, None), (torch.float32, (0, 3))],
+                         ids=["straight-into-out", "through-the-buffer", "a-column-slice"])
+def test_a_nan_is_found_by_the_read_that_keeps_it(tmp_path: Path, out_dtype: torch.dtype,
+                                                   cols: tuple[int, int] | None) -> None:
+    """Both ways a read goes (straight into the destination, or block by block through the buffer) check what they
+    keep, naming the tensor's row; a NaN in columns the read does not keep is another read's to find."""
+    t = torch.zeros(40, 6)
+    t[29, 4] = float("nan")
+    file = tmp_path / "w.safetensors"
+    save_file({"w": t}, str(file))
+    shard = ShardFile(file, read_header(file))
+    out = torch.empty(20, 6 if cols is None else 3, dtype=out_dtype)
+    shard.read_rows_into("w", (0, 20), out, cols, block_bytes=48)  # (rows without it)
+    if cols is not None:
+        shard.read_rows_into("w", (20, 40), out, cols, block_bytes=48)
+        return
+    with pytest.raises(NonFinite) as e:
+        shard.read_rows_into("w", (20, 40), out, cols, block_bytes=48)
+    assert str(e.value) == "tensor 'w' holds a NaN or infinite value (row 29)"
+
+
+def test_check_finite_counts_rows_across_its_pieces() -> None:
+    t = torch.zeros(10, 3)
+    t[7, 1] = float("inf")
+    with pytest.raises(NonFinite, match=r"^tensor 'k' holds a NaN or infinite value \(row 12\)$"):
+        check_finite("k", t, 5, block_bytes=6)  # (two rows a piece)
+    check_finite("k", torch.zeros(10, 3))
+    with pytest.raises(NonFinite, match=r"\(row 0\)$"):
+        check_finite("k", torch.tensor(float("nan")))  # a 0-d tensor: one row
