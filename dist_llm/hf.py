@@ -253,27 +253,46 @@ def read_weight_map(index: Path) -> dict[str, Path]:
     return {name: index.parent / shard for name, shard in items}
 
 
-def _weight_files(path: Path) -> tuple[str, list[Path]]:
-    """('safetensors' | 'torch', the weight files) of a directory; safetensors preferred, shards from their index."""
+@dataclasses.dataclass(frozen=True)
+class _WeightFiles:
+    kind: str  # 'safetensors' | 'torch'
+    files: list[Path]
+    index: Path | None = None  # the weight index of sharded files, and its map (tensor name -> shard)
+    weight_map: dict[str, Path] | None = None
+
+    def check_place(self, key: str, file: Path) -> None:
+        """That the index places tensor `key` (as the file names it) in `file`, the shard that holds it: a tensor
+        the index puts elsewhere, or leaves out, is a stale copy or a damaged index (which one to read, unknown)."""
+        if self.weight_map is None or self.index is None:
+            return
+        placed = self.weight_map.get(key)
+        if placed != file:
+            where = f"places it in {placed.name}" if placed is not None else "does not list it"
+            raise ConfigError(f"{file}: holds tensor {key!r}, but {self.index.name} {where}")
+
+
+def _weight_files(path: Path) -> _WeightFiles:
+    """The weight files of a directory (safetensors preferred; shards with their index's map)."""
     if (path / SAFETENSORS_FILE).is_file():
-        return "safetensors", [path / SAFETENSORS_FILE]
+        return _WeightFiles("safetensors", [path / SAFETENSORS_FILE])
     for kind, index_name in (("safetensors", SAFETENSORS_INDEX), ("torch", TORCH_INDEX)):
         index = path / index_name
         if index.is_file():
-            shards = sorted(set(read_weight_map(index).values()))
+            weight_map = read_weight_map(index)
+            shards = sorted(set(weight_map.values()))
             for shard in shards:
                 if not shard.is_file():
                     raise ConfigError(f"{shard}: not found (listed in {index_name})")
-            return kind, shards
+            return _WeightFiles(kind, shards, index, weight_map)
     if (path / TORCH_FILE).is_file():
-        return "torch", [path / TORCH_FILE]
+        return _WeightFiles("torch", [path / TORCH_FILE])
     raise ConfigError(f"{path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_FILE})")
 
 
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face directory by their Hugging Face names, read whole (shards joined): for
     comparisons and small models; loading a model reads region by region (`HFCheckpoint`)."""
-    _, files = _weight_files(Path(path).expanduser())
+    files = _weight_files(Path(path).expanduser()).files
     tensors: dict[str, torch.Tensor] = {}
     for file in files:
         tensors.update(_load_file(file))
@@ -402,9 +421,9 @@ class HFCheckpoint:
         self.entries: dict[str, _Entry] = {}
         self._headers: dict[Path, dict[str, Stored]] = {}
         self._open: dict[Path, ShardFile] = {}
-        kind, files = _weight_files(self.path)
-        for file in files:
-            if kind == "safetensors":
+        weights = _weight_files(self.path)
+        for file in weights.files:
+            if weights.kind == "safetensors":
                 self._headers[file] = _safetensors_header(file)
                 found = {k: (s.shape, None) for k, s in self._headers[file].items()}
             else:
@@ -412,7 +431,14 @@ class HFCheckpoint:
             for key, (shape, tensor) in found.items():
                 if _IGNORED.search(key):
                     continue
-                self.entries[self._strip(key)] = _Entry(file, key, shape, tensor)
+                weights.check_place(key, file)
+                name = self._strip(key)
+                if name in self.entries:  # (a second copy, in another shard or under another prefix: which is it?)
+                    first = self.entries[name]
+                    also = f"{first.file}" + (f" (as {first.key!r})" if first.key != key else "")
+                    raise ConfigError(f"{file}: holds tensor {key!r}, which is also in {also}: a weight is read "
+                                      "from one place")
+                self.entries[name] = _Entry(file, key, shape, tensor)
         # MoE experts on disk: per expert (the Hub's, save_pretrained's) or fused (transformers 5 in memory)
         fused = any(name.endswith(".experts.gate_up_proj") for name in self.entries)
         self.layout = hf_layout(cfg, self.family, fused=fused)

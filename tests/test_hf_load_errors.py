@@ -188,3 +188,79 @@ def test_a_nan_weight_stops_init_from_hf_on_every_rank(tmp_path: Path) -> None:
     file, key = _poison(_hf("llama", tmp_path / "hf"), r"layers\.1\.mlp\.down_proj\.weight", 0, float("nan"))
     ranks = run_distributed(_build_pp, 2, tmp_path / "run", tmp_path / "hf", init_group=False, timeout=60)
     assert ranks[0]["error"] == ranks[1]["error"] == f"rank 1: {file}: tensor {key!r} holds a NaN or infinite value (row 0)"
+
+
+# -- a sharded directory's index ---------------------------------------------------------------------------------
+def _index(hf: Path) -> dict[str, str]:
+    return json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def _set_index(hf: Path, weight_map: dict[str, str]) -> None:
+    index = json.loads((hf / "model.safetensors.index.json").read_text())
+    (hf / "model.safetensors.index.json").write_text(json.dumps({**index, "weight_map": weight_map}))
+
+
+def _add_tensor(file: Path, key: str, value: torch.Tensor) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(file))
+    tensors[key] = value
+    save_file(tensors, str(file), metadata={"format": "pt"})
+
+
+def _stale_copy(hf: Path) -> tuple[Path, str]:
+    """A stale copy of the embedding (all 7s) in a shard other than the index names: before, the last read won."""
+    from tests.test_hf import VOCAB
+
+    embed = "model.embed_tokens.weight"
+    shards = sorted(set(_index(hf).values()))
+    last = hf / next(s for s in reversed(shards) if s != _index(hf)[embed])
+    _add_tensor(last, embed, torch.full((VOCAB, 64), 7.0))
+    return last, f"holds tensor {embed!r}, but model.safetensors.index.json places it in {_index(hf)[embed]}"
+
+
+def _moved_in_the_index(hf: Path) -> tuple[Path, str]:
+    """The index names another shard for a tensor than the one holding it."""
+    weight_map = _index(hf)
+    key = "model.norm.weight"
+    other = next(s for s in sorted(set(weight_map.values())) if s != weight_map[key])
+    _set_index(hf, {**weight_map, key: other})
+    return hf / weight_map[key], f"holds tensor {key!r}, but model.safetensors.index.json places it in {other}"
+
+
+def _left_out_of_the_index(hf: Path) -> tuple[Path, str]:
+    weight_map = _index(hf)
+    key = "model.layers.0.mlp.up_proj.weight"
+    _set_index(hf, {k: v for k, v in weight_map.items() if k != key})
+    return hf / weight_map[key], f"holds tensor {key!r}, but model.safetensors.index.json does not list it"
+
+
+@pytest.mark.parametrize("damage", [_stale_copy, _moved_in_the_index, _left_out_of_the_index],
+                         ids=["a-copy-in-another-shard", "the-index-names-another-shard", "left-out-of-the-index"])
+def test_a_tensor_where_the_index_does_not_place_it_is_refused(damage: Any, tmp_path: Path,
+                                                               sharded_dir: tuple[Path, torch.Tensor],  # noqa: F811
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    """The index's weight_map says which shard holds each tensor: a tensor elsewhere (a stale copy: which one is
+    meant?) is one line naming the file, exit 2 (before: the shard read last won, in silence)."""
+    from dist_llm import cli
+
+    hf = tmp_path / "hf"
+    shutil.copytree(sharded_dir[0], hf)
+    file, says = damage(hf)
+    capsys.readouterr()
+    assert cli.main(["convert", "--from-hf", str(hf), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"dist-llm: error: {file}: {says}"]
+
+
+def test_one_weight_under_two_names_is_refused(tmp_path: Path) -> None:
+    """A file holding a weight with and without its family prefix: both are the same weight of ours."""
+    from dist_llm.hf import HFCheckpoint, model_config_from_hf
+
+    torch.manual_seed(6)
+    hf = _hf("llama", tmp_path / "hf")
+    _add_tensor(hf / "model.safetensors", "norm.weight", torch.full((64,), 7.0))
+    with pytest.raises(ConfigError) as e:
+        HFCheckpoint(hf, model_config_from_hf(hf))
+    assert str(e.value) in [f"{hf / 'model.safetensors'}: holds tensor {a!r}, which is also in "
+                            f"{hf / 'model.safetensors'} (as {b!r}): a weight is read from one place"
+                            for a, b in [("norm.weight", "model.norm.weight"), ("model.norm.weight", "norm.weight")]]
