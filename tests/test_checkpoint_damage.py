@@ -238,6 +238,34 @@ def test_a_prune_that_stops_halfway_leaves_no_complete_looking_checkpoint(run: P
     assert [p.name for p in ckpt.step_dirs(root)] == ["step_000004"]
 
 
+def test_the_new_step_is_durable_in_checkpoints_before_older_ones_are_pruned(tmp_path: Path, corpus: Path,  # noqa: F811
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """After step 4's manifest is written (its rename flushed in step_000004/), checkpoints/ itself is flushed, so
+    that step_000004's entry is on disk before step 2 is deleted: a power loss between them could otherwise keep
+    the deletion and lose the new checkpoint."""
+    from dist_llm import fileio
+
+    root = tmp_path / "run" / "checkpoints"
+    events: list[tuple[str, str, bool]] = []  # (what, which folder, whether step 4's manifest exists by then)
+    real_fsync, real_delete = fileio.fsync_dir, ckpt._delete
+
+    def fsync_dir(folder: Path) -> None:
+        events.append(("fsync", Path(folder).name, (ckpt.step_dir(root, 4) / ckpt.MANIFEST).is_file()))
+        real_fsync(folder)
+
+    def delete(path: Path) -> None:
+        events.append(("delete", path.name, (ckpt.step_dir(root, 4) / ckpt.MANIFEST).is_file()))
+        real_delete(path)
+
+    monkeypatch.setattr(fileio, "fsync_dir", fsync_dir)  # (the atomic writes')
+    monkeypatch.setattr(ckpt, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(ckpt, "_delete", delete)
+    trainer(tmp_path / "run", corpus, train__max_steps=4, train__ckpt_interval=2, train__keep_checkpoints=1).fit()
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000004"]
+    deleted = events.index(("delete", "step_000002", True))
+    assert events[deleted - 2 : deleted] == [("fsync", "step_000004", True), ("fsync", "checkpoints", True)]
+
+
 def test_a_fresh_start_moves_an_unreadable_checkpoint_aside(run: Path, corpus: Path,  # noqa: F811
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """resume=never with step 4's manifest unreadable (EIO): the fresh start goes on, step 4 is moved into

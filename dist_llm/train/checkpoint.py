@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config, ConfigError, config_from_dict
-from dist_llm.fileio import atomic_write_text
+from dist_llm.fileio import atomic_write_text, fsync_dir
 from dist_llm.model.init import INIT_SCHEME
 from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
@@ -206,6 +206,10 @@ def _complete(path: Path, *, train_state: dict[str, Any], cfg: Config, ctx: Para
             **(manifest_extra or {}),
         }
         _atomic_write(path / MANIFEST, json.dumps(manifest, indent=1))
+        # the manifest's rename is durable in step_N/ (atomic_write flushed it); step_N's own entry in checkpoints/
+        # must be too, before older checkpoints are deleted: a power loss could otherwise keep the deletions and
+        # lose the new one
+        fsync_dir(path.parent)
         prune_checkpoints(path.parent, keep, newest=path)
 
     checksums.hash_and_write_manifest(path, rank=ctx.rank, group=group, write=write)
