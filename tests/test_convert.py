@@ -73,10 +73,13 @@ def test_export_of_any_layout_is_the_one_process_export_byte_for_byte(tmp_path: 
 def save_resharded_copy(rank: int, world_size: int, src: str, dst: str) -> None:
     """The model tensors of the checkpoint `src` saved again by `world_size` ranks as DTensor shards (columns of
     every matrix, rows of every vector): each rank writes only its own chunk of each tensor, with its global
-    offsets, as a shard-native save does; the small files are copied."""
+    offsets, as a shard-native save does; the small files are copied, and the manifest lists what this copy holds
+    (every reader checks a checkpoint against its manifest)."""
     import shutil
 
     import torch.distributed.checkpoint as dcp
+
+    from dist_llm.train import checksums
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -87,8 +90,11 @@ def save_resharded_copy(rank: int, world_size: int, src: str, dst: str) -> None:
              for key, meta in weights.index.items() if key.startswith("model.")}
     dcp.save(state, checkpoint_id=dst)
     if rank == 0:
-        for name in ("config.yaml", "train_state.json", "manifest.json"):
+        for name in ("config.yaml", "train_state.json"):
             shutil.copyfile(Path(src) / name, Path(dst) / name)
+        manifest = json.loads((Path(src) / "manifest.json").read_text())
+        manifest["files"] = checksums.hash_files(Path(dst), checksums.checkpoint_files(Path(dst)))
+        (Path(dst) / "manifest.json").write_text(json.dumps(manifest))
 
 
 def test_export_of_a_checkpoint_in_chunks_is_the_same(tmp_path: Path, one_process: Path) -> None:
