@@ -155,3 +155,18 @@ def test_init_from_on_several_ranks_checks_a_share_on_each(run: Path, tmp_path: 
     victim = checkpoint / ranks[1]["victim"]
     assert ranks[0]["error"] == ranks[1]["error"] == (f"rank 0: model.init_from: {victim}: checksum differs from "
                                                       "the manifest's")
+
+
+def test_the_check_timeout_covers_the_largest_share(tmp_path: Path) -> None:
+    """`timeout_s` plus the largest share (an even share and one file: `checksums.partition`) at the slowest rate;
+    at least the floor, also for a manifest that lists nothing or cannot be read."""
+    from dist_llm.train import checkpoint as ckpt
+
+    floor = ckpt.FLOOR_BYTES / ckpt.SLOWEST_BYTES_PER_S
+    assert ckpt._check_timeout_s(tmp_path, 10.0, 4) == 10.0 + floor  # no manifest
+    sha = "0" * 64
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": {}}))
+    assert ckpt._check_timeout_s(tmp_path, 10.0, 4) == 10.0 + floor
+    files = {f"__{i}_0.distcp": {"bytes": 4_000_000_000 if i else 2_000_000_000, "sha256": sha} for i in range(4)}
+    (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
+    assert ckpt._check_timeout_s(tmp_path, 10.0, 4) == 10.0 + (14e9 / 4 + 4e9) / ckpt.SLOWEST_BYTES_PER_S

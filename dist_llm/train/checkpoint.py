@@ -309,8 +309,8 @@ def _check_timeout_s(path: Path, timeout_s: float, ranks: int) -> float:
         files = checksums.read_manifest(path)
     except UnreadableCheckpoint:
         files = "unreadable"
-    sizes = [entry["bytes"] for entry in files.values()] if isinstance(files, dict) else [0]
-    return timeout_s + max(sum(sizes) / ranks + max(sizes), FLOOR_BYTES) / SLOWEST_BYTES_PER_S
+    sizes = [entry["bytes"] for entry in files.values()] if isinstance(files, dict) else []
+    return timeout_s + max(sum(sizes) / ranks + max(sizes, default=0), FLOOR_BYTES) / SLOWEST_BYTES_PER_S
 
 
 def damage(path: Path, what: str, *, timeout_s: float = 600.0) -> str | None:
