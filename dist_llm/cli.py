@@ -20,7 +20,15 @@ log = logging.getLogger("dist_llm")
 
 def fail(message: str, code: int = EXIT_BAD_INPUT, *, every_rank: bool = False) -> int:
     """One line on stderr, from rank 0 only (under torchrun every rank meets the same bad input), or from
-    every rank that meets it (a failed collective: each names its own rank)."""
+    every rank that meets it (a failed collective: each names its own rank). Under torchrun every rank also
+    leaves it in its TORCHELASTIC_ERROR_FILE, where dist_llm.torchrun finds a line rank 0 did not say."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if error_file and code:
+        import json
+        import time
+
+        with contextlib.suppress(OSError):
+            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
     if every_rank or int(os.environ.get("RANK", "0")) == 0:
         print(f"dist-llm: error: {message}", file=sys.stderr)
         record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)

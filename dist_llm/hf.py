@@ -262,13 +262,13 @@ class _WeightFiles:
 
     def check_place(self, key: str, file: Path) -> None:
         """That the index places tensor `key` (as the file names it) in `file`, the shard that holds it: a tensor
-        the index puts elsewhere, or leaves out, is a stale copy or a damaged index (which one to read, unknown)."""
+        the index puts elsewhere is a stale copy or a damaged index (which one to read, unknown). One it does not
+        list is read, as transformers reads it (a second copy of it is refused where it is met)."""
         if self.weight_map is None or self.index is None:
             return
         placed = self.weight_map.get(key)
-        if placed != file:
-            where = f"places it in {placed.name}" if placed is not None else "does not list it"
-            raise ConfigError(f"{file}: holds tensor {key!r}, but {self.index.name} {where}")
+        if placed is not None and placed != file:
+            raise ConfigError(f"{file}: holds tensor {key!r}, but {self.index.name} places it in {placed.name}")
 
 
 def _weight_files(path: Path) -> _WeightFiles:
@@ -534,7 +534,9 @@ class HFCheckpoint:
                     dst.zero_()
                 elif entry.tensor is not None:  # pytorch_model.bin, mapped
                     src = entry.tensor[None] if len(p.hf_shape) == 2 else entry.tensor[r0:r1, part[0]:part[1]]
-                    check_finite(entry.key, src, 0 if len(p.hf_shape) == 2 else r0)
+                    # (one expert's (out, in) checked by its rows: as one row its mask would be the whole matrix)
+                    check_finite(entry.key, entry.tensor if len(p.hf_shape) == 2 else src,
+                                 0 if len(p.hf_shape) == 2 else r0)
                     dst.copy_(src.transpose(1, 2))
                 elif len(p.hf_shape) == 2:  # one expert's (out, in): its rows are our columns
                     for i, block in self._shard(entry).blocks(entry.key, (0, p.hf_shape[0])):

@@ -202,7 +202,11 @@ class NonFinite(ValueError):
 
 def check_finite(key: str, t: torch.Tensor, first_row: int = 0, *, block_bytes: int = BLOCK_BYTES) -> None:
     """Raise NonFinite (naming tensor `key` and the row, counted from `first_row`) where `t` holds a NaN or an
-    infinity. Checked in pieces of rows: isfinite's mask takes a byte a value, so at most `block_bytes` of it."""
+    infinity. First its fp32 sum, a scalar that is finite where every value is (NaN and infinity carry through a
+    sum; only values near fp32's limit could overflow it, and the search below then finds no row); only a tensor
+    whose sum is not is searched, in pieces of rows: isfinite's mask takes a byte a value, at most `block_bytes`."""
+    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):
+        return
     rows = t.reshape(1) if t.dim() == 0 else t
     step = max(1, block_bytes // max(1, rows[0].numel()))
     for a in range(0, len(rows), step):

@@ -2,45 +2,83 @@
 `dist-llm train --nproc-per-node N` starts, with its failure report cut to what the workers did not already say.
 
 torchrun answers a worker's non-zero exit with a Python traceback of its own and a table of every rank's exit
-(and logs each rank it stops). The workers have said why already: bad input as one line from rank 0 (exit 2),
-a failed step or collective as one line, a crash as its traceback. So here a worker's exit code ends the
-launcher with that code and nothing more; only a worker killed by a signal (the kernel's OOM killer, a
-segfault), which could say nothing, gets one line naming its rank and the signal."""
+(and logs each rank it stops). The workers have mostly said why already: bad input as one line from rank 0
+(exit 2), a failed step or collective as one line, a crash as its traceback. So here the cause (a worker killed
+by a signal other than the SIGTERM torchrun stops the others with, else the first that exited non-zero) ends
+the launcher with its code, and one line is added only where no worker said it:
+  - a worker killed by a signal (the kernel's OOM killer, a segfault) could say nothing;
+  - a worker other than rank 0 failed while rank 0 did not say it (a failure only that rank met, or rank 0
+    stopped by torchrun before it printed): its own line, which `cli.fail` leaves in the worker's
+    TORCHELASTIC_ERROR_FILE, or its rank and exit code.
+A signal to the launcher itself (torchrun's SignalException) exits 128 + its number; any other failure of
+torchrun (a rendezvous that cannot form) is one line."""
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+from typing import Any, TextIO
+
+# torchrun's own lines about a failure this module reports once (kept: any other, e.g. a worker that would not
+# stop on SIGTERM and was killed)
+_ITS_REPORT = ("Sending process", "failed (exitcode")
+
+
+class _WithoutItsReport(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_ITS_REPORT)
 
 
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    # (its "Sending process N closing signal SIGTERM" and "failed (exitcode: 2) local_rank: ..." lines: the
-    # failure is reported below, once)
-    logging.getLogger("torch.distributed.elastic.multiprocessing.api").setLevel(logging.CRITICAL)
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addFilter(_WithoutItsReport())
     # what torchrun sets for its workers when it is unset, without its banner about it (one thread per worker:
     # N workers on N cores; OMP_NUM_THREADS set by the user is kept)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     try:
         run(parse_args(sys.argv[1:] if argv is None else argv))
     except ChildFailedError as e:
-        return exit_code(e, sys.stderr)
+        return exit_code(e.failures, sys.stderr)
+    except SignalException as e:  # (a signal before dist-llm's launcher could pass it to workers)
+        return 128 + int(e.sigval)
+    except Exception as e:  # noqa: BLE001 - torchrun's own failure (rendezvous), not a worker's
+        print(f"dist-llm: error: torchrun: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
-def exit_code(error: object, stderr: object) -> int:
-    """What the launcher exits with for torchrun's ChildFailedError `error` (its first failure), saying only what
-    no worker could: a signal that killed one."""
-    rank, failure = error.get_first_failure()  # type: ignore[attr-defined]
-    if failure.exitcode > 0:
-        return failure.exitcode
-    name = failure.signal_name()
-    print(f"dist-llm: error: rank {rank} (pid {failure.pid}) was killed by {name}"
-          f"{' (out of memory?)' if name == 'SIGKILL' else ''}; the other ranks were stopped", file=stderr)
-    return 128 - failure.exitcode
+def _said(failure: Any) -> str | None:
+    """The line a worker's `cli.fail` left in its error file, if any."""
+    if not os.path.isfile(str(getattr(failure, "error_file", ""))):  # (without one torchrun puts "<NONE>" there)
+        return None
+    message = failure.error_file_data.get("message")
+    return message if isinstance(message, str) and message else None
+
+
+def exit_code(failures: dict[int, Any], stderr: TextIO) -> int:
+    """What the launcher exits with for torchrun's failures {global rank: ProcessFailure}, saying only what no
+    worker said (see the module's docstring)."""
+    by_time = sorted(failures.items(), key=lambda rf: (rf[1].timestamp, rf[0]))
+    killed = [(r, f) for r, f in by_time if f.exitcode < 0 and f.exitcode != -signal.SIGTERM]
+    exited = [(r, f) for r, f in by_time if f.exitcode > 0]
+    rank, failure = (killed or exited or by_time)[0]
+    if failure.exitcode < 0:
+        name = failure.signal_name()
+        print(f"dist-llm: error: rank {rank} (pid {failure.pid}) was killed by {name}"
+              f"{' (out of memory?)' if name == 'SIGKILL' else ''}; the other ranks were stopped", file=stderr)
+        return 128 - failure.exitcode
+    first = failures.get(0)
+    rank0_said = first is not None and (first.exitcode > 0 or _said(first) is not None)
+    if rank != 0 and not rank0_said:
+        line = _said(failure) or f"rank {rank} (pid {failure.pid}) exited with code {failure.exitcode}"
+        print(f"dist-llm: error: {line}", file=stderr)
+    return failure.exitcode
 
 
 if __name__ == "__main__":

@@ -95,6 +95,8 @@ MALFORMED = {
     "entry a string": (lambda e, n: e.__setitem__(n, "x"), "the entry of {n!r} is not"),
     "bytes a string": (lambda e, n: e[n].__setitem__("bytes", "12"), "the entry of {n!r} is not"),
     "bytes negative": (lambda e, n: e[n].__setitem__("bytes", -1), "the entry of {n!r} is not"),
+    # (past any file: the check's timeout computed from it overflowed timedelta, an OverflowError, exit 1)
+    "bytes beyond a petabyte": (lambda e, n: e[n].__setitem__("bytes", 2**71), "the entry of {n!r} is not"),
     "sha256 not hex": (lambda e, n: e[n].__setitem__("sha256", "z" * 64), "the entry of {n!r} is not"),
 }
 

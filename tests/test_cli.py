@@ -117,30 +117,45 @@ def test_bad_data_under_two_ranks_is_one_line(tmp_path: Path) -> None:
         f"dist-llm: error: data.source: {tmp_path / 'empty.txt'} is empty"]), proc.stderr[-3000:]
 
 
-def test_the_launcher_says_only_what_no_worker_could() -> None:
-    """dist_llm.torchrun: a worker's exit code is the launcher's (the worker said why); a worker killed by a signal
-    gets one line naming its rank and the signal, and 128 + the signal's number."""
+def test_the_launcher_says_only_what_no_worker_could(tmp_path: Path) -> None:
+    """dist_llm.torchrun on torchrun's failures {rank: ProcessFailure} (each read from its error file, as torchrun
+    reads them): the cause's exit code is the launcher's; one line only where no worker said it."""
     import io
+    import json
     import signal
+    import time
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from dist_llm.torchrun import exit_code
 
-    def failed(code: int) -> ChildFailedError:
-        return ChildFailedError("dist_llm.train", {1: ProcessFailure(local_rank=1, pid=4242, exitcode=code,
-                                                                       error_file="<N/A>")})
+    def failure(rank: int, code: int, said: str | None = None, at: int = 0) -> ProcessFailure:
+        error_file = tmp_path / f"error-{rank}-{code}.json"
+        if said is not None:  # (what cli.fail leaves)
+            error_file.write_text(json.dumps({"message": said, "timestamp": at or int(time.time())}))
+        return ProcessFailure(local_rank=rank, pid=4240 + rank, exitcode=code, error_file=str(error_file))
 
-    for code in (2, 1):
+    def launcher(*failures: tuple[int, ProcessFailure]) -> tuple[int, str]:
         err = io.StringIO()
-        assert (exit_code(failed(code), err), err.getvalue()) == (code, "")
-    err = io.StringIO()
-    assert exit_code(failed(-signal.SIGKILL), err) == 128 + signal.SIGKILL
-    assert err.getvalue() == ("dist-llm: error: rank 1 (pid 4242) was killed by SIGKILL (out of memory?); the other "
-                              "ranks were stopped\n")
-    err = io.StringIO()
-    assert exit_code(failed(-signal.SIGSEGV), err) == 128 + signal.SIGSEGV
-    assert "rank 1 (pid 4242) was killed by SIGSEGV;" in err.getvalue()
+        return exit_code(dict(failures), err), err.getvalue()
+
+    bad = "data.source: x is empty"
+    # every rank met the bad input; rank 0 said it (exit 2): nothing more
+    assert launcher((1, failure(1, 2, bad, at=1)), (0, failure(0, 2, bad, at=2))) == (2, "")
+    # a crash's traceback (exit 1) on rank 0, the others stopped by torchrun: nothing more
+    assert launcher((0, failure(0, 1)), (1, failure(1, -signal.SIGTERM))) == (1, "")
+    # rank 1 alone met it; torchrun stopped rank 0 before it could say anything: rank 1's line
+    assert launcher((1, failure(1, 2, bad, at=1)), (0, failure(0, -signal.SIGTERM))) == (
+        2, f"dist-llm: error: {bad}\n")
+    # ... and without a line of its own (a library's sys.exit(3)): its rank and code
+    assert launcher((1, failure(1, 3)), (0, failure(0, -signal.SIGTERM))) == (
+        3, "dist-llm: error: rank 1 (pid 4241) exited with code 3\n")
+    # killed by the OOM killer while its peer saw the connection close (exit 1) in the same second: the kill
+    assert launcher((0, failure(0, 1, "rank 0: collective failed", at=5)), (1, failure(1, -signal.SIGKILL))) == (
+        128 + signal.SIGKILL, "dist-llm: error: rank 1 (pid 4241) was killed by SIGKILL (out of memory?); the "
+                              "other ranks were stopped\n")
+    code, said = launcher((1, failure(1, -signal.SIGSEGV)))
+    assert code == 128 + signal.SIGSEGV and "rank 1 (pid 4241) was killed by SIGSEGV;" in said
 
 
 def test_tp_larger_than_the_world_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

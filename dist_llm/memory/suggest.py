@@ -65,7 +65,7 @@ from dist_llm.memory.comm import BANDWIDTH, GPUS_PER_NODE, LATENCY, NODE_BANDWID
 from dist_llm.memory.estimate import Estimate, GiB
 from dist_llm.memory.model_states import model_state_bytes
 from dist_llm.memory.params import _model_params
-from dist_llm.memory.transients import pipelined_zero3_bytes, temporary_bytes, zero_flat_build_bytes
+from dist_llm.memory.transients import init_transient_bytes, pipelined_zero3_bytes, temporary_bytes
 
 FLOPS = 200e12  # achieved per device (about 40-60% of an H100's dense bf16 peak)
 MAX_MICRO = 64
@@ -239,7 +239,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                           f"counts this layout")
     states: dict[tuple[int, ...], Estimate] = {}
     comms: dict[tuple[Any, ...], Comm] = {}
-    builds: dict[tuple[int, ...], int] = {}  # native ZeRO-1/2's build transient per (dp, tp, pp, zero)
+    builds: dict[tuple[int, ...], int] = {}  # the build's transient per (dp, tp, pp, zero), as predict's
     computes: dict[str, float] = {}
     own_dp = p.dp or world_size // (p.tp * p.pp)
     own = (own_dp, p.tp, p.pp, 0 if own_dp == 1 and p.zero_stage in (1, 2) else p.zero_stage, t.micro_batch_size,
@@ -263,7 +263,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     e.offloaded = c.parallel.offload == "cpu"
                     builds_key = (dp, tp, pp, zero)
                     if builds_key not in builds:
-                        builds[builds_key] = zero_flat_build_bytes(c, dp=dp, pp=pp)
+                        builds[builds_key] = init_transient_bytes(c, dp=dp, pp=pp)
                     e.init_transient_bytes = builds[builds_key]
                     if est is None or e.peak_bytes > est.peak_bytes:
                         est = e

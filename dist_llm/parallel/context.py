@@ -68,6 +68,11 @@ def resolve_degrees(world_size: int, dp: int, tp: int, pp: int, *, global_batch_
     return dp, tp, pp
 
 
+#: how long first_failure waits for the slowest rank: local rank 0 tokenizing a large corpus the first time can
+#: take hours, far past parallel.timeout_s, which bounds a training step's collectives
+PATIENT_TIMEOUT = timedelta(hours=24)
+
+
 def layout_degrees(cfg: Config, world_size: int) -> tuple[int, int, int]:
     """(dp, tp, pp) of `cfg` at `world_size` ranks, with the rules that need dp known (expert parallelism's
     carve-out of dp, interleaving's micro-batch count): checked before a launcher starts any process, and again
@@ -126,6 +131,7 @@ class ParallelContext:
     #: a gloo group of every rank for small host-side agreements (whether to stop, peak memory): a collective on
     #: CPU tensors that never makes the host wait for the GPU. The default group when that is gloo already.
     cpu_group: dist.ProcessGroup | None = None
+    patient_group: dist.ProcessGroup | None = None  # (first_failure's: see PATIENT_TIMEOUT)
     #: the ep ranks of this rank's dp row that hold different experts (all-to-all of tokens); None when ep = 1
     ep_group: dist.ProcessGroup | None = None
     #: the dp ranks that hold this rank's experts (their gradient reduction); the dp group when ep = 1
@@ -337,8 +343,10 @@ class ParallelContext:
         the launcher would report that broken connection, not the cause. (Pickled over the gloo group.)"""
         if self.world_size == 1 or not dist.is_initialized():
             return failure
+        if self.patient_group is None:  # (every rank comes here at the same point: the group forms alike)
+            self.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
         every: list[Exception | None] = [None] * self.world_size
-        dist.all_gather_object(every, failure, group=self.cpu_group)
+        dist.all_gather_object(every, failure, group=self.patient_group)
         return next((f for f in every if f is not None), None)
 
     def destroy(self) -> None:

@@ -141,8 +141,13 @@ def _bad_name(name: Any) -> bool:
     return name.startswith("/") or any(part in ("", ".", "..") for part in parts)
 
 
+#: no file of a checkpoint is larger (a petabyte): a larger size is damage, not a figure to compute a timeout from
+MAX_FILE_BYTES = 2**50
+
+
 def _bad_entry(entry: Any) -> bool:
-    return (not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0
+    return (not isinstance(entry, dict) or type(entry.get("bytes")) is not int
+            or not 0 <= entry["bytes"] <= MAX_FILE_BYTES
             or type(entry.get("sha256")) is not str or not _SHA256.match(entry["sha256"]))
 
 
@@ -217,27 +222,48 @@ def _sha256_fd(fd: int, nbytes: int) -> str:
     return h.hexdigest()
 
 
+#: files hashed at once (sha256 and the reads release the GIL): a 70B checkpoint's terabyte in one thread takes
+#: 10-40 minutes before `sample` or `convert` reads anything
+HASH_THREADS = min(8, os.cpu_count() or 1)
+
+
+def _check_file(root: Path, name: str, want: dict[str, Any]) -> str | None:
+    f = root / name
+    try:
+        fd, size = _open_regular(root, name)
+        try:
+            if size != want["bytes"]:
+                return f"{f}: {size} bytes, the manifest says {want['bytes']}"
+            if _sha256_fd(fd, size) != want["sha256"]:
+                return f"{f}: checksum differs from the manifest's"
+        finally:
+            os.close(fd)
+    except _NotAFile as e:
+        return f"{e.args[0]}: a symbolic link or not a regular file; a checkpoint's files are its own"
+    except (FileNotFoundError, NotADirectoryError):
+        return f"{f}: missing"
+    except OSError as e:
+        raise UnreadableCheckpoint(_reason(e, f)) from None
+    return None
+
+
 def check_files(root: Path, files: FileEntries) -> str | None:
     """None when every listed file is a regular file of the checkpoint with its recorded size and sha256; else
-    the first difference, naming the file (missing, truncated, changed, a symbolic link or special file). A file
-    that exists but cannot be read raises UnreadableCheckpoint. Names must have passed `read_manifest`."""
-    for name, want in files.items():
-        f = root / name
+    the first difference in the manifest's order, naming the file (missing, truncated, changed, a symbolic link
+    or special file). A file that exists but cannot be read raises UnreadableCheckpoint. Names must have passed
+    `read_manifest`. Up to HASH_THREADS files are hashed at once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(files)))) as pool:
+        checks = [pool.submit(_check_file, root, name, want) for name, want in files.items()]
         try:
-            fd, size = _open_regular(root, name)
-            try:
-                if size != want["bytes"]:
-                    return f"{f}: {size} bytes, the manifest says {want['bytes']}"
-                if _sha256_fd(fd, size) != want["sha256"]:
-                    return f"{f}: checksum differs from the manifest's"
-            finally:
-                os.close(fd)
-        except _NotAFile as e:
-            return f"{e.args[0]}: a symbolic link or not a regular file; a checkpoint's files are its own"
-        except (FileNotFoundError, NotADirectoryError):
-            return f"{f}: missing"
-        except OSError as e:
-            raise UnreadableCheckpoint(_reason(e, f)) from None
+            for check in checks:
+                problem = check.result()  # (an UnreadableCheckpoint is raised here, in order)
+                if problem is not None:
+                    return problem
+        finally:
+            for check in checks:
+                check.cancel()
     return None
 
 

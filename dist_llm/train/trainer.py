@@ -116,7 +116,7 @@ class Trainer:
                 self.data = prepare_data(cfg.data, m.vocab_size)
             except ConfigError as e:
                 failure = ConfigError(str(e))
-            except Exception as e:
+            except BaseException as e:  # (a Ctrl-C too: the others must not wait for it)
                 ctx.first_failure(TrainingError(f"rank {ctx.rank}: preparing data.source failed "
                                                 f"({type(e).__name__}: {e})"))
                 raise  # (on this rank its own error: the line or traceback it gives)
