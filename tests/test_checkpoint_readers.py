@@ -6,7 +6,6 @@ file that cannot be read is exit 1. A config.yaml that is not YAML, or not a con
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.train import checksums
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
-from tests.test_checkpoint_security import _checkpoint, _train_args, saved_run  # noqa: F401
+from tests.test_checkpoint_security import _checkpoint, _plant, _train_args, saved_run  # noqa: F401
 
 # command -> (the flag its refusal names, argv for (run, saved_run, tmp_path))
 READERS: dict[str, tuple[str, Callable[[Path, Path, Path], list[str]]]] = {
@@ -46,15 +45,6 @@ def _flip_a_byte(file: Path) -> None:
     data = bytearray(file.read_bytes())
     data[len(data) // 2] ^= 1
     file.write_bytes(bytes(data))
-
-
-def _vouch(checkpoint: Path, name: str, data: bytes) -> Path:
-    """Write `data` as the checkpoint's file `name` and make the manifest vouch for it (as a forger would)."""
-    (checkpoint / name).write_bytes(data)
-    manifest = json.loads((checkpoint / "manifest.json").read_text())
-    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
-    return checkpoint / name
 
 
 def _errors(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, list[str]]:
@@ -83,14 +73,14 @@ def test_a_config_yaml_that_is_not_yaml_is_one_line(command: str, run: Path, sav
     """Vouched for by the manifest, so that the checksum passes and the reader meets it (before: 68 lines of
     yaml's traceback from sample and convert)."""
     flag, argv = READERS[command]
-    file = _vouch(_checkpoint(run), "config.yaml", b"model: [\n")
+    file = _plant(_checkpoint(run), "config.yaml", b"model: [\n")
     code, errors = _errors(argv(run, saved_run, tmp_path), capsys)
     assert (code, errors) == (2, [f"dist-llm: error: {flag}: {file} is not valid YAML at line 2, column 1: "
                                   "expected the node content, but found '<stream end>'"])
 
 
 def test_a_config_yaml_that_is_not_a_config_names_the_file(run: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    file = _vouch(_checkpoint(run), "config.yaml", b"- 1\n")
+    file = _plant(_checkpoint(run), "config.yaml", b"- 1\n")
     code, errors = _errors(READERS["sample"][1](run, run, run), capsys)
     assert (code, errors) == (2, [f"dist-llm: error: --checkpoint: {file}: config: expected a mapping of keys, got [1]"])
 
