@@ -131,13 +131,13 @@ def documents(source: str) -> list[tuple[str, Path]]:
     """(relative name, path) of every text document of `source`, sorted by name.
 
     'stdlib': *.py under the stdlib, skipping site-packages/dist-packages so installed packages do not
-    change the corpus. A directory: every regular file under it except hidden ones. A file: itself. A folder or
-    document this process cannot read is a ConfigError naming data.source, never a part of the data left out.
+    change the corpus. A directory: every regular file under it except hidden ones. A file: itself. A folder
+    this process cannot list or search is a ConfigError naming data.source, never a part of the data left out
+    (a document it cannot read: `prepare_data`, where the data is built).
     """
     kind = _source_kind(source)
     if kind in ("file", "bin", "jsonl"):
         path = Path(source).expanduser().resolve()
-        _check_readable(path)
         return [(path.name, path)]
     stdlib = kind == "stdlib"
     root = Path(sysconfig.get_paths()["stdlib"] if stdlib else source).expanduser().resolve()
@@ -150,7 +150,6 @@ def documents(source: str) -> list[tuple[str, Path]]:
             path = Path(dirpath, name)
             try:
                 if path.is_file():  # skips sockets, fifos and dangling links
-                    _check_readable(path)
                     found.append((path.relative_to(root).as_posix(), path))
             except OSError as e:  # (a folder that can be listed but not searched: the stat is refused)
                 raise _unreadable(e) from None
@@ -394,6 +393,10 @@ def prepare_data(data: DataConfig, vocab_size: int) -> PreparedData:
                           else f"data.source: every file under {data.source} is empty")
 
     def build(tmp: Path) -> None:
+        # every document opened once first, only where the data is built (one rank per host, on a cache miss:
+        # on a shared file system every rank opening every file would be ranks x files metadata operations)
+        for _, path in docs:
+            _check_readable(path)
         if kind == "bin":
             info = _build_bin(tmp, data, tok_spec, vocab_size)
         elif kind == "jsonl":
