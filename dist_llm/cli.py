@@ -21,15 +21,25 @@ log = logging.getLogger("dist_llm")
 def fail(message: str, code: int = EXIT_BAD_INPUT, *, every_rank: bool = False) -> int:
     """One line on stderr, from rank 0 only (under torchrun every rank meets the same bad input), or from
     every rank that meets it (a failed collective: each names its own rank). Under torchrun every rank also
-    leaves it in its TORCHELASTIC_ERROR_FILE, where dist_llm.torchrun finds a line rank 0 did not say."""
+    leaves it in its TORCHELASTIC_ERROR_FILE (whether it printed it, and when), where dist_llm.torchrun finds a
+    line no rank printed."""
+    printed = every_rank or int(os.environ.get("RANK", "0")) == 0
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if error_file and code:
         import json
         import time
 
-        with contextlib.suppress(OSError):
-            Path(error_file).write_text(json.dumps({"message": message, "timestamp": int(time.time())}))
-    if every_rank or int(os.environ.get("RANK", "0")) == 0:
+        # whole or not at all (a temporary name, then a rename): torchrun's agent fails on a file it cannot parse,
+        # and a disk that is full is what this line may be saying
+        tmp = f"{error_file}.{os.getpid()}.tmp"
+        try:
+            Path(tmp).write_text(json.dumps({"message": message, "timestamp": int(time.time()), "time": time.time(),
+                                             "printed": printed}))
+            os.replace(tmp, error_file)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+    if printed:
         print(f"dist-llm: error: {message}", file=sys.stderr)
         record = log.makeRecord(log.name, logging.ERROR, __file__, 0, message, None, None)
         for handler in log.handlers:  # and in the rank's log file (the console has it already)

@@ -202,15 +202,18 @@ class NonFinite(ValueError):
 
 def check_finite(key: str, t: torch.Tensor, first_row: int = 0, *, block_bytes: int = BLOCK_BYTES) -> None:
     """Raise NonFinite (naming tensor `key` and the row, counted from `first_row`) where `t` holds a NaN or an
-    infinity. First its fp32 sum, a scalar that is finite where every value is (NaN and infinity carry through a
-    sum; only values near fp32's limit could overflow it, and the search below then finds no row); only a tensor
-    whose sum is not is searched, in pieces of rows: isfinite's mask takes a byte a value, at most `block_bytes`."""
-    if t.numel() == 0 or bool(torch.isfinite(t.sum(dtype=torch.float32))):
-        return
+    infinity. In pieces of rows of at most `block_bytes` in fp32: each piece's fp32 sum first (NaN and infinity
+    carry through a sum; only values near fp32's limit could overflow it, and the search then finds no row), and
+    only a piece whose sum is not finite searched by isfinite's mask (a byte a value)."""
     rows = t.reshape(1) if t.dim() == 0 else t
-    step = max(1, block_bytes // max(1, rows[0].numel()))
+    if rows.numel() == 0 or not (rows.is_floating_point() or rows.is_complex()):
+        return
+    step = max(1, block_bytes // (4 * max(1, rows[0].numel())))  # (the sum's fp32 copy of a 16-bit piece)
     for a in range(0, len(rows), step):
-        ok = torch.isfinite(rows[a : a + step])
+        piece = rows[a : a + step]
+        if not piece.is_complex() and bool(torch.isfinite(piece.sum(dtype=torch.float32))):
+            continue
+        ok = torch.isfinite(piece)
         if not ok.all():
             raise NonFinite(key, first_row + a + int((~ok).reshape(len(ok), -1).any(1).nonzero()[0]))
 

@@ -88,7 +88,7 @@ def test_a_config_yaml_that_is_not_a_config_names_the_file(run: Path, capsys: py
 def test_a_file_that_cannot_be_read_is_exit_1(run: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     """An I/O error says nothing of the checkpoint: not called damaged (exit 2), but the disk's failure (exit 1)."""
-    def sha256_fd(fd: int, nbytes: int) -> str:
+    def sha256_fd(fd: int, nbytes: int, stop: object = None) -> str:
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
     monkeypatch.setattr(checksums, "_sha256_fd", sha256_fd)
@@ -160,3 +160,29 @@ def test_the_check_timeout_covers_the_largest_share(tmp_path: Path) -> None:
     files = {f"__{i}_0.distcp": {"bytes": 4_000_000_000 if i else 2_000_000_000, "sha256": sha} for i in range(4)}
     (tmp_path / "manifest.json").write_text(json.dumps({"files": files}))
     assert ckpt._check_timeout_s(tmp_path, 10.0, 4) == 10.0 + (14e9 / 4 + 4e9) / ckpt.SLOWEST_BYTES_PER_S
+
+
+def test_the_check_stops_the_hashes_in_flight_once_it_knows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are hashed several at a time; once the answer is known (the first file in order is cut short) a hash
+    in flight stops at its next chunk instead of reading its whole file (minutes for a large shard). The second
+    file's hash here would take 60 s unless told to stop."""
+    import hashlib
+    import time
+
+    (tmp_path / "a").write_bytes(b"x" * 10)
+    (tmp_path / "b").write_bytes(b"y" * 10)
+    files = {"a": {"bytes": 11, "sha256": hashlib.sha256(b"x" * 11).hexdigest()},
+             "b": {"bytes": 10, "sha256": hashlib.sha256(b"y" * 10).hexdigest()}}
+    real = checksums._sha256_fd
+
+    def slow(fd: int, nbytes: int, stop: Any = None) -> str:
+        if stop is not None and stop.wait(60):
+            return ""
+        return real(fd, nbytes, stop)
+
+    monkeypatch.setattr(checksums, "_sha256_fd", slow)
+    monkeypatch.setattr(checksums, "HASH_THREADS", 2)
+    start = time.monotonic()
+    assert checksums.check_files(tmp_path, files) == f"{tmp_path / 'a'}: 10 bytes, the manifest says 11"
+    assert time.monotonic() - start < 30
+

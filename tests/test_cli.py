@@ -119,39 +119,48 @@ def test_bad_data_under_two_ranks_is_one_line(tmp_path: Path) -> None:
 
 def test_the_launcher_says_only_what_no_worker_could(tmp_path: Path) -> None:
     """dist_llm.torchrun on torchrun's failures {rank: ProcessFailure} (each read from its error file, as torchrun
-    reads them): the cause's exit code is the launcher's; one line only where no worker said it."""
+    reads them): the cause's exit code is the launcher's; one line only where no worker printed it."""
     import io
     import json
     import signal
-    import time
 
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
     from dist_llm.torchrun import exit_code
 
-    def failure(rank: int, code: int, said: str | None = None, at: int = 0) -> ProcessFailure:
-        error_file = tmp_path / f"error-{rank}-{code}.json"
+    def failure(rank: int, code: int, said: str | None = None, *, at: float = 0.0,
+                printed: bool = False) -> ProcessFailure:
+        error_file = tmp_path / f"error-{rank}-{code}-{at}.json"
         if said is not None:  # (what cli.fail leaves)
-            error_file.write_text(json.dumps({"message": said, "timestamp": at or int(time.time())}))
+            error_file.write_text(json.dumps({"message": said, "timestamp": int(at), "time": at,
+                                              "printed": printed}))
         return ProcessFailure(local_rank=rank, pid=4240 + rank, exitcode=code, error_file=str(error_file))
 
-    def launcher(*failures: tuple[int, ProcessFailure]) -> tuple[int, str]:
+    def launcher(*failures: tuple[int, ProcessFailure], killed: frozenset[int] = frozenset()) -> tuple[int, str]:
         err = io.StringIO()
-        return exit_code(dict(failures), err), err.getvalue()
+        return exit_code(dict(failures), err, killed_by_torchrun=set(killed)), err.getvalue()
 
     bad = "data.source: x is empty"
-    # every rank met the bad input; rank 0 said it (exit 2): nothing more
-    assert launcher((1, failure(1, 2, bad, at=1)), (0, failure(0, 2, bad, at=2))) == (2, "")
-    # a crash's traceback (exit 1) on rank 0, the others stopped by torchrun: nothing more
-    assert launcher((0, failure(0, 1)), (1, failure(1, -signal.SIGTERM))) == (1, "")
-    # rank 1 alone met it; torchrun stopped rank 0 before it could say anything: rank 1's line
-    assert launcher((1, failure(1, 2, bad, at=1)), (0, failure(0, -signal.SIGTERM))) == (
+    # every rank met the bad input, rank 1 a moment first; rank 0 printed it: nothing more
+    assert launcher((1, failure(1, 2, bad, at=1.1)), (0, failure(0, 2, bad, at=1.2, printed=True))) == (2, "")
+    # rank 1 alone met it; torchrun stopped rank 0 before it said anything: rank 1's line
+    assert launcher((1, failure(1, 2, bad, at=1.0)), (0, failure(0, -signal.SIGTERM))) == (
         2, f"dist-llm: error: {bad}\n")
-    # ... and without a line of its own (a library's sys.exit(3)): its rank and code
+    # ... and so when rank 0 then exited 1 on the broken connection, a line of its own (it comes later)
+    broken = "rank 0: all_reduce failed: connection closed"
+    assert launcher((0, failure(0, 1, broken, at=1.5, printed=True)), (1, failure(1, 2, bad, at=1.0))) == (
+        2, f"dist-llm: error: {bad}\n")
+    # ... and so when torchrun had to SIGKILL rank 0 (stuck where its SIGTERM handler could not run)
+    assert launcher((1, failure(1, 2, bad, at=1.0)), (0, failure(0, -signal.SIGKILL)), killed=frozenset({4240})) == (
+        2, f"dist-llm: error: {bad}\n")
+    # a line every rank prints for itself (an OOM, a lost peer), printed by rank 1: nothing more
+    oom = "rank 1: out of host memory: 2 GiB could not be allocated"
+    assert launcher((1, failure(1, 1, oom, at=1.0, printed=True)), (0, failure(0, -signal.SIGTERM))) == (1, "")
+    # no line from any rank (a library's sys.exit(3), a traceback): its rank and code
     assert launcher((1, failure(1, 3)), (0, failure(0, -signal.SIGTERM))) == (
         3, "dist-llm: error: rank 1 (pid 4241) exited with code 3\n")
-    # killed by the OOM killer while its peer saw the connection close (exit 1) in the same second: the kill
-    assert launcher((0, failure(0, 1, "rank 0: collective failed", at=5)), (1, failure(1, -signal.SIGKILL))) == (
+    # killed by the OOM killer while its peer saw the connection close (exit 1): the kill
+    assert launcher((0, failure(0, 1, broken, at=1.0, printed=True)), (1, failure(1, -signal.SIGKILL))) == (
         128 + signal.SIGKILL, "dist-llm: error: rank 1 (pid 4241) was killed by SIGKILL (out of memory?); the "
                               "other ranks were stopped\n")
     code, said = launcher((1, failure(1, -signal.SIGSEGV)))

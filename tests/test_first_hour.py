@@ -93,19 +93,25 @@ def interrupt(out: Path, *args: str, again: bool = False,
                             preexec_fn=as_in_a_terminal)
     metrics = out / "metrics.jsonl"
     deadline = time.monotonic() + 120
-    while not (metrics.is_file() and f'"step": {after_step}, "loss"' in metrics.read_text()):
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1][-3000:]
-        time.sleep(0.1)
-    pressed = time.monotonic()
-    os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C in the terminal does: the whole foreground group
-    if again:
-        ckpts = out / "checkpoints"
-        while proc.poll() is None and not (ckpts.is_dir() and any(ckpts.iterdir())):
-            assert time.monotonic() < pressed + 120, "the first Ctrl-C began no save"
-            time.sleep(0.002)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGINT)
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        while not (metrics.is_file() and f'"step": {after_step}, "loss"' in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "it logged no step"
+            time.sleep(0.1)
+        pressed = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)  # what a Ctrl-C in the terminal does: the whole foreground group
+        if again:
+            ckpts = out / "checkpoints"
+            while proc.poll() is None and not (ckpts.is_dir() and any(ckpts.iterdir())):
+                assert time.monotonic() < pressed + 120, "the first Ctrl-C began no save"
+                time.sleep(0.002)
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:  # (an assertion above, or a timeout: no training process left behind, its output said)
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
     return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), time.monotonic() - pressed
 
 

@@ -289,6 +289,9 @@ class ParallelContext:
                 init_process_group(backend, timedelta(seconds=p.timeout_s), device)
                 ctx.owns_group = True
             ctx.cpu_group = dist.group.WORLD if dist.get_backend() == "gloo" else dist.new_group(backend="gloo")
+            # (formed now, while every rank is here: formed later, a rank that died before it would leave the
+            # others in the store's wait for the whole PATIENT_TIMEOUT, not see its connection close)
+            ctx.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
             ctx.mesh = init_device_mesh(device.type, (dp, cp, pp, tp), mesh_dim_names=("dp", "cp", "pp", "tp"))
             ctx.hosts = [""] * world_size
             dist.all_gather_object(ctx.hosts, socket.gethostname())
@@ -343,8 +346,6 @@ class ParallelContext:
         the launcher would report that broken connection, not the cause. (Pickled over the gloo group.)"""
         if self.world_size == 1 or not dist.is_initialized():
             return failure
-        if self.patient_group is None:  # (every rank comes here at the same point: the group forms alike)
-            self.patient_group = dist.new_group(backend="gloo", timeout=PATIENT_TIMEOUT)
         every: list[Exception | None] = [None] * self.world_size
         dist.all_gather_object(every, failure, group=self.patient_group)
         return next((f for f in every if f is not None), None)

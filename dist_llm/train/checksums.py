@@ -20,6 +20,7 @@ import json
 import os
 import re
 import stat
+import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -208,12 +209,14 @@ class _NotAFile(Exception):
     """A name of the manifest is a symbolic link, a folder, a FIFO or a device: damage, not an I/O error."""
 
 
-def _sha256_fd(fd: int, nbytes: int) -> str:
+def _sha256_fd(fd: int, nbytes: int, stop: threading.Event | None = None) -> str:
     """The sha256 of the first `nbytes` of `fd`, never reading more (a file that grows while hashed, or a
-    special file, cannot keep a reader busy)."""
+    special file, cannot keep a reader busy); "" once `stop` is set (the check ended elsewhere)."""
     h = hashlib.sha256()
     left = nbytes
     while left > 0:
+        if stop is not None and stop.is_set():
+            return ""
         chunk = os.read(fd, min(left, 1 << 20))
         if not chunk:
             break
@@ -227,14 +230,16 @@ def _sha256_fd(fd: int, nbytes: int) -> str:
 HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
-def _check_file(root: Path, name: str, want: dict[str, Any]) -> str | None:
+def _check_file(root: Path, name: str, want: dict[str, Any], stop: threading.Event) -> str | None:
     f = root / name
+    if stop.is_set():
+        return None
     try:
         fd, size = _open_regular(root, name)
         try:
             if size != want["bytes"]:
                 return f"{f}: {size} bytes, the manifest says {want['bytes']}"
-            if _sha256_fd(fd, size) != want["sha256"]:
+            if _sha256_fd(fd, size, stop) != want["sha256"] and not stop.is_set():
                 return f"{f}: checksum differs from the manifest's"
         finally:
             os.close(fd)
@@ -249,19 +254,22 @@ def _check_file(root: Path, name: str, want: dict[str, Any]) -> str | None:
 
 def check_files(root: Path, files: FileEntries) -> str | None:
     """None when every listed file is a regular file of the checkpoint with its recorded size and sha256; else
-    the first difference in the manifest's order, naming the file (missing, truncated, changed, a symbolic link
+    the first difference in the order of `files`, naming the file (missing, truncated, changed, a symbolic link
     or special file). A file that exists but cannot be read raises UnreadableCheckpoint. Names must have passed
-    `read_manifest`. Up to HASH_THREADS files are hashed at once."""
+    `read_manifest`. Up to HASH_THREADS files are hashed at once; once the answer is known (or a Ctrl-C comes),
+    the hashes in flight stop at their next chunk."""
     from concurrent.futures import ThreadPoolExecutor
 
+    stop = threading.Event()
     with ThreadPoolExecutor(max(1, min(HASH_THREADS, len(files)))) as pool:
-        checks = [pool.submit(_check_file, root, name, want) for name, want in files.items()]
+        checks = [pool.submit(_check_file, root, name, want, stop) for name, want in files.items()]
         try:
             for check in checks:
                 problem = check.result()  # (an UnreadableCheckpoint is raised here, in order)
                 if problem is not None:
                     return problem
         finally:
+            stop.set()
             for check in checks:
                 check.cancel()
     return None
