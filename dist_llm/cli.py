@@ -213,11 +213,9 @@ def check_out_dir(out_dir: Path) -> None:
         os.close(fd)
         os.unlink(probe)
     except OSError as e:
-        reason = e.strerror or str(e)
-        if isinstance(e, (NotADirectoryError, FileExistsError)):  # the folder, or a folder above it, is a file
-            blocker = next((p for p in (out_dir, *out_dir.parents) if p.exists() and not p.is_dir()), None)
-            reason = f"{blocker} is a file, not a folder" if blocker is not None else reason
-        raise ConfigError(f"train.out_dir: cannot write {out_dir}: {reason}") from None
+        from dist_llm.fileio import folder_error
+
+        raise ConfigError(f"train.out_dir: cannot write {out_dir}: {folder_error(out_dir, e)}") from None
 
 
 @guarded

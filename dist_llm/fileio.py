@@ -22,6 +22,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 
+def folder_error(folder: Path, e: OSError) -> str:
+    """Why `folder` could not be made or written, for a one-line message: where it (or a folder above it) is a
+    file, that file; else the system's reason."""
+    if isinstance(e, (NotADirectoryError, FileExistsError)):
+        blocker = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None:
+            return f"{blocker} is a file, not a folder"
+    return e.strerror or str(e)
+
+
 def _temp_name(path: Path) -> Path:
     # hidden and unique: ranks or threads writing the same folder never collide, and listings skip it
     return path.with_name(f".{path.name}.{secrets.token_hex(4)}.tmp")

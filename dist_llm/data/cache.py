@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dist_llm.config import ConfigError
+from dist_llm.fileio import folder_error
 
 try:
     import fcntl
@@ -44,13 +45,9 @@ def ready_cache_root(cache_dir: str) -> Path:
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        reason = e.strerror or str(e)
-        if isinstance(e, (FileExistsError, NotADirectoryError)):
-            blocker = next((p for p in (root, *root.parents) if p.exists() and not p.is_dir()), None)
-            reason = f"{blocker} is a file, not a folder" if blocker is not None else reason
         # (unset, the value came from the environment or the default: say so, the key alone would mislead)
         origin = "" if cache_dir else " (from $DIST_LLM_CACHE)" if os.environ.get("DIST_LLM_CACHE") else " (the default)"
-        raise ConfigError(f"data.cache_dir: cannot create {root}{origin}: {reason}") from None
+        raise ConfigError(f"data.cache_dir: cannot create {root}{origin}: {folder_error(root, e)}") from None
     return root
 
 

@@ -101,7 +101,13 @@ def coordination_timeout_s(n_params: int, timeout_s: float, *, weight_shards: in
     checking are split the same way. Not the whole checkpoint: at 70B and thousands of ranks that would be a
     wait of half a day for a rank that died silently."""
     share = n_params * (WEIGHT_BYTES / weight_shards + OPTIMIZER_BYTES / state_shards)
-    return timeout_s + max(UNEVEN * share, FLOOR_BYTES) / SLOWEST_BYTES_PER_S
+    return _wait_s(timeout_s, UNEVEN * share)
+
+
+def _wait_s(timeout_s: float, share_bytes: float) -> float:
+    """The training timeout plus the time to write, read or hash `share_bytes` (at least FLOOR_BYTES) at the
+    slowest assumed rate."""
+    return timeout_s + max(share_bytes, FLOOR_BYTES) / SLOWEST_BYTES_PER_S
 
 
 # DCP warns that it "assumes a single process" when no process group exists, which is what we mean; the
@@ -310,7 +316,7 @@ def _check_timeout_s(path: Path, timeout_s: float, ranks: int) -> float:
     except UnreadableCheckpoint:
         files = "unreadable"
     sizes = [entry["bytes"] for entry in files.values()] if isinstance(files, dict) else []
-    return timeout_s + max(sum(sizes) / ranks + max(sizes, default=0), FLOOR_BYTES) / SLOWEST_BYTES_PER_S
+    return _wait_s(timeout_s, sum(sizes) / ranks + max(sizes, default=0))
 
 
 def damage(path: Path, what: str, *, timeout_s: float = 600.0) -> str | None:

@@ -115,7 +115,7 @@ class Trainer:
             try:
                 self.data = prepare_data(cfg.data, m.vocab_size)
             except ConfigError as e:
-                failure = ConfigError(str(e))
+                failure = e
             except BaseException as e:  # (a Ctrl-C too: the others must not wait for it)
                 ctx.first_failure(TrainingError(f"rank {ctx.rank}: preparing data.source failed "
                                                 f"({type(e).__name__}: {e})"))
