@@ -216,6 +216,11 @@ class ParallelConfig:
     reshard_after_forward: bool | None = None
     """ZeRO-3 (FSDP2): free gathered parameters after forward and gather again in backward. Unset: true, and
     false with pp > 1 (a stage keeps its part gathered from its first forward to its last backward of a step)."""
+    pp_reduce_grads: Literal["step", "micro_batch"] = "step"
+    """ZeRO-3 (FSDP2) under a pipeline: when a stage reduce-scatters its gradients. step: once, in its last
+    backward (one reduce-scatter per unit and step; the stage's gradients accumulate whole in fp32 through the
+    step). micro_batch: after every micro-batch's backward (m times the reduce-scatter bytes; a rank holds only
+    its fp32 gradient shard, 4/dp bytes a parameter, as ZeRO-3 without a pipeline). Not with pp_schedule=zb1."""
     offload: Literal["none", "cpu"] = "none"
     """ZeRO-3: keep sharded parameters, gradients and optimizer states in CPU memory."""
     deepspeed_config: str = ""
@@ -717,6 +722,16 @@ def _check_pipeline(cfg: Config) -> None:
     if p.pp > 1 and p.zero_stage == 3 and p.pp_schedule == "zb1" and p.reshard_after_forward:
         raise ConfigError("parallel.reshard_after_forward: true with parallel.zero_stage=3 and pp_schedule=zb1 would "
                           "regather each unit between B and W; leave it unset (false under a pipeline)")
+    # ZeRO-1/2 and DDP reduce when their own design says (ZeRO-2 every micro-batch, the others once a step)
+    if p.pp > 1 and p.pp_reduce_grads == "micro_batch" and p.zero_stage != 3:
+        raise ConfigError(f"parallel.pp_reduce_grads: micro_batch applies to parallel.zero_stage=3 (FSDP2), not "
+                          f"zero_stage={p.zero_stage}; leave it at step")
+    # zb1's B leaves the weight gradients to W, which runs no FSDP2 hook: its micro-batch's gradients of the whole
+    # stage would be computed before any reduce, so the whole stage's fp32 gradient would exist at once anyway
+    if p.pp > 1 and p.pp_reduce_grads == "micro_batch" and p.pp_schedule == "zb1":
+        raise ConfigError("parallel.pp_reduce_grads: micro_batch with pp_schedule=zb1: its weight-gradient pass "
+                          "computes the stage's gradients together, outside FSDP2's hooks; use pp_schedule=1f1b, "
+                          "interleaved or gpipe, or pp_reduce_grads=step")
     # a torch.compile'd block's backward is one compiled function run once (donated buffers): it cannot be split
     if p.pp > 1 and p.pp_schedule == "zb1" and cfg.train.compile:
         raise ConfigError("parallel.pp_schedule: zb1 splits each backward in two, which compiled blocks cannot; "

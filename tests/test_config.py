@@ -73,6 +73,15 @@ def test_shipped_configs_load(tmp_path: Path) -> None:
         (["parallel.pp=2", "parallel.zero_stage=3", "parallel.pp_schedule=zb1", "parallel.reshard_after_forward=true"],
          "parallel.reshard_after_forward: true with parallel.zero_stage=3 and pp_schedule=zb1 would regather each "
          "unit between B and W; leave it unset (false under a pipeline)"),
+        (["parallel.pp=2", "parallel.zero_stage=2", "parallel.pp_reduce_grads=micro_batch"],
+         "parallel.pp_reduce_grads: micro_batch applies to parallel.zero_stage=3 (FSDP2), not zero_stage=2; leave it "
+         "at step"),
+        (["parallel.pp=2", "parallel.zero_stage=3", "parallel.pp_schedule=zb1", "parallel.pp_reduce_grads=micro_batch"],
+         "parallel.pp_reduce_grads: micro_batch with pp_schedule=zb1: its weight-gradient pass computes the stage's "
+         "gradients together, outside FSDP2's hooks; use pp_schedule=1f1b, interleaved or gpipe, or "
+         "pp_reduce_grads=step"),
+        (["parallel.pp_reduce_grads=sometimes"],
+         "parallel.pp_reduce_grads: must be one of step|micro_batch, got 'sometimes'"),
         (["parallel.pp=2", "parallel.backend=deepspeed"],
          "parallel.backend: deepspeed is not supported with parallel.pp>1; use backend=native"),
         (["parallel.tp=2", "parallel.backend=deepspeed"],

@@ -22,18 +22,23 @@ from tests.test_pipeline import LAYERS, assert_matches
 DP_PP = {**LAYERS, "parallel__pp": 2, "parallel__zero_stage": 3, "train__micro_batch_size": 1}
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1", "interleaved", "1f1b-reshard"])
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe", "zb1", "interleaved", "1f1b-reshard",
+                                      "interleaved-per-micro-batch", "1f1b-reshard-per-micro-batch"])
 def test_zero3_with_pipeline_matches_one_process(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
                                                  corpus: Path, schedule: str) -> None:  # noqa: F811
     """dp=2 x pp=2 on 4 processes, tied embedding (the first stage's embedding and the last stage's head are one
     weight, each stage's copy a DTensor sharded over its dp pair): 8 steps equal one process. Under 1F1B also
     evaluation (the forward-only schedule through the same root calls) every 4 steps, its losses equal too;
-    '1f1b-reshard': 1F1B with parallel.reshard_after_forward=true (each unit gathered twice per micro-batch)."""
-    extra = {**DP_PP, "parallel__pp_schedule": schedule.removesuffix("-reshard")}
-    if schedule == "interleaved":
+    '-reshard': parallel.reshard_after_forward=true (each unit gathered twice per micro-batch); '-per-micro-batch':
+    parallel.pp_reduce_grads=micro_batch (every backward reduce-scatters, each chunk's under interleaved)."""
+    name, reshard, per_micro_batch = schedule.split("-")[0], "-reshard" in schedule, "-per-micro-batch" in schedule
+    extra = {**DP_PP, "parallel__pp_schedule": name}
+    if name == "interleaved":
         extra["parallel__pp_virtual"] = 2
-    if schedule.endswith("-reshard"):
+    if reshard:
         extra["parallel__reshard_after_forward"] = True
+    if per_micro_batch:
+        extra["parallel__pp_reduce_grads"] = "micro_batch"
     evaluate = {"train__eval_interval": 4} if schedule == "1f1b" else {}
     results = run_distributed(train, 4, tmp_path / "pp", corpus, {**extra, **evaluate}, init_group=False)
     assert {r["dp"] for r in results} == {"fsdp2"}
@@ -48,14 +53,18 @@ def test_zero3_with_pipeline_matches_one_process(tmp_path: Path, tmp_path_factor
         assert len(val["pp"]) == 2 and val["pp"] == pytest.approx(val["one"], rel=1e-5)
     # each unit gathered once (twice per micro-batch when resharding) and reduce-scattered once per step, not per
     # micro-batch (GPipe and 1F1B in the last backward, zb1 after its last W, interleaved's chunks at the end of
-    # chunk 0's last backward): the last step's counted data-parallel bytes (and the tied embedding's all-reduce)
-    # are the planner's (memory/comm.py), to the byte
+    # chunk 0's last backward; per micro-batch: 4 times): the last step's counted data-parallel bytes (and the
+    # tied embedding's all-reduce) are the planner's (memory/comm.py), to the byte; by hand, below
     cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False,
                                            train__max_steps=STEPS, **extra))
     for r in results[:2]:  # a rank of each stage
         want = memory_suggest.step_comm(cfg, dp=2, tp=1, pp=2, pp_rank=r["pp_rank"]).by_kind()
         kinds = ("all_gather", "reduce_scatter", "all_reduce")
         assert {k: want[k] for k in kinds} == {k: r["comm"][k] for k in kinds}
+        # by hand: each reduce-scatter sends (dp-1)/dp of a unit's padded fp32 gradient, which is dp - 1 = 1 times
+        # this rank's shard of it (dp rank 0 holds the full-size first chunk): once a step, or for each of the
+        # 4 micro-batches (global batch 8 over 2 dp ranks, micro-batch 1)
+        assert r["comm"]["reduce_scatter"] == (4 if per_micro_batch else 1) * r["state_bytes"]["grads"] > 0
 
 
 def test_zero3_pipeline_checkpoint_resumes_at_pp1_and_at_zero2(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
@@ -94,7 +103,8 @@ def test_zero3_with_context_parallel_matches_one_process(tmp_path: Path, tmp_pat
 def _held_at_last_backward(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
                            extra: dict[str, Any]) -> dict[str, Any]:
     """Two steps; at the start of the stage's last backward of each, the bytes of every gathered parameter and
-    every unsharded gradient (accumulated over the earlier micro-batches) this rank holds; after them, whether
+    every unsharded gradient (accumulated over the earlier micro-batches, or a reduce-scatter's input FSDP2 still
+    keeps) this rank holds; after them, whether
     FSDP2's every unit is back to sharded and idle with nothing unsharded left."""
     from torch.distributed.fsdp._fully_shard._fsdp_common import TrainingState
 
@@ -118,7 +128,9 @@ def _held_at_last_backward(rank: int, world_size: int, out_dir: Path, corpus: Pa
         def recording(*, last: bool) -> Any:
             if last:
                 seen.append((sum(fp.unsharded_param.untyped_storage().nbytes() for fp in params),
-                             sum(g.untyped_storage().nbytes() for g in unsharded_grads())))
+                             sum(g.untyped_storage().nbytes() for g in unsharded_grads())
+                             + sum(r.reduce_scatter_input.untyped_storage().nbytes()  # (the root's: every unit's)
+                                   for r in states[-1]._comm_ctx.reduce_scatter_states)))
             return micro_step(last=last)
 
         dp.micro_step = recording
@@ -131,18 +143,22 @@ def _held_at_last_backward(rank: int, world_size: int, out_dir: Path, corpus: Pa
         ctx.destroy()
 
 
-def test_memory_counts_what_a_stage_holds_through_the_step(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+@pytest.mark.parametrize("reduce", ["step", "micro_batch"])
+def test_memory_counts_what_a_stage_holds_through_the_step(tmp_path: Path, corpus: Path, reduce: str) -> None:  # noqa: F811
     """`dist-llm memory`'s ZeRO-3-with-pp term (memory.pipelined_zero3_bytes) is what each stage holds at the start
-    of its last backward: its part gathered whole and its gradients accumulated whole, to the byte; FSDP2's state
-    after the step's partial backwards (root hooks through the stage's own call) is back where a step starts."""
+    of its last backward: its part gathered whole and its gradients accumulated whole, to the byte; with
+    parallel.pp_reduce_grads=micro_batch its part gathered and no gradient but the fp32 shards (not even the last
+    unit's reduce-scatter input, which FSDP2 keeps until a backward marked last). FSDP2's state after the step's
+    partial backwards (root hooks through the stage's own call) is back where a step starts."""
     from dist_llm import memory
 
-    extra = {**DP_PP, "model__tie_embeddings": False}
+    extra = {**DP_PP, "model__tie_embeddings": False, "parallel__pp_reduce_grads": reduce}
     got = run_distributed(_held_at_last_backward, 4, tmp_path, corpus, extra, init_group=False)
     cfg = load_config(None, tiny_overrides(tmp_path, data__source=str(corpus), model__bias=False, **extra))
     for r in got[:2]:
         want = memory.pipelined_zero3_bytes(cfg, tp=1, pp=2, pp_rank=r["pp_rank"])
         (params, grads), again = r["seen"]
-        assert params + grads == want and grads == params > 0, (r, want)
+        # fp32: a gathered parameter and its whole gradient take the same bytes
+        assert params > 0 and grads == (params if reduce == "step" else 0) and params + grads == want, (r, want)
         assert again == (params, grads)  # the second step the same: nothing left over from the first
     assert all(r["clean"] for r in got)  # after the step: every unit resharded and idle, no unsharded gradient

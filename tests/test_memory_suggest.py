@@ -76,6 +76,23 @@ def test_a_pipeline_setting_does_not_hide_the_layouts_without_a_pipeline(tmp_pat
     assert {s.cfg.parallel.pp_overlap_p2p for s in plan.fits if s.layout[2] == 2} == {True}
 
 
+def test_a_zero3_setting_does_not_hide_the_other_stages(tmp_path: Path) -> None:
+    """A config at ZeRO-3 x pp=2 with parallel.pp_reduce_grads=micro_batch, which the other stages refuse under a
+    pipeline: their candidates drop the setting and are counted; the ZeRO-3 ones keep it (and hold no whole
+    gradient: their predicted peak is below the same candidate reducing once a step)."""
+    over = dict(model__tie_embeddings=False, train__global_batch_size=16, parallel__pp=2, parallel__zero_stage=3)
+    cfg = load_config(None, tiny_overrides(tmp_path, **over, parallel__pp_reduce_grads="micro_batch"))
+    plan = memory_suggest.suggest(cfg, 4, 2**40)
+    piped = [s for s in plan.fits if s.layout[2] == 2]
+    assert {s.cfg.parallel.zero_stage for s in piped} == {0, 1, 2, 3}
+    assert all(s.cfg.parallel.pp_reduce_grads == ("micro_batch" if s.cfg.parallel.zero_stage == 3 else "step")
+               for s in piped)
+    once = memory_suggest.suggest(load_config(None, tiny_overrides(tmp_path, **over)), 4, 2**40)
+    z3 = next(s for s in once.fits if s.this_config)
+    mine = next(s for s in plan.fits if s.this_config)
+    assert mine.est.peak_bytes < z3.est.peak_bytes
+
+
 @pytest.mark.parametrize(("schedule", "per_micro_batch"), [("1f1b", 1), ("interleaved", 3), ("zb1", 3)])
 def test_each_schedule_is_counted_at_its_own_bubble(tmp_path: Path, schedule: str, per_micro_batch: int) -> None:
     """A config set for pp=2 with each schedule: every layout is a candidate (interleaving's where the micro-batches

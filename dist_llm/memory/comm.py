@@ -119,8 +119,10 @@ def _dp_comm(cfg: Config, out: Comm, params: list[tuple[str, tuple[int, ...], bo
             # kept gathered from the stage's first forward to its last backward (the default there): once a step
             gathers = 1 if unit == "wte" or not reshard else 2
             out.add("all_gather", (dp - 1) * shard * size, times=1 if pp > 1 and not reshard else gathers * micro_steps)
-            if trained:  # (n-1)/n of n shards, reduced in fp32: once a step under a pipeline (fsdp.py)
-                out.add("reduce_scatter", (dp - 1) * trained * 4, times=1 if pp > 1 else micro_steps)
+            if trained:  # (n-1)/n of n shards, reduced in fp32: once a step under a pipeline (fsdp.py), unless
+                # parallel.pp_reduce_grads=micro_batch
+                once = pp > 1 and cfg.parallel.pp_reduce_grads == "step"
+                out.add("reduce_scatter", (dp - 1) * trained * 4, times=1 if once else micro_steps)
         return
     # DeepSpeed's engine: the same volume as ZeRO-1/2's, in its buckets
     n = sum(math.prod(s) for _, s in trainable)

@@ -33,11 +33,14 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         held = pipelined_zero3_bytes(cfg, tp=tp, pp=pp, pp_rank=s)
         if held:  # held through the step, beside the activations and the largest transient
             est.temporary_bytes += held
-            est.notes.append(f"ZeRO-3 with pp: {held / 2**20:.2f} MiB held through a step on stage {s} (its gradients "
-                             "accumulated whole in fp32, reduce-scattered once a step"
-                             + ("" if reshard_after_forward(cfg) else ", and its parameters gathered in the compute "
-                                "dtype from its first forward to its last backward; parallel.reshard_after_forward="
-                                "true regathers them per micro-batch instead") + ")")
+            whole = [] if p.pp_reduce_grads == "micro_batch" else [
+                "its gradients accumulated whole in fp32, reduce-scattered once a step; parallel.pp_reduce_grads="
+                "micro_batch reduces them per micro-batch instead"]
+            if not reshard_after_forward(cfg):
+                whole.append("its parameters gathered in the compute dtype from its first forward to its last "
+                             "backward; parallel.reshard_after_forward=true regathers them per micro-batch instead")
+            est.notes.append(f"ZeRO-3 with pp: {held / 2**20:.2f} MiB held through a step on stage {s} ("
+                             + "; and ".join(whole) + ")")
         _pending_weights(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
         if cfg.model.n_experts:
             _moe_figures(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s, ep=ep)

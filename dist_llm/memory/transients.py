@@ -182,14 +182,15 @@ def transient_bytes(cfg: Config, *, dp: int = 1, pp: int | None = None) -> tuple
 
 def pipelined_zero3_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int) -> int:
     """What ZeRO-3 (FSDP2) under a pipeline holds whole through a step (parallel/data/fsdp.py): the stage's
-    gradients accumulated unsharded in fp32 over its micro-batches (reduce-scattered once, in its last backward),
-    and unless parallel.reshard_after_forward=true its parameters, gathered in the compute dtype at its first
-    forward and kept to its last backward. (A quantised base is counted at 4 bytes an element: an overestimate.)"""
+    gradients accumulated unsharded in fp32 over its micro-batches (reduce-scattered once, in its last backward;
+    none under parallel.pp_reduce_grads=micro_batch, which reduces after every backward), and unless
+    parallel.reshard_after_forward=true its parameters, gathered in the compute dtype at its first forward and
+    kept to its last backward. (A quantised base is counted at 4 bytes an element: an overestimate.)"""
     p, t = cfg.parallel, cfg.train
     if pp == 1 or p.zero_stage != 3 or p.backend != "native":
         return 0
     ep = memory_moe.ep_degree(cfg)
     local = [(math.prod(_rank_shape(n, s, cfg, tp, ep)), g) for n, s, g in _stage_params(cfg, pp, pp_rank)]
-    grads = 4 * sum(n for n, g in local if g)
+    grads = 0 if p.pp_reduce_grads == "micro_batch" else 4 * sum(n for n, g in local if g)
     size = 4 if t.precision == "fp32" else 2
     return grads + (0 if reshard_after_forward(cfg) else size * sum(n for n, _ in local))

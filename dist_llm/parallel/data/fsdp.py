@@ -18,7 +18,10 @@ in its own order, so the step is driven here rather than by one forward and one 
   - gradients accumulate unsharded (fp32, the stage's whole part) over the micro-batches and are
     reduce-scattered once per step, in the stage's last backward (known from the schedule: `micro_step(last)`);
     `finish_grads` then reduces whatever that backward did not reach (zb1's weight-gradient pass W runs no
-    FSDP2 hook) and reshards, as torch.distributed.pipelining's REDUCE_GRAD does.
+    FSDP2 hook) and reshards, as torch.distributed.pipelining's REDUCE_GRAD does;
+  - or, with `parallel.pp_reduce_grads=micro_batch`, reduce-scattered after every backward, each result added
+    into the fp32 shard as without a pipeline: m times the bytes, and no whole gradient held between backwards
+    (the memory a 70B stage needs: its fp32 gradient alone is 4 bytes a parameter of the stage).
 """
 
 from __future__ import annotations
@@ -170,6 +173,7 @@ class FSDPDataParallel(DataParallel):
         # Under a pipeline, between two backwards of a step: keep the gathered parameters for the next
         # micro-batch, unless asked to reshard (zb1's W needs the gathered parameters its B left, so never there)
         self._keep_between = ctx.pp > 1 and (not reshard or p.pp_schedule == "zb1")
+        self._reduce_every_backward = ctx.pp > 1 and p.pp_reduce_grads == "micro_batch"
         if ctx.pp > 1:
             self._pipeline_flags(last=False)
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
@@ -193,6 +197,8 @@ class FSDPDataParallel(DataParallel):
     def micro_step(self, *, last: bool) -> contextlib.AbstractContextManager:
         if self.ctx.pp > 1:  # the stage's last backward reduces the step's gradients once (module docstring)
             self._pipeline_flags(last=last)
+            if self._reduce_every_backward and not last:
+                return self._released_reduce_inputs()
             return contextlib.nullcontext()
         # Reduce-scatter on every micro-step, not only the last: FSDP2 then adds each result into the sharded
         # fp32 gradient, so between micro-steps a rank holds 4/dp bytes of gradient per parameter, as ZeRO-3
@@ -202,11 +208,24 @@ class FSDPDataParallel(DataParallel):
             unit.set_requires_gradient_sync(True, recurse=False)
         return contextlib.nullcontext()
 
+    @contextlib.contextmanager
+    def _released_reduce_inputs(self):  # type: ignore[no-untyped-def]
+        """Around a backward that reduce-scatters but is not the step's last: FSDP2 keeps the last unit's
+        reduce-scatter input (a whole unit's gradient) until a backward marked last, so release it at the end
+        of this one, as that backward would: the compute stream waits for the reduce-scatter before reusing it."""
+        yield
+        root = self.fsdp_units[-1]._get_fsdp_state()  # (its comm context is every unit's)
+        for state in root._comm_ctx.reduce_scatter_states:
+            if state.event is not None:
+                root._device_handle.current_stream().wait_event(state.event)
+        root._comm_ctx.reduce_scatter_states.clear()
+
     def _pipeline_flags(self, *, last: bool) -> None:
         """Set how the next backward ends: the step's last reduce-scatters the accumulated gradients and reshards;
-        any other accumulates them unsharded (and keeps the parameters gathered, by default)."""
+        any other accumulates them unsharded (and keeps the parameters gathered, by default), or under
+        parallel.pp_reduce_grads=micro_batch reduce-scatters them too."""
         for unit in self.fsdp_units:
-            unit.set_requires_gradient_sync(last, recurse=False)
+            unit.set_requires_gradient_sync(last or self._reduce_every_backward, recurse=False)
             unit.set_reshard_after_backward(last or not self._keep_between, recurse=False)
         self.fsdp_units[-1].set_is_last_backward(last)  # (the root: the flag is shared by every unit)
 
