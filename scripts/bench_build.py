@@ -1,7 +1,7 @@
 """Start-up cost of building the model: wall time and peak host memory per rank (a benchmark, not a test).
 
-For a ~100M-parameter GPT (12 x 768, vocabulary 16384, 1024 positions) at one process, tp=2, pp=2 and
-ZeRO-3 dp=2 on gloo/CPU, each rank builds what the Trainer builds (the model, its stage cut and its
+For a ~100M-parameter GPT (12 x 768, vocabulary 16384, 1024 positions) at one process, tp=2, pp=2,
+ZeRO-3 dp=2 and ZeRO-2 dp=4 in bf16 on gloo/CPU, each rank builds what the Trainer builds (the model, its stage cut and its
 data-parallel form; no data, no step) and reports:
   build_s     wall seconds of the build (the process group already up)
   peak_mib    the rise of the process's peak resident memory (VmHWM, reset before the build through
@@ -24,7 +24,9 @@ import time
 from pathlib import Path
 
 LAYOUTS = {"one": (1, {}), "tp2": (2, {"parallel.tp": 2}), "pp2": (2, {"parallel.pp": 2}),
-           "zero3-dp2": (2, {"parallel.dp": 2, "parallel.zero_stage": 3})}
+           "zero3-dp2": (2, {"parallel.dp": 2, "parallel.zero_stage": 3}),
+           "zero2-dp4-bf16": (4, {"parallel.dp": 4, "parallel.zero_stage": 2, "train.precision": "bf16",
+                                  "train.global_batch_size": 4})}
 MODEL = {"model.n_layer": 12, "model.n_head": 12, "model.n_embd": 768, "model.block_size": 1024,
          "model.vocab_size": 16384, "model.bias": False, "train.micro_batch_size": 1, "train.global_batch_size": 2}
 

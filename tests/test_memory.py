@@ -428,10 +428,12 @@ def test_init_transient_of_whole_parameter_builds(tmp_path: Path) -> None:
 
 
 def test_init_transient_of_native_zero_builds(tmp_path: Path) -> None:
-    """Native ZeRO-1/2 at dp > 1 takes a materialised fp32 model: in bf16 it holds it while casting each parameter
-    (2 bytes an element beyond the 16-bit parameters it keeps, and the largest one's copy); in fp32 on an
-    accelerator its flat buffer beside the parameters (4 bytes), and on the CPU, whose pages of the buffer come as
-    they are written, nothing beyond the draw. The element counts from the model itself, on the meta device."""
+    """Native ZeRO-1/2 at dp > 1. From model.init_from it takes a materialised fp32 model: in bf16 it holds it while
+    casting each parameter (2 bytes an element beyond the 16-bit parameters it keeps, and the largest one's copy);
+    in fp32 on an accelerator its flat buffer beside the parameters (4 bytes), and on the CPU, whose pages of the
+    buffer come as they are written, nothing beyond the draw. From a random start it builds from the meta device:
+    in bf16 one parameter in fp32 at a time (the largest: the embedding), in fp32 nothing beyond the draw. The
+    element counts from the model itself, on the meta device."""
     from dist_llm.model import GPT
 
     gpt2 = {"model__n_layer": 2, "model__n_embd": 768, "model__n_head": 12, "model__vocab_size": 50304,
@@ -440,10 +442,17 @@ def test_init_transient_of_native_zero_builds(tmp_path: Path) -> None:
         model = GPT(load_config(None, tiny_overrides(tmp_path, **gpt2)).model)
     n, largest = sum(p.numel() for p in model.parameters()), max(p.numel() for p in model.parameters())
     draw = 4 * (4194304 // 768) * 768  # (the random init's chunk of rows, as in the test above)
-    for precision, device, want in (("bf16", "cuda", 2 * n + 2 * largest), ("bf16", "cpu", 2 * n + 2 * largest),
-                                    ("fp32", "cuda", 4 * n), ("fp32", "cpu", draw)):
+    hf_dir = tmp_path / "hf"  # (a float32 Hugging Face directory: the loader reads fp32)
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    for start, precision, device, want in (
+            (f"hf:{hf_dir}", "bf16", "cuda", 2 * n + 2 * largest), (f"hf:{hf_dir}", "bf16", "cpu", 2 * n + 2 * largest),
+            (f"hf:{hf_dir}", "fp32", "cuda", 4 * n), (f"hf:{hf_dir}", "fp32", "cpu", draw),
+            ("", "bf16", "cuda", 4 * largest), ("", "bf16", "cpu", 4 * largest), ("", "fp32", "cuda", draw),
+            ("", "fp32", "cpu", draw)):
         cfg = load_config(None, tiny_overrides(tmp_path, **gpt2, train__precision=precision, train__device=device))
-        assert memory.predict(cfg, 2).init_transient_bytes == want, (precision, device)
+        cfg.model.init_from = start  # (set after loading: the directory holds no weights to check)
+        assert memory.predict(cfg, 2).init_transient_bytes == want, (start, precision, device)
         assert memory.predict(cfg, 1).init_transient_bytes == draw  # (dp=1: no flat buffer, the plain form)
 
 

@@ -135,37 +135,65 @@ def test_a_pipeline_stage_never_allocates_the_other_stages_blocks(tmp_path: Path
 ZERO2_BF16 = {"parallel__zero_stage": 2, "train__precision": "bf16", "model__n_layer": 4, "model__n_embd": 64}
 
 
-def _zero_build_peak(rank: int, world_size: int, out_dir: Path) -> dict[str, int]:
-    cfg = load_config(None, tiny_overrides(out_dir, parallel__dp=world_size, **ZERO2_BF16))
+def _zero_build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str, Any]) -> dict[str, int]:
+    from dist_llm.parallel.data import zero
+
+    cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, parallel__dp=world_size,
+                                                                **{**SMALL, **ZERO2_BF16, **extra})))
     ctx = ParallelContext.from_config(cfg)
+    built: dict[str, int] = {}
+    builds = {name: getattr(zero.ZeroDataParallel, name) for name in ("_build_from_meta", "_build_from_model")}
+
+    def metered(name: str) -> Any:
+        def build(self: Any, *args: Any) -> None:  # the peak up to the end of the parameters' build (before the
+            builds[name](self, *args)              # gradient shard the form allocates next)
+            built.update(how=len(name), peak=meter.peak)
+        return build
+
     try:
+        for name in builds:
+            setattr(zero.ZeroDataParallel, name, metered(name))
         with LiveBytes() as meter:
-            dp = parallelize(meta_model(cfg, ctx), cfg, ctx).dp
+            dp = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp
         params = [p for p in dp.module.parameters() if p.requires_grad]
-        return {"peak": meter.peak, "n": sum(p.numel() for p in params), "largest": max(p.numel() for p in params),
+        return {"peak": built["peak"], "meta": built["how"] == len("_build_from_meta"),
+                "n": sum(p.numel() for p in params), "largest": max(p.numel() for p in params),
                 "flat": dp.flat_params.numel(), "shard": dp.shard_numel, "dtypes": len({p.dtype for p in params}),
-                "buffers": sum(b.nbytes for b in dp.module.buffers())}
+                "buffers": sum(b.nbytes for b in dp.module.buffers()),
+                "first": {n: p.detach().float().clone() for n, p in dp.module.named_parameters()}}
     finally:
+        for name, build in builds.items():
+            setattr(zero.ZeroDataParallel, name, build)
         ctx.destroy()
 
 
-def test_zero2_build_never_holds_the_fp32_model_beside_the_flat_buffer(tmp_path: Path) -> None:
-    """ZeRO-1/2 in bf16 (zero.py): the parameters move into one flat bf16 buffer and the fp32 masters are this
-    rank's half. On an accelerator `empty` takes the whole buffer at once (the meter counts it so), so allocating it
-    beside the fp32 model peaked at 4 + 2 bytes a parameter (+ 4/dp of masters), a 13B model at dp=64 needing
-    79 GB to build against 29 GB to train. Now each parameter is cast on its own first: the peak is the fp32 model
-    (4 bytes) with one parameter's 16-bit copy, the masters (4/dp), and the buffers; the grad shard (4/dp) comes
-    when the model is down to its 16-bit buffer. `dist-llm memory` (counted for CUDA) predicts it: the parameters
-    and masters it keeps, and the build's transient (memory/transients.py zero_flat_build_bytes)."""
-    est = memory.predict(load_config(None, tiny_overrides(tmp_path, train__device="cuda", **ZERO2_BF16)), 2)
-    predicted = est.params_bytes + est.master_bytes + est.init_transient_bytes
-    for rank in run_distributed(_zero_build_peak, 2, tmp_path, init_group=False):
-        # (the prediction holds the largest parameter's 16-bit copy; the meter saw the first one cast: smaller)
-        assert predicted - 2 * rank["largest"] <= rank["peak"] <= predicted, (rank, predicted)
-        assert rank["dtypes"] == 1 and rank["flat"] >= rank["n"]  # (all of them bf16 views of the buffer)
-        masters = 4 * rank["shard"]
-        assert rank["peak"] <= 4 * rank["n"] + 2 * rank["largest"] + masters + rank["buffers"], rank
-        assert rank["peak"] < 4 * rank["n"] + 2 * rank["flat"] + masters, rank  # (what the old order held at once)
+def test_zero2_build_never_holds_the_fp32_model(tmp_path: Path, llama_dir: Path) -> None:  # noqa: F811
+    """ZeRO-1/2 in bf16 (zero.py): the parameters become views of one flat bf16 buffer and the fp32 masters are this
+    rank's half. From a random start the model comes on the meta device and each parameter is drawn in fp32 on its
+    own, its masters taken, then cast into its view: the build peaks at the buffer (2 bytes a parameter), the
+    masters (4/dp) and one parameter in fp32, to the byte. From model.init_from it takes the loaded fp32 model and
+    casts each parameter on its own before making the buffer: the fp32 model (4 bytes) with one parameter's 16-bit
+    copy and the masters, never the fp32 model beside the buffer (6 bytes a parameter on an accelerator, where
+    `empty` takes the whole buffer at once: the meter counts it so). `dist-llm memory` (counted for CUDA) predicts
+    both (memory/transients.py zero_flat_build_bytes); the values drawn are the one-process model's, in bf16."""
+    one = _initial(0, 1, tmp_path / "one", {k: v for k, v in ZERO2_BF16.items() if k.startswith("model__")})
+    for start in ("random", "hf"):
+        extra = {"model__init_from": f"hf:{llama_dir}"} if start == "hf" else {}
+        est = memory.predict(resolve_architecture(load_config(None, tiny_overrides(
+            tmp_path, train__device="cuda", **{**SMALL, **ZERO2_BF16, **extra}))), 2)
+        predicted = est.params_bytes + est.master_bytes + est.init_transient_bytes
+        for rank in run_distributed(_zero_build_peak, 2, tmp_path / start, extra, init_group=False):
+            assert rank["meta"] == (start == "random") and rank["dtypes"] == 1 and rank["flat"] >= rank["n"]
+            flat, masters, largest = 2 * rank["flat"], 4 * rank["shard"], rank["largest"]
+            if start == "random":  # the buffer, the masters, the buffers allocated first, one parameter in fp32
+                assert rank["peak"] == flat + masters + rank["buffers"] + 4 * largest == predicted + rank["buffers"], (
+                    rank["peak"], predicted)
+                for name, p in one.items():  # (bf16: the one-process fp32 values rounded once)
+                    assert torch.equal(rank["first"][name], p.to(torch.bfloat16).float()), name
+            else:  # (the prediction holds the largest parameter's 16-bit copy; the meter saw the first one cast)
+                # (+64: the loader's checks hold a few scalars at the peak, 12 bytes here)
+                assert predicted - 2 * largest <= rank["peak"] - rank["buffers"] <= predicted + 64, (rank, predicted)
+                assert rank["peak"] < 4 * rank["n"] + flat + masters  # (what casting after the buffer held at once)
 
 
 def test_init_from_draws_nothing_random(tmp_path: Path, llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # noqa: F811

@@ -98,9 +98,9 @@ def table(est: Estimate, title: str) -> str:
     for label, value in rows:
         lines.append(f"{label:<22}{value / GB:>12.3f}{value / GiB:>12.3f}")
     if est.init_transient_bytes or est.load_transient_bytes or est.export_transient_bytes:
-        lines.append("transients: the largest whole tensor while building (native ZeRO-1/2: the model cast into its "
-                     "flat buffer), loading weights and exporting (besides "
-                     "the model states; not in the training peak)")
+        lines.append("transients: the largest whole tensor while building (native ZeRO-1/2 from model.init_from or "
+                     "with PEFT: the model cast into its flat buffer), loading weights and exporting (besides the "
+                     "model states; not in the training peak)")
     if est.moe:
         for label, key in (("activations, worst", "activation_bytes_worst"),
                            ("peak, worst routing", "peak_bytes_worst")):

@@ -119,18 +119,21 @@ def _block_linear(name: str) -> bool:
 
 
 def zero_flat_build_bytes(cfg: Config, *, dp: int, pp: int) -> int:
-    """Native ZeRO-1/2's build (parallel/data/zero.py) beyond the parameters it keeps: in mixed precision the
-    model it takes is fp32 (4 bytes an element, where the 16-bit parameters count 2), each trained parameter cast
-    to 16 bits on its own (its copy held beside it for a moment); in fp32 on an accelerator the flat buffer is
-    allocated whole beside the parameters it then takes in (on the CPU its pages come as they are written: one
-    parameter at a time). A form of its own over the experts under ep (built after the dense one): the larger of
-    the two. The stage holding the most."""
+    """Native ZeRO-1/2's build (parallel/data/zero.py) beyond the parameters it keeps. From a random start without
+    PEFT it builds from the meta device (`_build_from_meta`): each trained parameter allocated whole in fp32 beside
+    the flat buffer, drawn, cast into it (4 bytes of the largest; in fp32 drawn straight into the buffer: none).
+    Otherwise it takes a materialised model: in mixed precision fp32 (4 bytes an element, where the 16-bit
+    parameters count 2), each trained parameter cast to 16 bits on its own (its copy held beside it for a moment);
+    in fp32 on an accelerator the flat buffer is allocated whole beside the parameters it then takes in (on the CPU
+    its pages come as they are written: one parameter at a time). A form of its own over the experts under ep
+    (built after the dense one): the larger of the two. The stage holding the most."""
     p = cfg.parallel
     if p.backend != "native" or p.zero_stage not in (1, 2) or dp * p.cp == 1:
         return 0
     tp, ep = p.tp, memory_moe.ep_degree(cfg)
     fp32 = cfg.train.precision == "fp32"
-    if fp32 and _runs_on_gloo(cfg):
+    from_meta = not cfg.model.init_from and cfg.peft.method == "none"  # (parallel/data builds_flat_on_meta)
+    if fp32 and (from_meta or _runs_on_gloo(cfg)):
         return 0
     worst = 0
     for stage in range(pp):
@@ -141,7 +144,7 @@ def zero_flat_build_bytes(cfg: Config, *, dp: int, pp: int) -> int:
                 part = parts[ep > 1 and memory_moe.is_expert(name)]
                 part[0], part[1] = part[0] + n, max(part[1], n)
         for n, largest in parts.values():
-            worst = max(worst, 4 * n if fp32 else 2 * n + 2 * largest)
+            worst = max(worst, 4 * largest if from_meta else 4 * n if fp32 else 2 * n + 2 * largest)
     return worst
 
 
@@ -154,8 +157,9 @@ def init_transient_bytes(cfg: Config, *, dp: int = 1, pp: int | None = None) -> 
       - QLoRA (`qlora.materialise_quantised`, `qlora.quantise`, `_build_nf4`): each block linear allocated whole
         in fp32 and quantised to NF4 (`NF4Weight.quantize`'s working space: `_NF4_BYTES_PER_ELEMENT`, and the
         level search over at most nf4._SEARCH_CHUNK elements at once);
-      - native ZeRO-1/2 at dp > 1 (`zero_flat_build_bytes`): the fp32 model it casts parameter by parameter, or in
-        fp32 on an accelerator its flat buffer beside the parameters."""
+      - native ZeRO-1/2 at dp > 1 (`zero_flat_build_bytes`): from a random start one parameter in fp32 beside the
+        flat buffer; from a materialised model the fp32 model it casts parameter by parameter, or in fp32 on an
+        accelerator its flat buffer beside the parameters."""
     from dist_llm.parallel.data.deepspeed_shards import builds_partitioned
     from dist_llm.peft.nf4 import _SEARCH_CHUNK
 

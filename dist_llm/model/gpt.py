@@ -181,15 +181,17 @@ class GPT(nn.Module):
             std = std / math.sqrt(2 * self.cfg.n_layer)
         return model_init.normal(std)
 
-    def reset_parameters(self, seed: int | None = None, *, only: Iterable[str] | None = None) -> None:
+    def reset_parameters(self, seed: int | None = None, *, only: Iterable[str] | None = None) -> int:
         """Initialise every parameter (those named in `only`, if given) from its own generator, seeded by (seed,
         its name): the same values at every parallel layout (see model/init.py). Without a seed one is drawn
-        from the global stream, so `torch.manual_seed(s)` before fixes the result. Buffers are recomputed too."""
+        from the global stream, so `torch.manual_seed(s)` before fixes the result. Buffers are recomputed too
+        (without `only`). Returns how many parameters it visited (one still on the meta device is left as is)."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), device="cpu").item())
-        model_init.init_parameters(self, seed, self._init_rule, only=only)
+        count = model_init.init_parameters(self, seed, self._init_rule, only=only)
         if only is None:
             self.reset_buffers()
+        return count
 
     def reset_buffers(self) -> None:
         """Recompute the non-persistent buffers (RoPE tables, ALiBi slopes, tensor-parallel row indices)."""

@@ -158,6 +158,12 @@ def _one_by_one(model: GPT, cfg: Config, ctx: ParallelContext,
     return opened
 
 
+def _draw_one(model: GPT, seed: int, name: str) -> None:
+    """Initialise parameter `name` (as the model names it), just allocated, as one process draws it."""
+    if model.reset_parameters(seed, only=[parameter_name(name, "")]) != 1:
+        raise RuntimeError(f"no initialisation drew parameter {name}")
+
+
 def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = True, wrap: bool = True,
                 load: Loader | None = None, read: Reader | None = None) -> Parallelized:
     """This rank's part of a meta-device GPT (from `meta_model`), materialised on ctx.device and initialised
@@ -196,7 +202,8 @@ def parallelize(model: GPT, cfg: Config, ctx: ParallelContext, *, cut: bool = Tr
     if shard_on_meta:  # fully_shard the meta model, then materialise straight into this rank's shards
         adapt_and_compile()
         dp = build_data_parallel(model, cfg, ctx, materialize=lambda _: materialize(model, cfg, ctx, load=load),
-                                 fill_each=_one_by_one(model, cfg, ctx, read))
+                                 fill_each=_one_by_one(model, cfg, ctx, read),
+                                 draw=lambda name: _draw_one(model, t.seed, name))
     else:
         materialize(model, cfg, ctx, load=load)
         adapt_and_compile()

@@ -210,3 +210,13 @@ class DataParallel:
         return {"params": tensor_bytes(params) + quantised_bytes(self.module),
                 "grads": tensor_bytes(p.grad for p in params), "master": 0,
                 "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}
+
+
+def allocate_buffers(model: nn.Module, device: torch.device) -> None:
+    """Allocate the buffers of a model built on the meta device (small: RoPE tables, ALiBi slopes, tp row
+    indices, an MoE layer's expert bias) on `device` and recompute their values, its parameters left on meta."""
+    for module in model.modules():
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty_like(b, device=device)
+    model.reset_buffers()  # type: ignore[operator]

@@ -27,6 +27,7 @@ from torch import nn
 
 from dist_llm.model.buffers import trained_buffers
 from dist_llm.parallel import comm
+from dist_llm.parallel.data.base import allocate_buffers
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 
@@ -191,11 +192,7 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
     # whole model, is applied to each parameter)
     partitioner = deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=group)
     source = partitioner.rank == 0  # (its rank in the partition group: the one the broadcast is from)
-    for module in model.modules():
-        for name, b in module._buffers.items():
-            if b is not None and b.is_meta:
-                module._buffers[name] = torch.empty_like(b, device=device)
-    model.reset_buffers()  # (before the parameters: an NF4 layer's mean is its weight's, set as it is built)
+    allocate_buffers(model, device)  # (before the parameters: an NF4 layer's mean is its weight's, set as it is built)
     owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding a parameter (tied ones: two)
     for module in model.modules():
         for pname, p in module._parameters.items():

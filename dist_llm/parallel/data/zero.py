@@ -31,7 +31,7 @@ import contextlib
 import math
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -160,7 +160,7 @@ class ZeroPart:
 
 class ZeroDataParallel(DataParallel):
     def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int,
-                 part: ZeroPart | None = None) -> None:
+                 part: ZeroPart | None = None, draw: Callable[[str], None] | None = None) -> None:
         self.stage = stage
         self.name = f"zero{stage}"
         self.cfg, self.ctx = cfg, ctx
@@ -190,27 +190,14 @@ class ZeroDataParallel(DataParallel):
         # segments of it to the masters and is cast on its own, its fp32 storage freed; then the buffer is made and
         # each is copied in and its own storage freed. The peak is the model in fp32, or in 16 bits twice
         # (memory/transients.py counts it). On the CPU the pages of `empty` become resident only as they are
-        # written, so there the buffer adds about one parameter at a time; only its padding is zeroed.
+        # written, so there the buffer adds about one parameter at a time; only its padding is zeroed. A model
+        # built on the meta device (`draw` given) skips the fp32 model: each parameter is drawn on its own.
         self.segments = rank_segments(self.buckets, self.rank)
         self.master = torch.zeros(self.shard_numel, dtype=torch.float32, device=device) if self.mixed else None
-        if self.master is not None:
-            mine: dict[int, list[Segment]] = {}
-            for seg in self.segments:
-                mine.setdefault(id(seg.entry), []).append(seg)
-            for e in self.entries:
-                src = e.param.detach().reshape(-1)
-                for seg in mine.get(id(e), []):
-                    a, z = seg.shard_range(self.rank)
-                    self.master[a:z].copy_(src[seg.lo - e.offset : seg.hi - e.offset])
-                del src
-                e.param.data = e.param.data.to(self.param_dtype)
-        self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
-        for b in self.buckets:
-            end = b.start + sum(e.numel for e in b.entries)
-            self.flat_params[end : b.start + b.numel].zero_()
-            for e in b.entries:
-                self.flat_params[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
-                e.param.data = self.flat_params[e.offset : e.offset + e.numel].view_as(e.param)
+        if draw is not None:
+            self._build_from_meta(draw, total, device)
+        else:
+            self._build_from_model(total, device)
 
         self.accum_dtype = accum_dtype(cfg)
         self.flat_grads: torch.Tensor | None = None
@@ -238,6 +225,71 @@ class ZeroDataParallel(DataParallel):
 
         self.optimizer = self.build_optimizer()
         self.tp_layout = TensorParallelState(model, ctx)  # where each tp slice sits in its full tensor
+
+    def _segments_by_entry(self) -> dict[int, list[Segment]]:
+        mine: dict[int, list[Segment]] = {}
+        for seg in self.segments:
+            mine.setdefault(id(seg.entry), []).append(seg)
+        return mine
+
+    def _build_from_model(self, total: int, device: torch.device) -> None:
+        """From a materialised model, in two passes (see __init__)."""
+        if self.master is not None:
+            mine = self._segments_by_entry()
+            for e in self.entries:
+                src = e.param.detach().reshape(-1)
+                for seg in mine.get(id(e), []):
+                    a, z = seg.shard_range(self.rank)
+                    self.master[a:z].copy_(src[seg.lo - e.offset : seg.hi - e.offset])
+                del src
+                e.param.data = e.param.data.to(self.param_dtype)
+        self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
+        for b in self.buckets:
+            end = b.start + sum(e.numel for e in b.entries)
+            self.flat_params[end : b.start + b.numel].zero_()
+            for e in b.entries:
+                self.flat_params[e.offset : e.offset + e.numel].copy_(e.param.detach().reshape(-1))
+                e.param.data = self.flat_params[e.offset : e.offset + e.numel].view_as(e.param)
+
+    @torch.no_grad()
+    def _build_from_meta(self, draw: Callable[[str], None], total: int, device: torch.device) -> None:
+        """From a model built on the meta device (a random start, `builds_flat_on_meta`): the flat buffer first,
+        then each parameter in turn allocated whole in fp32, drawn (`draw(name)`, as one process draws it), its
+        segments given to the masters and cast into its view. Peak: the buffer, the masters and one parameter in
+        fp32, never the fp32 model. In fp32 runs each parameter is drawn straight into its view."""
+        mine = self._segments_by_entry()
+        owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding a parameter (a tied one: two)
+        for module in self.module.modules():
+            for pname, p in module._parameters.items():
+                if p is not None:
+                    owners.setdefault(id(p), []).append((module, pname))
+        self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
+        for b in self.buckets:
+            end = b.start + sum(e.numel for e in b.entries)
+            self.flat_params[end : b.start + b.numel].zero_()
+            for e in b.entries:
+                meta = e.param
+                if not meta.is_meta:
+                    raise RuntimeError(f"ZeRO-{self.stage} meta build: {e.name} is already materialised")
+                view = self.flat_params[e.offset : e.offset + e.numel].view(meta.shape)
+                # (a meta tensor's storage cannot be swapped for a real one: a new Parameter takes its place in every
+                # module holding it, with its marks, parallel/marks.py)
+                fp32 = view if self.master is None else torch.empty(meta.shape, dtype=torch.float32, device=device)
+                e.param = nn.Parameter(fp32, requires_grad=meta.requires_grad)
+                for attr, value in vars(meta).items():
+                    setattr(e.param, attr, value)
+                for module, pname in owners[id(meta)]:
+                    module._parameters[pname] = e.param
+                draw(e.name)
+                if self.master is None:
+                    continue
+                src = fp32.reshape(-1)
+                for seg in mine.get(id(e), []):
+                    a, z = seg.shard_range(self.rank)
+                    self.master[a:z].copy_(src[seg.lo - e.offset : seg.hi - e.offset])
+                view.copy_(fp32)
+                del src, fp32
+                e.param.data = view
 
     # -- layout helpers -----------------------------------------------------------------------------------
     def _piece(self, flat: torch.Tensor, b: Bucket) -> torch.Tensor:

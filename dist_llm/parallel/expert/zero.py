@@ -9,7 +9,7 @@ The trainer drives the pair as one form: each step, clip, checkpoint and byte co
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -24,7 +24,8 @@ from dist_llm.parallel.expert.grads import expert_parameters
 class ExpertZeroDataParallel(DataParallel):
     dp_sharded_grads = True  # dense shards disjoint over dp; expert shards over expert-dp x ep = dp
 
-    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int) -> None:
+    def __init__(self, model: nn.Module, cfg: Config, ctx: ParallelContext, *, stage: int,
+                 draw: Callable[[str], None] | None = None) -> None:
         self.cfg, self.ctx, self.stage = cfg, ctx, stage
         self.name = f"zero{stage}+ep"
         self.module = self.model = model
@@ -34,8 +35,8 @@ class ExpertZeroDataParallel(DataParallel):
                  ZeroPart(experts, ctx.expert_dp_group, ctx.expert_dp, ctx.dp_rank // ctx.ep, ctx.dp)]
         # A PEFT run may train no expert tensors (LoRA on attention alone, adapters) or nothing but them
         # (experts_* targets alone): a part with nothing to train gets no form (a ZeRO form needs parameters)
-        self.owned = [(part.names, ZeroDataParallel(model, cfg, ctx, stage=stage, part=part)) for part in parts
-                      if part.names]
+        self.owned = [(part.names, ZeroDataParallel(model, cfg, ctx, stage=stage, part=part, draw=draw))
+                      for part in parts if part.names]
         self.forms = tuple(form for _, form in self.owned)
         # (a pipeline stage of dense blocks alone holds no experts, nor do its expert-dp peers: no expert form)
         self.dense = self.owned[0][1] if dense else None
