@@ -722,6 +722,10 @@ def _check_pipeline(cfg: Config) -> None:
     if p.pp > 1 and p.zero_stage == 3 and p.pp_schedule == "zb1" and p.reshard_after_forward:
         raise ConfigError("parallel.reshard_after_forward: true with parallel.zero_stage=3 and pp_schedule=zb1 would "
                           "regather each unit between B and W; leave it unset (false under a pipeline)")
+    # a pipeline's setting, like pp_virtual: without one ZeRO-3 reduce-scatters every micro-step already
+    if p.pp == 1 and p.pp_reduce_grads == "micro_batch":
+        raise ConfigError("parallel.pp_reduce_grads: micro_batch applies under a pipeline (parallel.pp > 1); without "
+                          "one ZeRO-3 reduce-scatters every micro-step already")
     # ZeRO-1/2 and DDP reduce when their own design says (ZeRO-2 every micro-batch, the others once a step)
     if p.pp > 1 and p.pp_reduce_grads == "micro_batch" and p.zero_stage != 3:
         raise ConfigError(f"parallel.pp_reduce_grads: micro_batch applies to parallel.zero_stage=3 (FSDP2), not "

@@ -80,6 +80,9 @@ def test_shipped_configs_load(tmp_path: Path) -> None:
          "parallel.pp_reduce_grads: micro_batch with pp_schedule=zb1: its weight-gradient pass computes the stage's "
          "gradients together, outside FSDP2's hooks; use pp_schedule=1f1b, interleaved or gpipe, or "
          "pp_reduce_grads=step"),
+        (["parallel.zero_stage=3", "parallel.pp_reduce_grads=micro_batch"],
+         "parallel.pp_reduce_grads: micro_batch applies under a pipeline (parallel.pp > 1); without one ZeRO-3 "
+         "reduce-scatters every micro-step already"),
         (["parallel.pp_reduce_grads=sometimes"],
          "parallel.pp_reduce_grads: must be one of step|micro_batch, got 'sometimes'"),
         (["parallel.pp=2", "parallel.backend=deepspeed"],

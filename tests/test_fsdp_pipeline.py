@@ -162,3 +162,38 @@ def test_memory_counts_what_a_stage_holds_through_the_step(tmp_path: Path, corpu
         assert params > 0 and grads == (params if reduce == "step" else 0) and params + grads == want, (r, want)
         assert again == (params, grads)  # the second step the same: nothing left over from the first
     assert all(r["clean"] for r in got)  # after the step: every unit resharded and idle, no unsharded gradient
+
+
+def test_reduce_inputs_are_released_after_the_compute_stream_waits_for_them() -> None:
+    """`release_reduce_inputs` on both shapes of FSDP2's comm context (torch 2.12+: a list of states; 2.6-2.11: one
+    state): the compute stream waits for each reduce-scatter's event (under NCCL the input's memory is read by the
+    reduce-scatter's stream until then), and only then are the inputs dropped. On the CPU the events are None, so
+    the training tests never take the wait: fake events stand in for CUDA's here."""
+    import weakref
+    from types import SimpleNamespace
+
+    from dist_llm.parallel.data.fsdp import release_reduce_inputs
+
+    class Stream:
+        def __init__(self) -> None:
+            self.waited: list[Any] = []
+
+        def wait_event(self, event: Any) -> None:
+            self.waited.append((event, alive()))  # (whether the input was still held when the wait was issued)
+
+    for plural in (True, False):
+        inputs = [torch.empty(8), torch.empty(4)] if plural else [torch.empty(8)]
+        refs = [weakref.ref(t) for t in inputs]
+
+        def alive() -> int:
+            return sum(r() is not None for r in refs)
+
+        states = [SimpleNamespace(reduce_scatter_input=t, event=f"event{i}") for i, t in enumerate(inputs)]
+        ctx = SimpleNamespace(reduce_scatter_states=states) if plural else SimpleNamespace(reduce_scatter_state=states[0])
+        del inputs, states
+        stream = Stream()
+        release_reduce_inputs(ctx, stream)
+        n = len(refs)
+        assert stream.waited == [(f"event{i}", n) for i in range(n)], plural  # every wait while all were held
+        assert alive() == 0, plural  # then dropped
+        assert (ctx.reduce_scatter_states == []) if plural else ctx.reduce_scatter_state is None

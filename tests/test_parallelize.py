@@ -141,13 +141,13 @@ def _zero_build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str,
     cfg = resolve_architecture(load_config(None, tiny_overrides(out_dir, parallel__dp=world_size,
                                                                 **{**SMALL, **ZERO2_BF16, **extra})))
     ctx = ParallelContext.from_config(cfg)
-    built: dict[str, int] = {}
+    built: dict[str, Any] = {}
     builds = {name: getattr(zero.ZeroDataParallel, name) for name in ("_build_from_meta", "_build_from_model")}
 
     def metered(name: str) -> Any:
         def build(self: Any, *args: Any) -> None:  # the peak up to the end of the parameters' build (before the
             builds[name](self, *args)              # gradient shard the form allocates next)
-            built.update(how=len(name), peak=meter.peak)
+            built.update(how=name, peak=meter.peak)
         return build
 
     try:
@@ -156,7 +156,7 @@ def _zero_build_peak(rank: int, world_size: int, out_dir: Path, extra: dict[str,
         with LiveBytes() as meter:
             dp = parallelize(meta_model(cfg, ctx), cfg, ctx, load=load_initial_weights).dp
         params = [p for p in dp.module.parameters() if p.requires_grad]
-        return {"peak": built["peak"], "meta": built["how"] == len("_build_from_meta"),
+        return {"peak": built["peak"], "meta": built["how"] == "_build_from_meta",
                 "n": sum(p.numel() for p in params), "largest": max(p.numel() for p in params),
                 "flat": dp.flat_params.numel(), "shard": dp.shard_numel, "dtypes": len({p.dtype for p in params}),
                 "buffers": sum(b.nbytes for b in dp.module.buffers()),

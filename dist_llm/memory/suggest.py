@@ -186,7 +186,8 @@ def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt
         pp_virtual=p.pp_virtual if pp > 1 else 1,  # (interleaving's chunks: a pipeline's, refused at pp=1)
         pp_overlap_p2p=p.pp_overlap_p2p if pp > 1 else None,  # (a pipeline's setting: nothing to refuse at pp=1)
         offload=p.offload if zero == 3 else "none",
-        pp_reduce_grads=p.pp_reduce_grads if zero == 3 else "step",  # (FSDP2's setting, refused with the others)
+        # (FSDP2's under a pipeline: the other stages and pp=1 refuse it)
+        pp_reduce_grads=p.pp_reduce_grads if zero == 3 and pp > 1 else "step",
         grad_accum_dtype=p.grad_accum_dtype if zero in (1, 2) else "fp32")
     train = dataclasses.replace(cfg.train, micro_batch_size=micro, activation_checkpointing=ckpt)
     return dataclasses.replace(cfg, parallel=parallel, train=train)

@@ -6,7 +6,8 @@ through TensorParallelFactory. `parallelize` then, in this order:
   2. FSDP2 (ZeRO-3): `fully_shard` on the meta model, so that only this rank's dim-0 shards are ever allocated
      (DeepSpeed's ZeRO-3 instead takes the meta model, adapters and QLoRA's NF4 layers included, and partitions
      each parameter as it is drawn or read from model.init_from whole, one at a time, an NF4 layer as its weight
-     is quantised: `_one_by_one`);
+     is quantised: `_one_by_one`; and native ZeRO-1/2 from a random start without PEFT takes it too, allocates
+     its flat buffer and draws each parameter in fp32 on its own into it: `builds_flat_on_meta`, `_draw_one`);
   3. materialises this rank's parameters on its device (`to_empty`), recomputes the buffers, re-ties the
      embedding, and initialises: the pieces of each parameter that this rank's part overlaps (one expert, a
      chunk of rows), each from a generator of its own, cut to the part (model/init.py), or, with
@@ -14,11 +15,13 @@ through TensorParallelFactory. `parallelize` then, in this order:
      under QLoRA each block linear is allocated, filled and quantised to NF4 one at a time (peft/qlora.py),
      under ZeRO-3 into this rank's shards of the NF4 layer built on meta;
   4. PEFT (LoRA on the NF4 base, adapters), activation checkpointing, compile;
-  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 and DeepSpeed's
-     ZeRO-1/2 hold those in full by design).
+  5. the other data-parallel forms wrap the real, tensor-parallel-local parameters (DDP, ZeRO-1/2 from
+     model.init_from or with PEFT, and DeepSpeed's ZeRO-1/2 hold those in full by design).
 Peak memory of the build: this rank's parameters plus the largest piece drawn (one expert, one chunk of
 rows; a tensor-parallel fused QKV whole), or under QLoRA one block linear whole and its quantiser's working space,
-under DeepSpeed's ZeRO-3 one parameter whole and its 16-bit copy (`dist-llm memory`'s init transient).
+under DeepSpeed's ZeRO-3 one parameter whole and its 16-bit copy, under native ZeRO-1/2 from the meta device one
+parameter in fp32 beside the flat buffer, and from a materialised model the fp32 model it casts parameter by
+parameter (`dist-llm memory`'s init transient).
 """
 
 from __future__ import annotations

@@ -126,6 +126,23 @@ def _vocab_units(model: nn.Module) -> list[nn.Module]:
     return [wte, head]
 
 
+def release_reduce_inputs(comm_ctx: object, stream: object) -> None:
+    """Drop the reduce-scatter inputs FSDP2 keeps alive in `comm_ctx` (its FSDPCommContext), once `stream` (the
+    compute stream) waits for each reduce-scatter's event: the caching allocator may then hand their memory to later
+    kernels of that stream only. torch 2.12 keeps a list of them (`reduce_scatter_states`), earlier ones one
+    (`reduce_scatter_state`)."""
+    states = getattr(comm_ctx, "reduce_scatter_states", None)
+    if states is None:  # torch < 2.12
+        one = getattr(comm_ctx, "reduce_scatter_state", None)
+        states = [] if one is None else [one]
+        comm_ctx.reduce_scatter_state = None  # type: ignore[attr-defined]
+    for state in states:
+        if state.event is not None:
+            stream.wait_event(state.event)  # type: ignore[attr-defined]
+    if isinstance(getattr(comm_ctx, "reduce_scatter_states", None), list):
+        comm_ctx.reduce_scatter_states.clear()  # type: ignore[attr-defined]
+
+
 class FSDPDataParallel(DataParallel):
     name = "fsdp2"
 
@@ -215,10 +232,7 @@ class FSDPDataParallel(DataParallel):
         of this one, as that backward would: the compute stream waits for the reduce-scatter before reusing it."""
         yield
         root = self.fsdp_units[-1]._get_fsdp_state()  # (its comm context is every unit's)
-        for state in root._comm_ctx.reduce_scatter_states:
-            if state.event is not None:
-                root._device_handle.current_stream().wait_event(state.event)
-        root._comm_ctx.reduce_scatter_states.clear()
+        release_reduce_inputs(root._comm_ctx, root._device_handle.current_stream())
 
     def _pipeline_flags(self, *, last: bool) -> None:
         """Set how the next backward ends: the step's last reduce-scatters the accumulated gradients and reshards;
