@@ -46,12 +46,17 @@ def test_context_parallelism_is_refused_not_miscounted(tmp_path: Path, capsys: p
 
 
 def test_a_layout_must_fit_its_build_too(tmp_path: Path) -> None:
-    """Native ZeRO-1/2 in bf16 builds from the fp32 model (4 bytes a parameter, cast one at a time into the 16-bit
-    flat buffer): with a large model and small activations the build needs more than training. A budget that holds
-    such a candidate's training peak but not its build leaves it out, and its reason says what building needs."""
+    """Native ZeRO-1/2 in bf16 from model.init_from builds from the loaded fp32 model (4 bytes a parameter, cast one
+    at a time into the 16-bit flat buffer): with a large model and small activations the build needs more than
+    training. A budget that holds such a candidate's training peak but not its build leaves it out, and its reason
+    says what building needs. (From a random start it draws each parameter into the buffer: no such excess.)"""
     cfg = load_config(None, tiny_overrides(tmp_path, model__n_embd=512, model__n_head=8, train__precision="bf16",
                                            train__device="cuda", train__micro_batch_size=1, train__global_batch_size=16,
                                            parallel__zero_stage=2, parallel__bucket_mb=1))  # (small buckets)
+    hf_dir = tmp_path / "hf"  # (its config.json says the dtype the loader reads; no weights are read here)
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    cfg.model.init_from = f"hf:{hf_dir}"
     everything = memory_suggest.suggest(cfg, 16, 2**40)  # (at dp=16 training holds 2 + 16/16 bytes a parameter)
     z2 = next(s for s in everything.fits if s.layout == (16, 1, 1) and s.cfg.parallel.zero_stage == 2)
     est = memory.predict(z2.cfg, 16)  # (the counts themselves: test_memory's)
@@ -76,21 +81,33 @@ def test_a_pipeline_setting_does_not_hide_the_layouts_without_a_pipeline(tmp_pat
     assert {s.cfg.parallel.pp_overlap_p2p for s in plan.fits if s.layout[2] == 2} == {True}
 
 
-def test_a_zero3_setting_does_not_hide_the_other_stages(tmp_path: Path) -> None:
-    """A config at ZeRO-3 x pp=2 with parallel.pp_reduce_grads=micro_batch, which the other stages refuse under a
-    pipeline: their candidates drop the setting and are counted; the ZeRO-3 ones keep it (and hold no whole
-    gradient: their predicted peak is below the same candidate reducing once a step)."""
+def test_zero3_under_a_pipeline_is_tried_with_both_gradient_reductions(tmp_path: Path) -> None:
+    """ZeRO-3 x pp candidates are counted with parallel.pp_reduce_grads=step and =micro_batch (the other stages
+    and pp=1 with step alone: they refuse micro_batch), whatever the config sets; micro_batch's peak is lower by
+    the stage's gradients held whole (memory.pipelined_zero3_bytes), so with a budget between the two only it fits,
+    shown as zero "3/mb"."""
     over = dict(model__tie_embeddings=False, train__global_batch_size=16, parallel__pp=2, parallel__zero_stage=3)
-    cfg = load_config(None, tiny_overrides(tmp_path, **over, parallel__pp_reduce_grads="micro_batch"))
-    plan = memory_suggest.suggest(cfg, 4, 2**40)
-    piped = [s for s in plan.fits if s.layout[2] == 2]
-    assert {s.cfg.parallel.zero_stage for s in piped} == {0, 1, 2, 3}
-    assert all(s.cfg.parallel.pp_reduce_grads == ("micro_batch" if s.cfg.parallel.zero_stage == 3 else "step")
-               for s in piped)
-    once = memory_suggest.suggest(load_config(None, tiny_overrides(tmp_path, **over)), 4, 2**40)
-    z3 = next(s for s in once.fits if s.this_config)
-    mine = next(s for s in plan.fits if s.this_config)
-    assert mine.est.peak_bytes < z3.est.peak_bytes
+    for setting in ("step", "micro_batch"):
+        cfg = load_config(None, tiny_overrides(tmp_path, **over, parallel__pp_reduce_grads=setting))
+        plan = memory_suggest.suggest(cfg, 4, 2**40)
+        tried = {(s.layout[2], s.cfg.parallel.zero_stage, s.cfg.parallel.pp_reduce_grads) for s in plan.fits}
+        assert tried == {(1, 0, "step"), (1, 1, "step"), (1, 2, "step"), (1, 3, "step"), (2, 0, "step"),
+                         (2, 1, "step"), (2, 2, "step"), (2, 3, "step"), (2, 3, "micro_batch")}, setting
+        assert plan.this_config is not None and plan.this_config.cfg.parallel.pp_reduce_grads == setting
+    # the same candidate both ways: dp2 x pp2, ZeRO-3, the config's micro batch and checkpointing
+    pair = {s.cfg.parallel.pp_reduce_grads: s for s in plan.fits if s.layout == (2, 1, 2) and s.cfg.parallel.zero_stage
+            == 3 and s.cfg.train.micro_batch_size == cfg.train.micro_batch_size
+            and s.cfg.train.activation_checkpointing == cfg.train.activation_checkpointing}
+    held = max(memory.pipelined_zero3_bytes(pair["step"].cfg, tp=1, pp=2, pp_rank=r) for r in (0, 1))
+    assert held > 0 and pair["step"].est.peak_bytes > pair["micro_batch"].est.peak_bytes
+    assert pair["step"].comm.bytes["reduce_scatter"] < pair["micro_batch"].comm.bytes["reduce_scatter"]
+    budget = (pair["step"].needs_bytes + pair["micro_batch"].needs_bytes) // 2
+    tight = memory_suggest.suggest(cfg, 4, budget)
+    piped = {(s.cfg.parallel.zero_stage, s.cfg.parallel.pp_reduce_grads) for s in tight.fits if s.layout == (2, 1, 2)
+             and s.cfg.train.micro_batch_size == cfg.train.micro_batch_size
+             and s.cfg.train.activation_checkpointing == cfg.train.activation_checkpointing}
+    assert (3, "micro_batch") in piped and (3, "step") not in piped
+    assert memory_suggest._row(pair["micro_batch"], budget, 1).startswith("   2   1   2  3/mb")
 
 
 @pytest.mark.parametrize(("schedule", "per_micro_batch"), [("1f1b", 1), ("interleaved", 3), ("zb1", 3)])

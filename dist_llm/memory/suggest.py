@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Any, Iterator
@@ -103,8 +104,8 @@ class Suggestion:
 
     @property
     def needs_bytes(self) -> int:
-        """What must fit: the training peak, or the build's where it is higher (native ZeRO-1/2 casting the fp32
-        model into its flat buffer)."""
+        """What must fit: the training peak, or the build's where it is higher (native ZeRO-1/2 casting a loaded
+        fp32 model into its flat buffer)."""
         return max(self.est.peak_bytes, self.est.build_peak_bytes)
 
     def reason(self, budget: int) -> str:
@@ -179,7 +180,16 @@ def _schedule_bubble(pp: int, micro_steps: int, schedule: str, chunks: int, over
 
 
 # -- candidates -------------------------------------------------------------------------------------------
-def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt: str) -> Config:
+def _reduce_settings(cfg: Config, *, zero: int, pp: int) -> tuple[str, ...]:
+    """`parallel.pp_reduce_grads` settings tried: both for ZeRO-3 under a pipeline (once a step holds the stage's
+    fp32 gradient whole, per micro-batch m times the reduce-scatters), where the schedule allows them (not zb1)."""
+    if zero == 3 and pp > 1 and cfg.parallel.pp_schedule != "zb1":
+        return ("step", "micro_batch")
+    return ("step",)
+
+
+def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt: str,
+          reduce: str | None = None) -> Config:
     p = cfg.parallel
     parallel = dataclasses.replace(
         p, dp=dp, tp=tp, pp=pp, zero_stage=zero, pp_layers=p.pp_layers if pp == p.pp else [],
@@ -187,7 +197,7 @@ def _with(cfg: Config, *, dp: int, tp: int, pp: int, zero: int, micro: int, ckpt
         pp_overlap_p2p=p.pp_overlap_p2p if pp > 1 else None,  # (a pipeline's setting: nothing to refuse at pp=1)
         offload=p.offload if zero == 3 else "none",
         # (FSDP2's under a pipeline: the other stages and pp=1 refuse it)
-        pp_reduce_grads=p.pp_reduce_grads if zero == 3 and pp > 1 else "step",
+        pp_reduce_grads=reduce or (p.pp_reduce_grads if zero == 3 and pp > 1 else "step"),
         grad_accum_dtype=p.grad_accum_dtype if zero in (1, 2) else "fp32")
     train = dataclasses.replace(cfg.train, micro_batch_size=micro, activation_checkpointing=ckpt)
     return dataclasses.replace(cfg, parallel=parallel, train=train)
@@ -245,43 +255,43 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
     computes: dict[str, float] = {}
     own_dp = p.dp or world_size // (p.tp * p.pp)
     own = (own_dp, p.tp, p.pp, 0 if own_dp == 1 and p.zero_stage in (1, 2) else p.zero_stage, t.micro_batch_size,
-           t.activation_checkpointing)  # (ZeRO-1/2 on one dp rank are plain: counted as stage 0)
+           t.activation_checkpointing, p.pp_reduce_grads)  # (ZeRO-1/2 on one dp rank are plain: counted as stage 0)
     everything: list[Suggestion] = []
     for dp, tp, pp, zero in layouts(cfg, world_size):
-        for micro in _micro_batches(cfg, dp):
-            for ckpt in CHECKPOINTING:
-                c = _with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=micro, ckpt=ckpt)
-                if not _accepted(c):  # (interleaving: a micro-batch count that is not a multiple of pp)
-                    continue
-                est = None
-                for s in range(pp):  # as predict: the stage that needs the most
-                    key = (dp, tp, pp, s, zero)
-                    if key not in states:
-                        states[key] = model_state_bytes(c, dp=dp, tp=tp, pp=pp, pp_rank=s)
-                    e = dataclasses.replace(states[key], notes=[])
-                    e.activation_bytes = activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
-                    e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp))
-                    e.temporary_bytes += pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
-                    e.offloaded = c.parallel.offload == "cpu"
-                    builds_key = (dp, tp, pp, zero)
-                    if builds_key not in builds:
-                        builds[builds_key] = init_transient_bytes(c, dp=dp, pp=pp)
-                    e.init_transient_bytes = builds[builds_key]
-                    if est is None or e.peak_bytes > est.peak_bytes:
-                        est = e
-                assert est is not None
-                m = t.global_batch_size // (micro * dp)
-                comm = max((_cached_comm(comms, c, dp, tp, pp, s, zero, micro, ckpt) for s in range(pp)),
-                           key=lambda x: x.total)
-                if ckpt not in computes:
-                    computes[ckpt] = compute_seconds(c, world_size)
-                compute = computes[ckpt]
-                bubble = bubble_fraction(c, m)
-                everything.append(Suggestion(
-                    cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute,
-                    bubble_s=compute * bubble / (1 - bubble),
-                    comm_s=comm.seconds(world=world_size, tp=tp, pp=pp, gpus_per_node=gpus_per_node),
-                    this_config=(dp, tp, pp, zero, micro, ckpt) == own))
+        for micro, ckpt, reduce in itertools.product(_micro_batches(cfg, dp), CHECKPOINTING,
+                                                     _reduce_settings(cfg, zero=zero, pp=pp)):
+            c = _with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=micro, ckpt=ckpt, reduce=reduce)
+            if not _accepted(c):  # (interleaving: a micro-batch count that is not a multiple of pp)
+                continue
+            est = None
+            for s in range(pp):  # as predict: the stage that needs the most
+                key = (dp, tp, pp, s, zero)
+                if key not in states:
+                    states[key] = model_state_bytes(c, dp=dp, tp=tp, pp=pp, pp_rank=s)
+                e = dataclasses.replace(states[key], notes=[])
+                e.activation_bytes = activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
+                e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp))
+                e.temporary_bytes += pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
+                e.offloaded = c.parallel.offload == "cpu"
+                builds_key = (dp, tp, pp, zero)
+                if builds_key not in builds:
+                    builds[builds_key] = init_transient_bytes(c, dp=dp, pp=pp)
+                e.init_transient_bytes = builds[builds_key]
+                if est is None or e.peak_bytes > est.peak_bytes:
+                    est = e
+            assert est is not None
+            m = t.global_batch_size // (micro * dp)
+            comm = max((_cached_comm(comms, c, dp, tp, pp, s, zero, micro, ckpt, reduce) for s in range(pp)),
+                       key=lambda x: x.total)
+            if ckpt not in computes:
+                computes[ckpt] = compute_seconds(c, world_size)
+            compute = computes[ckpt]
+            bubble = bubble_fraction(c, m)
+            everything.append(Suggestion(
+                cfg=c, est=est, comm=comm, bubble=bubble, compute_s=compute,
+                bubble_s=compute * bubble / (1 - bubble),
+                comm_s=comm.seconds(world=world_size, tp=tp, pp=pp, gpus_per_node=gpus_per_node),
+                this_config=(dp, tp, pp, zero, micro, ckpt, c.parallel.pp_reduce_grads) == own))
     fits = sorted((s for s in everything if s.needs_bytes <= budget), key=lambda s: (s.step_s, s.est.peak_bytes))
     best: dict[tuple[int, int, int], list[Any]] = {}
     for s in fits:
@@ -294,8 +304,8 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
 
 
 def _cached_comm(cache: dict[tuple[Any, ...], Comm], c: Config, dp: int, tp: int, pp: int, s: int, zero: int,
-                 micro: int, ckpt: str) -> Comm:
-    key = (dp, tp, pp, s, zero, micro, ckpt == "full")
+                 micro: int, ckpt: str, reduce: str) -> Comm:
+    key = (dp, tp, pp, s, zero, micro, ckpt == "full", reduce)
     if key not in cache:
         cache[key] = step_comm(c, dp=dp, tp=tp, pp=pp, pp_rank=s)
     return cache[key]
@@ -342,7 +352,8 @@ def scale_model(m: ModelConfig, params: float) -> ModelConfig:
 # -- presentation -------------------------------------------------------------------------------------------
 def _row(s: Suggestion, budget: int, variants: int, mark: str = "") -> str:
     p, t = s.cfg.parallel, s.cfg.train
-    return (f"{p.dp:>4}{p.tp:>4}{p.pp:>4}{p.zero_stage:>6}{t.activation_checkpointing:>11}{t.micro_batch_size:>7}"
+    zero = f"{p.zero_stage}{'/mb' if p.pp_reduce_grads == 'micro_batch' else ''}"
+    return (f"{p.dp:>4}{p.tp:>4}{p.pp:>4}{zero:>6}{t.activation_checkpointing:>11}{t.micro_batch_size:>7}"
             f"{variants:>9}{_time(s.step_s):>11}  {s.reason(budget)}{mark}")
 
 
@@ -350,8 +361,12 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
     n = len(plan.layouts)
     shown = plan.layouts[:top]
     lines = [f"{plan.variants} variants of {plan.world_size} ranks counted (dp x tp x pp, ZeRO stage, micro batch, "
-             f"checkpointing); {len(plan.fits)} fit {memory_text} per rank, in {n} distinct layouts (dp x tp x pp)",
+             f"checkpointing, ZeRO-3's gradient reduction under pp); {len(plan.fits)} fit {memory_text} per rank, in "
+             f"{n} distinct layouts (dp x tp x pp)",
              f"cost model: {cost_model(plan.gpus_per_node)}"]
+    if any(s.cfg.parallel.pp_reduce_grads == "micro_batch" for s, _ in plan.layouts[:top]):
+        lines.append("zero 3/mb: parallel.pp_reduce_grads=micro_batch (the stage's gradients reduce-scattered after "
+                     "every micro-batch, not held whole to the step's end)")
     header = (f"{'dp':>4}{'tp':>4}{'pp':>4}{'zero':>6}{'ckpt':>11}{'micro':>7}{'variants':>9}{'est. step':>11}"
               "  why")
     if not shown:
@@ -393,7 +408,7 @@ def to_json(plan: Plan) -> list[dict[str, Any]]:
     out = []
     for s, count in plan.layouts:
         p, t = s.cfg.parallel, s.cfg.train
-        out.append({"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage,
+        out.append({"dp": p.dp, "tp": p.tp, "pp": p.pp, "zero_stage": p.zero_stage, "pp_reduce_grads": p.pp_reduce_grads,
                     "activation_checkpointing": t.activation_checkpointing, "micro_batch_size": t.micro_batch_size,
                     "variants": count, "comm_bytes_per_step": s.comm.total, "comm_bytes_by_kind": s.comm.bytes,
                     "comm_calls": s.comm.calls, "bubble": s.bubble, "est_step_s": s.step_s,
