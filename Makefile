@@ -6,7 +6,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # The CPU build of torch that these machines keep on local disk. On a machine with an NVIDIA driver the
-# project's range (torch>=2.6) is left to pip, so a CUDA build the user installed stays.
+# project's range (torch>=2.13) is left to pip, so a CUDA build the user installed stays.
 TORCH_CPU ?= torch==2.13.0
 CONFIG ?= configs/tiny.yaml
 NPROC  ?= $(shell nproc 2>/dev/null || echo 2)

@@ -94,6 +94,13 @@ def test_zero3_under_a_pipeline_is_tried_with_both_gradient_reductions(tmp_path:
         assert tried == {(1, 0, "step"), (1, 1, "step"), (1, 2, "step"), (1, 3, "step"), (2, 0, "step"),
                          (2, 1, "step"), (2, 2, "step"), (2, 3, "step"), (2, 3, "micro_batch")}, setting
         assert plan.this_config is not None and plan.this_config.cfg.parallel.pp_reduce_grads == setting
+        every = [(s.layout, s.cfg.parallel.zero_stage, s.cfg.train.micro_batch_size, s.cfg.train.activation_checkpointing,
+                  s.cfg.parallel.pp_reduce_grads) for s in plan.fits]
+        assert len(set(every)) == len(every) == plan.variants  # each candidate counted once
+        assert {row["pp_reduce_grads"] for row in memory_suggest.to_json(plan)} <= {"step", "micro_batch"}
+        text = memory_suggest.format_plan(plan, top=20, memory_text="x")
+        assert (f"as configured (zero {'3/mb' if setting == 'micro_batch' else '3'}," in text
+                and ("zero 3/mb: parallel.pp_reduce_grads=micro_batch" in text) == (setting == "micro_batch"))
     # the same candidate both ways: dp2 x pp2, ZeRO-3, the config's micro batch and checkpointing
     pair = {s.cfg.parallel.pp_reduce_grads: s for s in plan.fits if s.layout == (2, 1, 2) and s.cfg.parallel.zero_stage
             == 3 and s.cfg.train.micro_batch_size == cfg.train.micro_batch_size
@@ -108,6 +115,17 @@ def test_zero3_under_a_pipeline_is_tried_with_both_gradient_reductions(tmp_path:
              and s.cfg.train.activation_checkpointing == cfg.train.activation_checkpointing}
     assert (3, "micro_batch") in piped and (3, "step") not in piped
     assert memory_suggest._row(pair["micro_batch"], budget, 1).startswith("   2   1   2  3/mb")
+
+
+def test_zero3_on_one_dp_rank_under_a_pipeline_is_this_config(tmp_path: Path) -> None:
+    """dp=1 x pp=2 at ZeRO-3 runs FSDP2 over one rank (a mesh exists), holding the stage's part as under dp > 1:
+    `--suggest` counts it and finds it as the config's own (it said the config could not run there)."""
+    cfg = load_config(None, tiny_overrides(tmp_path, parallel__pp=2, parallel__zero_stage=3,
+                                           parallel__pp_reduce_grads="micro_batch"))
+    plan = memory_suggest.suggest(cfg, 2, 2**40)
+    own = plan.this_config
+    assert own is not None and own.layout == (1, 1, 2) and own.cfg.parallel.zero_stage == 3
+    assert own.cfg.parallel.pp_reduce_grads == "micro_batch"
 
 
 @pytest.mark.parametrize(("schedule", "per_micro_batch"), [("1f1b", 1), ("interleaved", 3), ("zb1", 3)])

@@ -234,8 +234,8 @@ def layouts(cfg: Config, world_size: int) -> Iterator[tuple[int, int, int, int]]
             if t.global_batch_size % dp:
                 continue
             zeros = (0, 1, 2, 3) if dp > 1 else (0,)
-            if dp == 1 and cfg.parallel.zero_stage == 3 and pp == 1:
-                zeros = (0, 3)
+            if dp == 1 and cfg.parallel.zero_stage == 3:  # (FSDP2 over one rank: at pp > 1 too, where it holds the
+                zeros = (0, 3)                               # stage's part whole through the step)
             for zero in zeros:
                 if any(_accepted(_with(cfg, dp=dp, tp=tp, pp=pp, zero=zero, micro=micro,
                                        ckpt=t.activation_checkpointing)) for micro in _micro_batches(cfg, dp)):
@@ -350,35 +350,43 @@ def scale_model(m: ModelConfig, params: float) -> ModelConfig:
 
 
 # -- presentation -------------------------------------------------------------------------------------------
+def _zero(p: Any) -> str:
+    """The ZeRO stage as the table shows it: `3/mb` for ZeRO-3 reducing per micro-batch under a pipeline."""
+    return f"{p.zero_stage}{'/mb' if p.pp_reduce_grads == 'micro_batch' else ''}"
+
+
+_MB_LEGEND = ("zero 3/mb: parallel.pp_reduce_grads=micro_batch (the stage's gradients reduce-scattered after every "
+              "micro-batch, not held whole to the step's end)")
+
+
 def _row(s: Suggestion, budget: int, variants: int, mark: str = "") -> str:
     p, t = s.cfg.parallel, s.cfg.train
-    zero = f"{p.zero_stage}{'/mb' if p.pp_reduce_grads == 'micro_batch' else ''}"
-    return (f"{p.dp:>4}{p.tp:>4}{p.pp:>4}{zero:>6}{t.activation_checkpointing:>11}{t.micro_batch_size:>7}"
+    return (f"{p.dp:>4}{p.tp:>4}{p.pp:>4}{_zero(p):>6}{t.activation_checkpointing:>11}{t.micro_batch_size:>7}"
             f"{variants:>9}{_time(s.step_s):>11}  {s.reason(budget)}{mark}")
 
 
 def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
     n = len(plan.layouts)
     shown = plan.layouts[:top]
+    printed: list[Suggestion] = []  # the candidates a line shows (the legend of `3/mb` where one is)
     lines = [f"{plan.variants} variants of {plan.world_size} ranks counted (dp x tp x pp, ZeRO stage, micro batch, "
              f"checkpointing, ZeRO-3's gradient reduction under pp); {len(plan.fits)} fit {memory_text} per rank, in "
              f"{n} distinct layouts (dp x tp x pp)",
              f"cost model: {cost_model(plan.gpus_per_node)}"]
-    if any(s.cfg.parallel.pp_reduce_grads == "micro_batch" for s, _ in plan.layouts[:top]):
-        lines.append("zero 3/mb: parallel.pp_reduce_grads=micro_batch (the stage's gradients reduce-scattered after "
-                     "every micro-batch, not held whole to the step's end)")
     header = (f"{'dp':>4}{'tp':>4}{'pp':>4}{'zero':>6}{'ckpt':>11}{'micro':>7}{'variants':>9}{'est. step':>11}"
               "  why")
     if not shown:
         lines.append("none fits: more ranks, a smaller micro batch or a smaller model")
         if plan.smallest is not None:
             lines += ["the smallest peak:", header, _row(plan.smallest, plan.budget, 0)]
+            printed.append(plan.smallest)
     else:
         lines += [f"showing the best variant of each of the top {len(shown)} layouts ({n - len(shown)} cut; --top N "
                   f"to see more):", header]
         for s, count in shown:
             lines.append(_row(s, plan.budget, count, "  <- this config's layout" if s.layout == plan.this_layout
                               else ""))
+            printed.append(s)
     dp_tp_pp = " x ".join(f"{k}{v}" for k, v in zip(("dp", "tp", "pp"), plan.this_layout or ()))
     if plan.this_layout is None:
         lines.append(f"this config's layout (tp x pp) does not divide {plan.world_size} ranks, or the config's rules "
@@ -390,7 +398,10 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
         if rank:
             s, count = plan.layouts[rank - 1]
             lines.append(_row(s, plan.budget, count))
+            printed.append(s)
     own = plan.this_config
+    if own is not None:
+        printed.append(own)
     if own is None and plan.this_layout is not None:
         lines.append(f"as configured it cannot run on {plan.world_size} ranks: the micro batch, ZeRO stage or "
                      "checkpointing is not one of this layout's (train.global_batch_size must split into dp x "
@@ -398,9 +409,11 @@ def format_plan(plan: Plan, *, top: int, memory_text: str) -> str:
     elif own is not None and own.needs_bytes > plan.budget:
         lines.append(f"as configured it needs a peak of {own.needs_bytes / GiB:.3g} GiB: does not fit")
     elif own is not None:
-        lines.append(f"as configured (zero {own.cfg.parallel.zero_stage}, micro batch {own.cfg.train.micro_batch_size},"
+        lines.append(f"as configured (zero {_zero(own.cfg.parallel)}, micro batch {own.cfg.train.micro_batch_size},"
                      f" checkpointing {own.cfg.train.activation_checkpointing}): est. step {_time(own.step_s)}; "
                      + own.reason(plan.budget))
+    if any(_zero(s.cfg.parallel).endswith("/mb") for s in printed):
+        lines.append(_MB_LEGEND)
     return "\n".join(lines)
 
 

@@ -127,20 +127,17 @@ def _vocab_units(model: nn.Module) -> list[nn.Module]:
 
 
 def release_reduce_inputs(comm_ctx: object, stream: object) -> None:
-    """Drop the reduce-scatter inputs FSDP2 keeps alive in `comm_ctx` (its FSDPCommContext), once `stream` (the
-    compute stream) waits for each reduce-scatter's event: the caching allocator may then hand their memory to later
-    kernels of that stream only. torch 2.12 keeps a list of them (`reduce_scatter_states`), earlier ones one
-    (`reduce_scatter_state`)."""
+    """Drop the reduce-scatter inputs FSDP2 keeps alive in `comm_ctx` (its FSDPCommContext, `reduce_scatter_states`
+    since torch 2.12), once `stream` (the compute stream) waits for each reduce-scatter's event: the caching
+    allocator may then hand their memory to later kernels of that stream only."""
     states = getattr(comm_ctx, "reduce_scatter_states", None)
-    if states is None:  # torch < 2.12
-        one = getattr(comm_ctx, "reduce_scatter_state", None)
-        states = [] if one is None else [one]
-        comm_ctx.reduce_scatter_state = None  # type: ignore[attr-defined]
+    if states is None:  # (a torch whose FSDP2 keeps them elsewhere: a silent no-op would keep them all step)
+        raise RuntimeError(f"parallel.pp_reduce_grads=micro_batch: this torch {torch.__version__}'s FSDP2 keeps no "
+                           "reduce_scatter_states; use torch>=2.13 or pp_reduce_grads=step")
     for state in states:
         if state.event is not None:
             stream.wait_event(state.event)  # type: ignore[attr-defined]
-    if isinstance(getattr(comm_ctx, "reduce_scatter_states", None), list):
-        comm_ctx.reduce_scatter_states.clear()  # type: ignore[attr-defined]
+    states.clear()
 
 
 class FSDPDataParallel(DataParallel):
