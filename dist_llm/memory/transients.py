@@ -132,7 +132,9 @@ def zero_flat_build_bytes(cfg: Config, *, dp: int, pp: int) -> int:
         return 0
     tp, ep = p.tp, memory_moe.ep_degree(cfg)
     fp32 = cfg.train.precision == "fp32"
-    from_meta = not cfg.model.init_from and cfg.peft.method == "none"  # (parallel/data builds_flat_on_meta)
+    from dist_llm.parallel.data import zero_draws_from_meta
+
+    from_meta = zero_draws_from_meta(cfg)
     if fp32 and (from_meta or _runs_on_gloo(cfg)):
         return 0
     worst = 0

@@ -21,13 +21,17 @@ def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
     return cfg.parallel.backend == "native" and cfg.parallel.zero_stage == 3 and not (ctx.dp == 1 and ctx.mesh is None)
 
 
-def builds_flat_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
-    """Whether native ZeRO-1/2 takes the model on the meta device and draws each parameter straight into its flat
-    buffer (zero.py `_build_from_meta`): at dp > 1 from a random start without PEFT. From model.init_from, or with
-    a frozen base, it takes a materialised model (the loaders and PEFT fill a whole one)."""
+def zero_draws_from_meta(cfg: Config) -> bool:
+    """Whether native ZeRO-1/2 (where it shards, dp x cp > 1) takes the model on the meta device and draws each
+    parameter straight into its flat buffer (zero.py `_build_from_meta`): from a random start without PEFT. From
+    model.init_from, or with a frozen base, it takes a materialised model (the loaders and PEFT fill a whole one)."""
     p = cfg.parallel
-    return (p.backend == "native" and p.zero_stage in (1, 2) and ctx.dp_cp > 1 and not cfg.model.init_from
-            and cfg.peft.method == "none")
+    return p.backend == "native" and p.zero_stage in (1, 2) and not cfg.model.init_from and cfg.peft.method == "none"
+
+
+def builds_flat_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
+    """`zero_draws_from_meta` where the ZeRO form shards (dp x cp > 1; the plain form takes a materialised model)."""
+    return ctx.dp_cp > 1 and zero_draws_from_meta(cfg)
 
 
 def builds_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
@@ -106,4 +110,5 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
     return form
 
 
-__all__ = ["DataParallel", "build_data_parallel", "builds_flat_on_meta", "builds_on_meta", "uses_fsdp"]
+__all__ = ["DataParallel", "build_data_parallel", "builds_flat_on_meta", "builds_on_meta", "uses_fsdp",
+           "zero_draws_from_meta"]

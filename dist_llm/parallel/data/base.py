@@ -212,6 +212,30 @@ class DataParallel:
                 "optimizer": tensor_bytes(optimizer_state_tensors(self.optimizer))}
 
 
+Owners = dict[int, list[tuple[nn.Module, str]]]
+
+
+def parameter_owners(model: nn.Module) -> Owners:
+    """id(parameter) -> every (module, name) holding it (a tied one: two)."""
+    owners: Owners = {}
+    for module in model.modules():
+        for pname, p in module._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), []).append((module, pname))
+    return owners
+
+
+def replace_meta_parameter(meta: nn.Parameter, data: torch.Tensor, owners: Owners) -> nn.Parameter:
+    """A new Parameter over `data` in the place of meta-device `meta` in every module holding it (a meta tensor's
+    storage cannot be swapped for a real one), with its marks (parallel/marks.py) and requires_grad."""
+    p = nn.Parameter(data, requires_grad=meta.requires_grad)
+    for attr, value in vars(meta).items():
+        setattr(p, attr, value)
+    for module, pname in owners[id(meta)]:
+        module._parameters[pname] = p
+    return p
+
+
 def allocate_buffers(model: nn.Module, device: torch.device) -> None:
     """Allocate the buffers of a model built on the meta device (small: RoPE tables, ALiBi slopes, tp row
     indices, an MoE layer's expert bias) on `device` and recompute their values, its parameters left on meta."""

@@ -27,7 +27,7 @@ from torch import nn
 
 from dist_llm.model.buffers import trained_buffers
 from dist_llm.parallel import comm
-from dist_llm.parallel.data.base import allocate_buffers
+from dist_llm.parallel.data.base import allocate_buffers, parameter_owners, replace_meta_parameter
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 
@@ -193,11 +193,7 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
     partitioner = deepspeed.zero.Init(config_dict_or_path=ds_config, data_parallel_group=group)
     source = partitioner.rank == 0  # (its rank in the partition group: the one the broadcast is from)
     allocate_buffers(model, device)  # (before the parameters: an NF4 layer's mean is its weight's, set as it is built)
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding a parameter (tied ones: two)
-    for module in model.modules():
-        for pname, p in module._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), []).append((module, pname))
+    owners = parameter_owners(model)
     nf4 = {id(getattr(layer, pname)): (module_name, layer) for module_name, layer in model.named_modules()
            if isinstance(layer, NF4Linear) for pname in NF4_PARAMETERS}
     built: set[int] = set()  # the NF4 layers built (each at its first NF4 parameter)
@@ -208,11 +204,7 @@ def build_partitioned(model: nn.Module, fill: Fill, device: torch.device, ds_con
                 built.add(id(layer))
                 _build_nf4(model, module_name, layer, fill, device, partitioner, source)
             continue
-        p = nn.Parameter(torch.empty(meta.shape, dtype=meta.dtype, device=device), requires_grad=meta.requires_grad)
-        for attr, value in vars(meta).items():  # parameter marks (parallel/marks.py)
-            setattr(p, attr, value)
-        for module, pname in owners[id(meta)]:
-            module._parameters[pname] = p
+        p = replace_meta_parameter(meta, torch.empty(meta.shape, dtype=meta.dtype, device=device), owners)
         fill(parameter_name(name, ""), p, source=source)  # (collective: a failed read is raised on every rank here)
         p.data = p.data.to(partitioner.dtype)
         # (broadcasts the source's values over the group, then keeps this rank's range: the others' p held garbage)

@@ -42,7 +42,8 @@ from dist_llm.parallel import comm
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.shards import range_rectangles
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
-from dist_llm.parallel.data.base import DataParallel, optimizer_state_tensors, quantised_bytes, tensor_bytes
+from dist_llm.parallel.data.base import (DataParallel, optimizer_state_tensors, parameter_owners, quantised_bytes,
+                                        replace_meta_parameter, tensor_bytes)
 from dist_llm.optim import adamw, decays, guarded_step, set_lr
 from dist_llm.precision import DTYPES
 
@@ -258,11 +259,7 @@ class ZeroDataParallel(DataParallel):
         segments given to the masters and cast into its view. Peak: the buffer, the masters and one parameter in
         fp32, never the fp32 model. In fp32 runs each parameter is drawn straight into its view."""
         mine = self._segments_by_entry()
-        owners: dict[int, list[tuple[nn.Module, str]]] = {}  # every module holding a parameter (a tied one: two)
-        for module in self.module.modules():
-            for pname, p in module._parameters.items():
-                if p is not None:
-                    owners.setdefault(id(p), []).append((module, pname))
+        owners = parameter_owners(self.module)
         self.flat_params = torch.empty(total, dtype=self.param_dtype, device=device)
         for b in self.buckets:
             end = b.start + sum(e.numel for e in b.entries)
@@ -272,14 +269,8 @@ class ZeroDataParallel(DataParallel):
                 if not meta.is_meta:
                     raise RuntimeError(f"ZeRO-{self.stage} meta build: {e.name} is already materialised")
                 view = self.flat_params[e.offset : e.offset + e.numel].view(meta.shape)
-                # (a meta tensor's storage cannot be swapped for a real one: a new Parameter takes its place in every
-                # module holding it, with its marks, parallel/marks.py)
                 fp32 = view if self.master is None else torch.empty(meta.shape, dtype=torch.float32, device=device)
-                e.param = nn.Parameter(fp32, requires_grad=meta.requires_grad)
-                for attr, value in vars(meta).items():
-                    setattr(e.param, attr, value)
-                for module, pname in owners[id(meta)]:
-                    module._parameters[pname] = e.param
+                e.param = replace_meta_parameter(meta, fp32, owners)
                 draw(e.name)
                 if self.master is None:
                     continue
