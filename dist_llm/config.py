@@ -766,6 +766,14 @@ def overlap_p2p(cfg: Config) -> bool:
     return p.pp_overlap_p2p
 
 
+def zero_draws_from_meta(cfg: Config) -> bool:
+    """Whether native ZeRO-1/2 (where it shards, dp x cp > 1) takes the model on the meta device and draws each
+    parameter straight into its flat buffer (parallel/data/zero.py `_build_from_meta`): from a random start without PEFT. From
+    model.init_from, or with a frozen base, it takes a materialised model (the loaders and PEFT fill a whole one)."""
+    p = cfg.parallel
+    return p.backend == "native" and p.zero_stage in (1, 2) and not cfg.model.init_from and cfg.peft.method == "none"
+
+
 def reshard_after_forward(cfg: Config) -> bool:
     """`parallel.reshard_after_forward`, or where unset its default: true, false under a pipeline (torchtitan's
     choice: 1F1B runs other micro-batches' forwards before a backward, so resharding would gather every unit

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from dist_llm.config import Config, ConfigError, reshard_after_forward
+from dist_llm.config import Config, ConfigError, reshard_after_forward, zero_draws_from_meta
 from dist_llm.memory import moe as memory_moe
 from dist_llm.memory.activations import _layer_bytes, _moe_layer_bytes
 from dist_llm.memory.estimate import _runs_on_gloo
@@ -132,8 +132,6 @@ def zero_flat_build_bytes(cfg: Config, *, dp: int, pp: int) -> int:
         return 0
     tp, ep = p.tp, memory_moe.ep_degree(cfg)
     fp32 = cfg.train.precision == "fp32"
-    from dist_llm.parallel.data import zero_draws_from_meta
-
     from_meta = zero_draws_from_meta(cfg)
     if fp32 and (from_meta or _runs_on_gloo(cfg)):
         return 0

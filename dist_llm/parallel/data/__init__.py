@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 from torch import nn
 
-from dist_llm.config import Config, ConfigError
+from dist_llm.config import Config, ConfigError, zero_draws_from_meta
 from dist_llm.parallel.context import ParallelContext
 from dist_llm.parallel.data.base import DataParallel, allocate_buffers
 
@@ -19,14 +19,6 @@ if TYPE_CHECKING:
 def uses_fsdp(cfg: Config, ctx: ParallelContext) -> bool:
     """Whether the data-parallel form is FSDP2: ZeRO-3 on the native backend, with a dp mesh to shard over."""
     return cfg.parallel.backend == "native" and cfg.parallel.zero_stage == 3 and not (ctx.dp == 1 and ctx.mesh is None)
-
-
-def zero_draws_from_meta(cfg: Config) -> bool:
-    """Whether native ZeRO-1/2 (where it shards, dp x cp > 1) takes the model on the meta device and draws each
-    parameter straight into its flat buffer (zero.py `_build_from_meta`): from a random start without PEFT. From
-    model.init_from, or with a frozen base, it takes a materialised model (the loaders and PEFT fill a whole one)."""
-    p = cfg.parallel
-    return p.backend == "native" and p.zero_stage in (1, 2) and not cfg.model.init_from and cfg.peft.method == "none"
 
 
 def builds_flat_on_meta(cfg: Config, ctx: ParallelContext) -> bool:
@@ -110,5 +102,4 @@ def build_data_parallel(model: nn.Module, cfg: Config, ctx: ParallelContext, *,
     return form
 
 
-__all__ = ["DataParallel", "build_data_parallel", "builds_flat_on_meta", "builds_on_meta", "uses_fsdp",
-           "zero_draws_from_meta"]
+__all__ = ["DataParallel", "build_data_parallel", "builds_flat_on_meta", "builds_on_meta", "uses_fsdp"]
