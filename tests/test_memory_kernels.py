@@ -29,7 +29,8 @@ def test_cuda_rms_norm_keeps_no_normalised_output(config: str, precision: str) -
     (B, T, C) tensor a norm, fp32 in mixed precision too (autocast runs norms in fp32 over the fp32 residual).
     configs/tiny.yaml and moe.yaml: 4 blocks x 2 norms + the final one, at 32 x 128 tokens of width 128:
     9 x 32 x 128 x 128 x 4 bytes = 18 MiB, what an H200 measured below the CPU in both (202.45 -> 184.45 MiB
-    tiny fp32, 156.52 -> 138.52 moe bf16); the CPU's figure is unchanged (202.42 MiB predicted for tiny)."""
+    tiny fp32, 156.52 -> 138.52 moe bf16); the CPU's figure is unchanged (202.45 MiB predicted for tiny, what the
+    CPU's meter reads: 202.42 before the embedding's int64 ids were counted)."""
     cpu = _activations(config, "train.device=cpu", f"train.precision={precision}")
     cuda = _activations(config, "train.device=cuda", f"train.precision={precision}")
     # (a torch before the fused kernel runs the composite on CUDA too: no difference, which the count says)
@@ -37,7 +38,7 @@ def test_cuda_rms_norm_keeps_no_normalised_output(config: str, precision: str) -
     assert cpu - cuda == (9 * 32 * 128 * 128 * 4 if fused else 0)
     assert 9 * 32 * 128 * 128 * 4 == 18 * MiB
     if (config, precision) == ("configs/tiny.yaml", "fp32"):
-        assert round(cpu / MiB, 2) == 202.42
+        assert round(cpu / MiB, 2) == 202.45
 
 
 def test_layer_norm_is_the_same_on_every_device() -> None:

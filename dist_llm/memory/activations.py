@@ -15,6 +15,7 @@ a column-parallel layer keeps the all-gathered input (b*s*h, not b*s*h/t), as a 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Iterable
 
 import torch
@@ -67,22 +68,36 @@ def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[
     return low, high
 
 
-def rms_norm_saves_normalised(cfg: Config) -> bool:
-    """Whether each RMSNorm keeps its normalised output x * rstd for backward, besides its input and rstd.
+def rms_norm_composite(cfg: Config) -> bool:
+    """Whether each RMSNorm runs aten's composite rather than a fused kernel.
 
     nn.RMSNorm calls aten's rms_norm, which runs `_fused_rms_norm`: on CUDA (and XPU) a fused kernel whose backward
-    takes the input, rstd and weight (derivatives.yaml), nothing else; elsewhere (the CPU) its composite,
-    pow -> mean -> rsqrt -> mul(x, rstd) -> mul(., weight), whose last product keeps x * rstd for the weight's
-    gradient, so only where that weight trains: PEFT freezes the norms (autograd then saves no input of a product
-    for a factor that needs no gradient). On an H200 (torch 2.11) configs/tiny.yaml fp32 saved 18.00 MiB less
-    than on the CPU, and moe.yaml bf16 18.00 MiB less: one (B, T, C) fp32 tensor for each of the 9 norms (4
-    blocks x 2 and the final one); the SDPA kernels (efficient, cuDNN, flash-cpu) save the same q, k, v, output
-    and log-sum-exp there. Which device: train.device, or with "auto" whether CUDA is present here, as the
-    trainer picks it. Torch without `_fused_rms_norm_backward` (before its CUDA kernel) runs the composite
-    everywhere."""
-    if cfg.model.norm != "rmsnorm" or cfg.peft.method != "none":
-        return False
-    return _runs_on_gloo(cfg) or not hasattr(torch.ops.aten, "_fused_rms_norm_backward")
+    takes the input, rstd and weight (derivatives.yaml), nothing else, the input in its own dtype; elsewhere (the
+    CPU) its composite, which upcasts the input to fp32 first and then runs pow -> mean -> rsqrt -> mul(x, rstd) ->
+    mul(., weight) on the upcast copy: what it saves is fp32 whatever the parameters' dtype (with 16-bit parameters,
+    our ZeRO-1/2's, the saved input is 4 bytes a value, not 2: measured with scripts/saved_tensors_by_op.py, 18
+    fp32 (B, T, C) tensors for the 9 norms of configs/tiny.yaml in bf16). Which device: train.device, or with
+    "auto" whether CUDA is present here, as the trainer picks it. Torch without `_fused_rms_norm_backward` (before
+    its CUDA kernel) runs the composite everywhere."""
+    return cfg.model.norm == "rmsnorm" and (_runs_on_gloo(cfg) or not hasattr(torch.ops.aten, "_fused_rms_norm_backward"))
+
+
+def rms_norm_saves_normalised(cfg: Config) -> bool:
+    """Whether each RMSNorm keeps its normalised output x * rstd for backward, besides its input and rstd: the
+    composite's last product keeps it for the weight's gradient (`rms_norm_composite`), so only where that weight
+    trains: PEFT freezes the norms (autograd then saves no input of a product for a factor that needs no gradient).
+    On an H200 (torch 2.11) configs/tiny.yaml fp32 saved 18.00 MiB less than on the CPU, and moe.yaml bf16 18.00 MiB
+    less: one (B, T, C) fp32 tensor for each of the 9 norms (4 blocks x 2 and the final one); the SDPA kernels
+    (efficient, cuDNN, flash-cpu) save the same q, k, v, output and log-sum-exp there."""
+    return cfg.peft.method == "none" and rms_norm_composite(cfg)
+
+
+def _norm_input_bytes(cfg: Config, dp: int) -> int:
+    """Bytes of a value a norm saves of its input (and RMSNorm's composite of its normalised output): the
+    residual stream's dtype, 16-bit only with 16-bit parameters, except under RMSNorm's composite (fp32 copies)."""
+    if cfg.train.precision == "fp32" or not _params16(cfg, dp) or rms_norm_composite(cfg):
+        return 4
+    return 2
 
 
 def _mlp_low_values(cfg: Config, tp: int, seq: int = 1) -> float:
@@ -108,11 +123,11 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> f
     dropout = _lora_dropout_bytes(cfg, cfg.peft.targets, tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
     if cfg.train.precision == "fp32":
         return 4 * (low + high) + dropout
-    # our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage
-    params16 = _params16(cfg, dp)
+    # (our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage)
     fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
                                                 / (tp if sequence_parallel else 1))
-    return 2 * low + (2 * (high - fp32_stats) if params16 else 4 * (high - fp32_stats)) + 4 * fp32_stats + dropout
+    # (high - fp32_stats: the norms' inputs, and RMSNorm's normalised outputs where it keeps them)
+    return 2 * low + _norm_input_bytes(cfg, dp) * (high - fp32_stats) + 4 * fp32_stats + dropout
 
 
 def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False) -> float:
@@ -128,16 +143,61 @@ def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, 
     return dense - mlp + moe / tokens
 
 
-def _head_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> float:
-    """Values per token saved by the final norm, the LM head and the loss (fp32), and the embedding's ids."""
+def _head_bytes(cfg: Config, tp: int, dp: int, *, sequence_parallel: bool) -> float:
+    """Bytes per token saved by the final norm, the LM head and the loss, and the loss's targets (int64). The
+    head's matmul keeps its input in the compute dtype (autocast's 16-bit copy of the norm's output in mixed
+    precision); the log-softmax over the vocabulary stays fp32."""
     m = cfg.model
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
-    vocab = m.padded_vocab / tp
-    norm = m.n_embd / seq * (2 if rms_norm_saves_normalised(cfg) else 1) + (1 if rms else 2) / seq
+    norm_in = m.n_embd / seq * (2 if rms_norm_saves_normalised(cfg) else 1)
+    norm = norm_in * _norm_input_bytes(cfg, dp) + (1 if rms else 2) / seq * 4
     # a frozen head needs no input for its gradient; under SP the head keeps its input's local slice
-    head_input = m.n_embd / seq if cfg.peft.method == "none" else 0
-    return norm + head_input + vocab + 2  # norm, head input, log-softmax (or softmax) over the vocabulary, ids
+    head_input = m.n_embd / seq * (4 if cfg.train.precision == "fp32" else 2) if cfg.peft.method == "none" else 0
+    return norm + head_input + 4 * m.padded_vocab / tp + 8
+
+
+def _ids_bytes(cfg: Config) -> int:
+    """Bytes per token the embedding keeps on the first stage: its token ids (int64), where it trains."""
+    return 8 if cfg.peft.method == "none" else 0
+
+
+def autocast_weight_copy_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) -> int:
+    """Bytes of autocast's 16-bit copies of fp32 weights that one micro-batch keeps for backward on this stage.
+
+    In mixed precision with fp32 parameters each matmul's weight is cast to the compute dtype, and autograd keeps
+    that copy for the input's gradient until the micro-batch's backward; each micro-batch's forward runs in an
+    autocast region of its own, whose cast cache ends with it, so every micro-batch in flight holds its own: 2
+    bytes a weight element of the stage's linear layers (attention, the dense MLP or an MoE block's shared
+    experts, LoRA's A and B, this tp rank's slice) and of the LM head on the last stage. None in fp32, with
+    16-bit parameters (our ZeRO-1/2 and DeepSpeed: the matmul reads the parameter itself) or under FSDP2
+    (zero_stage 3 gathers the parameters in the compute dtype). The routed experts' copies and the router are
+    moe.py's. Under PEFT a block-0 layer before the first LoRA keeps nothing (its input needs no gradient), and
+    QLoRA's NF4 base weights are dequantized by its own function (not counted here)."""
+    if cfg.train.precision == "fp32" or _params16(cfg, dp) or cfg.parallel.zero_stage == 3:
+        return 0
+    from dist_llm.memory.params import _local_shape, _model_params
+
+    m, f = cfg.model, cfg.peft
+    blocks = {str(i) for i in _blocks(cfg, pp, pp_rank)}
+    unsaved: set[str] = set()
+    if pp_rank == 0 and f.method in ("lora", "qlora"):  # block 0's layers before its first LoRA
+        order = [("qkv", "attn.qkv"), ("attn_out", "attn.proj"), ("mlp_up", "mlp.up"), ("mlp_up", "mlp.gate"),
+                 ("mlp_down", "mlp.down")]
+        first = next((i for i, (t, _) in enumerate(order) if t in f.targets), len(order))
+        unsaved = {f"blocks.0.{layer}.weight" for _, layer in order[:first]}
+    n = 0.0
+    for name, shape, _ in _model_params(cfg, peft=True):
+        parts = name.split(".")
+        if (parts[0] != "blocks" or parts[1] not in blocks or len(shape) != 2 or ".moe.experts." in name
+                or ".moe.router." in name or name in unsaved):
+            continue
+        if f.method == "qlora" and ".lora." not in name:
+            continue
+        n += math.prod(_local_shape(name, shape, cfg, tp))
+    if pp_rank == pp - 1:
+        n += m.padded_vocab / tp * m.n_embd
+    return round(2 * n)
 
 
 def _blocks(cfg: Config, pp: int, pp_rank: int) -> list[int] | range:
@@ -175,7 +235,7 @@ def _values_bytes(cfg: Config, dp: int, low: float, norm: float = 0.0, fp32: flo
     norm inputs (`norm`, 16-bit only with 16-bit parameters), statistics and log-sum-exps (`fp32`)."""
     if cfg.train.precision == "fp32":
         return 4 * (low + norm + fp32)
-    return 2 * low + (2 if _params16(cfg, dp) else 4) * norm + 4 * fp32
+    return 2 * low + _norm_input_bytes(cfg, dp) * norm + 4 * fp32
 
 
 def _lora_dropout_bytes(cfg: Config, targets: Iterable[str], *, tp: int, dp: int, seq: int,
@@ -265,11 +325,12 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     if pp_rank == 0 and mode != "full":
         per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
     if pp_rank == pp - 1:
-        per_micro += _head_values(cfg, tp, sequence_parallel=sp) * 4
-    elif pp_rank == 0:
-        per_micro += 2  # token ids
+        per_micro += _head_bytes(cfg, tp, dp, sequence_parallel=sp)
+    if pp_rank == 0:
+        per_micro += _ids_bytes(cfg)
     in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
-    held = per_micro * in_flight
+    copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp) if mode != "full" else 0
+    held = per_micro * in_flight + copies * in_flight / tokens
     if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
         # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets
         # above the LM head are freed at B (executor.py), so all but the one in its forward hold less (under PEFT
