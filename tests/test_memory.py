@@ -154,12 +154,25 @@ def test_peft_activations_are_exact(tmp_path: Path, corpus: Path) -> None:  # no
 # copies of the fp32 weights (kept for each matmul's input gradient: 1.69 MiB on one process here), counted
 # RMSNorm's saved input and normalised output at 2 bytes with 16-bit parameters where the CPU's composite keeps
 # them in fp32 (7.5 MiB under at ZeRO-2), the LM head's input at 4 bytes (it keeps autocast's 16-bit copy) and
-# the embedding's ids not at all; and SwiGLU's gate and up each kept their own 16-bit copy of their fp32 input
-# (model/factory.py now casts it once: 4 MiB less on one process, which the calculator always counted).
+# the embedding's ids not at all, and SwiGLU's gate and up as sharing one 16-bit copy of their fp32 input (autocast
+# casts it for each: 4 MiB more on one process).
 LLAMA = {"model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__n_kv_head": 2}
 MIXED = {"one-process-llama": (1, {**LLAMA}),
          "zero2-llama": (2, {**LLAMA, "parallel__zero_stage": 2, "train__micro_batch_size": 2}),
-         "ddp-gelu-layernorm": (2, {"parallel__zero_stage": 0, "train__micro_batch_size": 2})}
+         "ddp-gelu-layernorm": (2, {"parallel__zero_stage": 0, "train__micro_batch_size": 2}),
+         # (the head is not checkpointed: its weight's copy stays; ZeRO-3 on one rank is the plain form, fp32)
+         "full-ckpt": (1, {**LLAMA, "train__activation_checkpointing": "full"}),
+         "zero3-one-rank": (1, {**LLAMA, "parallel__zero_stage": 3}),
+         # (block 0 keeps no copy up to its first LoRA's base and A; gate's and up's A each cast their input)
+         "lora-mlp_up": (1, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]"}),
+         # (without SP gate and up each cast the input; with it qkv, gate, up and the head keep fp32 weights)
+         "tp2-llama": (2, {**LLAMA, "parallel__tp": 2}),
+         "tp2-sp-llama": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
+         # (ZeRO-2 over the cp group: 16-bit parameters at dp=1)
+         "cp2-zero2": (2, {**LLAMA, "parallel__cp": 2, "parallel__zero_stage": 2})}
+# what the calculator counts over the meter where that is known and not this test's subject: at cp=2 the ring
+# path's saved tensors, 2,044 bytes here in bf16 (6,140 in fp32) whatever the data-parallel form
+OVER = {"cp2-zero2": 2044}
 
 
 @pytest.mark.parametrize("case", list(MIXED))
@@ -169,7 +182,7 @@ def test_mixed_precision_activations_are_exact(tmp_path: Path, corpus: Path, cas
     got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
            else train(0, 1, tmp_path, corpus, extra))["activation_bytes"]
     est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0).activation_bytes
-    assert 0 <= got - est <= 512, (case, got, est)
+    assert 0 <= got - est + OVER.get(case, 0) <= 512, (case, got, est)
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from typing import Iterable
 
 import torch
@@ -116,11 +117,35 @@ def _mlp_low_values(cfg: Config, tp: int, seq: int = 1) -> float:
     return low
 
 
-def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
+def casts_fp32_weights(cfg: Config, *, dp: int, world: int) -> bool:
+    """Whether the matmuls read fp32 parameters (and the fp32 residual stream) through autocast's casts: mixed
+    precision over fp32 parameters. Not with 16-bit parameters (our ZeRO-1/2 over dp x cp > 1, DeepSpeed) nor
+    under FSDP2 (native ZeRO-3 on more than one rank, parallel/data.uses_fsdp: it gathers them in the compute
+    dtype). `dp` is dp x cp (what ZeRO shards over); `world` every rank."""
+    p = cfg.parallel
+    if cfg.train.precision == "fp32" or _params16(cfg, dp):
+        return False
+    return not (p.zero_stage == 3 and p.backend == "native" and world > 1)
+
+
+def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_parallel: bool) -> float:
+    """Bytes per token of the second 16-bit copy of a gated MLP's input: autocast casts the fp32 input for gate
+    and for up apart, and each matmul keeps its own copy (the values count one, `_mlp_low_values`); the sequence-
+    parallel layers cast it once before their gather (parallel/tensor/layers.py), 16-bit inputs need no cast."""
+    m = cfg.model
+    trained = "mlp_up" in cfg.peft.targets if cfg.peft.method in ("lora", "qlora") else cfg.peft.method == "none"
+    if m.mlp != "swiglu" or not trained or (sequence_parallel and tp > 1):
+        return 0.0
+    return 2 * m.n_embd if casts_fp32_weights(cfg, dp=dp, world=world) else 0.0
+
+
+def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, world: int = 0) -> float:
     """Bytes per token one block saves. In mixed precision matmul outputs are 16-bit; the residual stream
-    stays fp32 unless the parameters themselves are 16-bit (our ZeRO-1/2 keep them so, with fp32 masters)."""
+    stays fp32 unless the parameters themselves are 16-bit (our ZeRO-1/2 keep them so, with fp32 masters).
+    `world` (default dp x tp) tells FSDP2 from the plain form at ZeRO-3."""
     low, high = our_layer_values(cfg, tp, sequence_parallel=sequence_parallel)
     dropout = _lora_dropout_bytes(cfg, cfg.peft.targets, tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
+    dropout += _gated_copy_bytes(cfg, tp=tp, dp=dp, world=world or dp * tp, sequence_parallel=sequence_parallel)
     if cfg.train.precision == "fp32":
         return 4 * (low + high) + dropout
     # (our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage)
@@ -130,13 +155,16 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> f
     return 2 * low + _norm_input_bytes(cfg, dp) * (high - fp32_stats) + 4 * fp32_stats + dropout
 
 
-def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False) -> float:
+def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False,
+                     world: int = 0) -> float:
     """Bytes per token an MoE block saves: the dense block's without its MLP, plus router, routed and shared
     experts (moe.py) for one micro-batch, at the balanced or the worst-case load."""
     tokens = cfg.train.micro_batch_size * cfg.model.block_size
-    dense = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel)
+    world = world or dp * tp
+    dense = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sequence_parallel, world=world)
     mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp) + _lora_dropout_bytes(
         cfg, {"mlp_up", "mlp_down"} & set(cfg.peft.targets), tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
+    mlp += _gated_copy_bytes(cfg, tp=tp, dp=dp, world=world, sequence_parallel=sequence_parallel)
     # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py)
     moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp),
                                      worst=worst)
@@ -162,42 +190,71 @@ def _ids_bytes(cfg: Config) -> int:
     return 8 if cfg.peft.method == "none" else 0
 
 
-def autocast_weight_copy_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int) -> int:
+_COPIES: dict[str, tuple[float, float]] = {}
+
+
+def autocast_weight_copy_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, world: int = 0,
+                               head_only: bool = False) -> int:
     """Bytes of autocast's 16-bit copies of fp32 weights that one micro-batch keeps for backward on this stage.
 
-    In mixed precision with fp32 parameters each matmul's weight is cast to the compute dtype, and autograd keeps
-    that copy for the input's gradient until the micro-batch's backward; each micro-batch's forward runs in an
-    autocast region of its own, whose cast cache ends with it, so every micro-batch in flight holds its own: 2
-    bytes a weight element of the stage's linear layers (attention, the dense MLP or an MoE block's shared
-    experts, LoRA's A and B, this tp rank's slice) and of the LM head on the last stage. None in fp32, with
-    16-bit parameters (our ZeRO-1/2 and DeepSpeed: the matmul reads the parameter itself) or under FSDP2
-    (zero_stage 3 gathers the parameters in the compute dtype). The routed experts' copies and the router are
-    moe.py's. Under PEFT a block-0 layer before the first LoRA keeps nothing (its input needs no gradient), and
-    QLoRA's NF4 base weights are dequantized by its own function (not counted here)."""
-    if cfg.train.precision == "fp32" or _params16(cfg, dp) or cfg.parallel.zero_stage == 3:
+    In mixed precision over fp32 parameters (`casts_fp32_weights`) each matmul's weight is cast to the compute
+    dtype, and autograd keeps that copy for the input's gradient until the micro-batch's backward; each
+    micro-batch's forward runs in an autocast region of its own, whose cast cache ends with it, so every
+    micro-batch in flight holds its own: 2 bytes a weight element of the stage's linear layers (attention, the
+    dense MLP or an MoE block's shared experts, LoRA's A and B, adapters; this tp rank's slice) and of the LM head
+    on the last stage. The sequence-parallel layers (qkv, gate and up, the head at tp > 1) cast by hand and keep
+    the fp32 parameter instead; the routed experts' copies are moe.py's, the router runs in fp32. Under PEFT the
+    layers of block 0 whose input needs no gradient keep none (before the first LoRA, and its base and A; with
+    adapters the attention's), and QLoRA's NF4 base weights are dequantized by its own function. `dp` is dp x cp,
+    `world` every rank (default dp x tp x pp); `head_only`: the head's alone (full activation checkpointing
+    recomputes the blocks, not the head)."""
+    world = world or dp * tp * pp
+    if not casts_fp32_weights(cfg, dp=dp, world=world):
         return 0
+    m, f = cfg.model, cfg.peft
+    sp = cfg.parallel.sequence_parallel and tp > 1
+    blocks = tuple(_blocks(cfg, pp, pp_rank))
+    key = repr((m, f, tp, sp, blocks, pp_rank == 0))
+    if key not in _COPIES:
+        if len(_COPIES) >= 256:  # (`memory --suggest` asks for every variant's stages)
+            _COPIES.pop(next(iter(_COPIES)))
+        _COPIES[key] = (_block_copy_elements(cfg, tp, sp, blocks, first_stage=pp_rank == 0),
+                        0.0 if sp else m.padded_vocab / tp * m.n_embd)
+    in_blocks, head = _COPIES[key]
+    return round(2 * ((0.0 if head_only else in_blocks) + (head if pp_rank == pp - 1 else 0.0)))
+
+
+def _block_copy_elements(cfg: Config, tp: int, sp: bool, blocks: tuple[int, ...], *, first_stage: bool) -> float:
+    """Weight elements of `blocks` whose 16-bit copies a micro-batch keeps (`autocast_weight_copy_bytes`)."""
     from dist_llm.memory.params import _local_shape, _model_params
 
-    m, f = cfg.model, cfg.peft
-    blocks = {str(i) for i in _blocks(cfg, pp, pp_rank)}
+    f = cfg.peft
     unsaved: set[str] = set()
-    if pp_rank == 0 and f.method in ("lora", "qlora"):  # block 0's layers before its first LoRA
+    if first_stage and f.method in ("lora", "qlora"):  # block 0 up to its first LoRA: the input needs no gradient
         order = [("qkv", "attn.qkv"), ("attn_out", "attn.proj"), ("mlp_up", "mlp.up"), ("mlp_up", "mlp.gate"),
                  ("mlp_down", "mlp.down")]
-        first = next((i for i, (t, _) in enumerate(order) if t in f.targets), len(order))
-        unsaved = {f"blocks.0.{layer}.weight" for _, layer in order[:first]}
+        first = next((t for t, _ in order if t in f.targets), None)
+        if first is not None:
+            through = max(i for i, (t, _) in enumerate(order) if t == first)
+            for target, layer in order[: through + 1]:
+                unsaved.add(f"blocks.0.{layer}.weight")
+                if target == first:  # (its B's input, A x, needs a gradient: B keeps its copy)
+                    unsaved.add(f"blocks.0.{layer}.lora.A")
+    elif first_stage and f.method == "adapter":  # the attention's adapter comes after it
+        # (and its down projection, whose input is theirs: only its up keeps a copy)
+        unsaved = {"blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.attn.adapter.down.weight"}
+    sp_layers = re.compile(r"\.(attn\.qkv|mlp\.up|mlp\.gate)\.weight$")
+    wanted = {str(i) for i in blocks}
     n = 0.0
     for name, shape, _ in _model_params(cfg, peft=True):
         parts = name.split(".")
-        if (parts[0] != "blocks" or parts[1] not in blocks or len(shape) != 2 or ".moe.experts." in name
-                or ".moe.router." in name or name in unsaved):
+        if (parts[0] != "blocks" or parts[1] not in wanted or len(shape) != 2 or ".moe.experts." in name
+                or ".moe.router." in name or name in unsaved or (sp and sp_layers.search(name))):
             continue
         if f.method == "qlora" and ".lora." not in name:
             continue
         n += math.prod(_local_shape(name, shape, cfg, tp))
-    if pp_rank == pp - 1:
-        n += m.padded_vocab / tp * m.n_embd
-    return round(2 * n)
+    return n
 
 
 def _blocks(cfg: Config, pp: int, pp_rank: int) -> list[int] | range:
@@ -310,11 +367,14 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     m, t, p = cfg.model, cfg.train, cfg.parallel
     sp = p.sequence_parallel and tp > 1
     tokens = t.micro_batch_size * m.block_size // cp
-    layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+    # (the parameters' dtype follows the data-parallel form, which shards over dp x cp; micro-batches over dp)
+    zdp, world = dp * cp, dp * cp * tp * pp
+    layer = _layer_bytes(cfg, tp=tp, dp=zdp, sequence_parallel=sp, world=world)
     blocks = _blocks(cfg, pp, pp_rank)
     layers = len(blocks)
     n_moe = sum(1 for i in blocks if m.is_moe_block(i))
-    moe_layer = _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp, worst=worst) if n_moe else 0.0
+    moe_layer = (_moe_layer_bytes(cfg, tp=tp, dp=zdp, sequence_parallel=sp, worst=worst, world=world)
+                 if n_moe else 0.0)
     mode = t.activation_checkpointing
     if mode == "full":  # each block keeps its input (its recomputation in backward is a temporary)
         per_micro = layers * m.n_embd / (tp if sp else 1) * 4
@@ -323,13 +383,16 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     else:
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer
     if pp_rank == 0 and mode != "full":
-        per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+        per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=zdp, sequence_parallel=sp)
     if pp_rank == pp - 1:
-        per_micro += _head_bytes(cfg, tp, dp, sequence_parallel=sp)
+        per_micro += _head_bytes(cfg, tp, zdp, sequence_parallel=sp)
     if pp_rank == 0:
         per_micro += _ids_bytes(cfg)
     in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
-    copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp) if mode != "full" else 0
+    # (under full checkpointing the blocks' copies are made again in their recomputation: a temporary; the head
+    # is not checkpointed)
+    copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=zdp, world=world,
+                                        head_only=mode == "full")
     held = per_micro * in_flight + copies * in_flight / tokens
     if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
         # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets

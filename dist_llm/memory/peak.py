@@ -29,12 +29,13 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         # (ZeRO shards over dp x cp: context-parallel ranks hold the same parameters, parallel/context.py)
         est = model_state_bytes(cfg, dp=dp * p.cp, tp=tp, pp=pp, pp_rank=s)
         est.activation_bytes = activation_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp, cp=p.cp)
-        copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp)
-        if copies and cfg.train.activation_checkpointing != "full":
+        copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=s, dp=dp * p.cp, world=world,
+                                            head_only=cfg.train.activation_checkpointing == "full")
+        if copies:
             in_flight = _in_flight(cfg, pp=pp, pp_rank=s, dp=dp)
             est.notes.append(f"activations include autocast's 16-bit copies of the fp32 weights, "
                              f"{copies * in_flight / 2**30:.2f} GiB on stage {s} ({in_flight:g} micro-batch(es) in "
-                             "flight): 16-bit parameters (parallel.zero_stage=1/2 at dp>1, or 3) keep none")
+                             "flight): 16-bit parameters (parallel.zero_stage=1/2 or 3 over more than one rank) keep none")
         est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp, cp=p.cp))
         held = pipelined_zero3_bytes(cfg, tp=tp, pp=pp, pp_rank=s)
         if held:  # held through the step, beside the activations and the largest transient

@@ -9,7 +9,7 @@ import math
 
 from dist_llm.config import Config, ConfigError, reshard_after_forward, zero_draws_from_meta
 from dist_llm.memory import moe as memory_moe
-from dist_llm.memory.activations import _layer_bytes, _moe_layer_bytes
+from dist_llm.memory.activations import _layer_bytes, _moe_layer_bytes, autocast_weight_copy_bytes
 from dist_llm.memory.estimate import _runs_on_gloo
 from dist_llm.memory.params import _block_params, _model_params, _rank_shape, _stage_params
 
@@ -50,10 +50,13 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
         candidates.append(copies * m.padded_vocab * m.n_embd // tp * size)
     sp = p.sequence_parallel and tp > 1
     if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
-        layer = _layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp)
+        layer = _layer_bytes(cfg, tp=tp, dp=dp * cp, sequence_parallel=sp)
         if m.n_experts:
-            layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp, sequence_parallel=sp))
-        candidates.append(round(layer * t.micro_batch_size * m.block_size // cp))
+            layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp * cp, sequence_parallel=sp))
+        # (and its weights' 16-bit copies, made again by the recomputation: a block's share of a whole model's)
+        copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=1, pp_rank=0, dp=dp * cp) / m.n_layer
+        head = autocast_weight_copy_bytes(cfg, tp=tp, pp=1, pp_rank=0, dp=dp * cp, head_only=True) / m.n_layer
+        candidates.append(round(layer * t.micro_batch_size * m.block_size // cp + copies - head))
     if m.n_experts:  # expert parallelism's dispatch all-to-all: send and receive buffers (balanced load)
         tokens = t.micro_batch_size * m.block_size // tp  # (a tp rank routes 1/tp of them)
         candidates.append(memory_moe.a2a_buffer_bytes(cfg, tokens, memory_moe.ep_degree(cfg)))

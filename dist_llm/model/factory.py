@@ -58,16 +58,7 @@ class LayerFactory:
 
     def linears(self, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
         """The outputs of several linear layers that read the same input x (SwiGLU's gate and up): each layer
-        called in turn here; a tensor-parallel factory gives them one input collective.
-
-        Under autocast an fp32 x is cast to the compute dtype once, first: each layer would cast it itself and
-        keep its own 16-bit copy for backward (one (B, T, C) copy more a block than `dist-llm memory` counts;
-        the same values either way). Not where a layer has hooks (a LoRA joins its base layer through one, and
-        its dropout then sees the input as before)."""
-        device = x.device.type
-        if (len(layers) > 1 and x.dtype == torch.float32 and torch.is_autocast_enabled(device)
-                and not any(m._forward_hooks or m._forward_pre_hooks for m in layers)):
-            x = x.to(torch.get_autocast_dtype(device))
+        called in turn here; a tensor-parallel factory gives them one input collective."""
         return tuple(layer(x) for layer in layers)
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
