@@ -157,6 +157,7 @@ def test_peft_activations_are_exact(tmp_path: Path, corpus: Path) -> None:  # no
 # the embedding's ids not at all, and SwiGLU's gate and up as sharing one 16-bit copy of their fp32 input (autocast
 # casts it for each: 4 MiB more on one process).
 LLAMA = {"model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__n_kv_head": 2}
+MOE_SHARED = {**LLAMA, "model__n_experts": 4, "model__moe_top_k": 2, "model__n_shared_experts": 1}
 MIXED = {"one-process-llama": (1, {**LLAMA}),
          "zero2-llama": (2, {**LLAMA, "parallel__zero_stage": 2, "train__micro_batch_size": 2}),
          "ddp-gelu-layernorm": (2, {"parallel__zero_stage": 0, "train__micro_batch_size": 2}),
@@ -169,7 +170,14 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
          "tp2-llama": (2, {**LLAMA, "parallel__tp": 2}),
          "tp2-sp-llama": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
          # (ZeRO-2 over the cp group: 16-bit parameters at dp=1)
-         "cp2-zero2": (2, {**LLAMA, "parallel__cp": 2, "parallel__zero_stage": 2})}
+         "cp2-zero2": (2, {**LLAMA, "parallel__cp": 2, "parallel__zero_stage": 2}),
+         # (with dropout each A keeps its own dropped copy; under SP a LoRA'd gate and up cast their slices apart)
+         "lora-mlp_up-dropout": (1, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]", "peft__dropout": 0.1}),
+         "tp2-sp-lora": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True, "peft__method": "lora",
+                             "peft__targets": "[qkv, mlp_up]"}),
+         # (a SwiGLU shared expert casts its input for gate and up; FSDP2 gathers the experts in 16 bits)
+         "moe-shared": (1, {**MOE_SHARED}),
+         "moe-zero3": (2, {**MOE_SHARED, "parallel__zero_stage": 3, "train__micro_batch_size": 2})}
 # what the calculator counts over the meter where that is known and not this test's subject: at cp=2 the ring
 # path's saved tensors, 2,044 bytes here in bf16 (6,140 in fp32) whatever the data-parallel form
 OVER = {"cp2-zero2": 2044}
@@ -183,6 +191,20 @@ def test_mixed_precision_activations_are_exact(tmp_path: Path, corpus: Path, cas
            else train(0, 1, tmp_path, corpus, extra))["activation_bytes"]
     est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0).activation_bytes
     assert 0 <= got - est + OVER.get(case, 0) <= 512, (case, got, est)
+
+
+def test_full_checkpointing_counts_the_forward_cast_cache() -> None:
+    """Under full activation checkpointing the blocks save nothing for backward, but autocast's cast cache holds a
+    16-bit copy of every block weight until the forward ends (they are leaves that need a gradient): 2 bytes a
+    block weight, by hand for a Llama-7B shape (12.9 GB). Before, the temporary was one block's recomputation
+    (the logits here, 1 GB)."""
+    cfg = load_config(None, ["model.n_layer=32", "model.n_embd=4096", "model.n_head=32", "model.mlp=swiglu",
+                             "model.norm=rmsnorm", "model.pos_emb=rope", "model.block_size=4096",
+                             "model.vocab_size=32000", "train.micro_batch_size=1", "train.global_batch_size=1",
+                             "train.precision=bf16", "train.activation_checkpointing=full", "train.device=cpu"])
+    c, h = 4096, cfg.model.ffn_hidden
+    block = 3 * c * c + c * c + 3 * c * h  # qkv, proj, gate / up / down
+    assert memory.predict(cfg, 1).temporary_bytes == 2 * 32 * block
 
 
 @pytest.mark.parametrize("stage", [1, 2])

@@ -131,12 +131,27 @@ def casts_fp32_weights(cfg: Config, *, dp: int, world: int) -> bool:
 def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_parallel: bool) -> float:
     """Bytes per token of the second 16-bit copy of a gated MLP's input: autocast casts the fp32 input for gate
     and for up apart, and each matmul keeps its own copy (the values count one, `_mlp_low_values`); the sequence-
-    parallel layers cast it once before their gather (parallel/tensor/layers.py), 16-bit inputs need no cast."""
-    m = cfg.model
-    trained = "mlp_up" in cfg.peft.targets if cfg.peft.method in ("lora", "qlora") else cfg.peft.method == "none"
-    if m.mlp != "swiglu" or not trained or (sequence_parallel and tp > 1):
+    parallel layers cast it once before their gather (parallel/tensor/layers.py), except under LoRA, whose A's
+    each cast their local slice; 16-bit inputs need no cast. With LoRA dropout each A keeps its own dropped copy
+    instead (`_lora_dropout_bytes`)."""
+    m, f = cfg.model, cfg.peft
+    lora = f.method in ("lora", "qlora")
+    trained = "mlp_up" in f.targets if lora else f.method == "none"
+    if m.mlp != "swiglu" or not trained or (lora and f.dropout > 0) or not casts_fp32_weights(cfg, dp=dp, world=world):
         return 0.0
-    return 2 * m.n_embd if casts_fp32_weights(cfg, dp=dp, world=world) else 0.0
+    if sequence_parallel and tp > 1:
+        return 2 * m.n_embd / tp if lora else 0.0
+    return 2 * m.n_embd
+
+
+def _shared_gated_copy_bytes(cfg: Config, *, dp: int, world: int) -> float:
+    """Bytes per token of the second 16-bit copy of an MoE block's SwiGLU shared experts' input (moe.py counts
+    one): plain layers at every tp, gate and up each cast it."""
+    m, f = cfg.model, cfg.peft
+    trained = f.method == "none" or (f.method in ("lora", "qlora") and "mlp_up" in f.targets and f.dropout == 0)
+    if not (m.n_shared_experts and m.mlp == "swiglu" and trained and casts_fp32_weights(cfg, dp=dp, world=world)):
+        return 0.0
+    return 2 * m.n_embd
 
 
 def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, world: int = 0) -> float:
@@ -165,10 +180,12 @@ def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, 
     mlp = (4 if cfg.train.precision == "fp32" else 2) * _mlp_low_values(cfg, tp) + _lora_dropout_bytes(
         cfg, {"mlp_up", "mlp_down"} & set(cfg.peft.targets), tp=tp, dp=dp, seq=tp if sequence_parallel else 1)
     mlp += _gated_copy_bytes(cfg, tp=tp, dp=dp, world=world, sequence_parallel=sequence_parallel)
-    # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py)
+    # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py; the
+    # experts' 16-bit copies exist wherever the dense layers' do: FSDP2 gathers them in 16 bits)
     moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp),
-                                     worst=worst)
-    return dense - mlp + moe / tokens
+                                     worst=worst, casts=casts_fp32_weights(cfg, dp=dp, world=world))
+    shared = _shared_gated_copy_bytes(cfg, dp=dp, world=world) / tp  # (a tp rank's 1/tp of the tokens)
+    return dense - mlp + moe / tokens + shared
 
 
 def _head_bytes(cfg: Config, tp: int, dp: int, *, sequence_parallel: bool) -> float:

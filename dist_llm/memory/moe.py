@@ -160,9 +160,10 @@ def received_row_bytes(cfg: Config, ep: int) -> int:
             + regroup)
 
 
-def layer_constant_bytes(cfg: Config, ep: int, *, params16: bool) -> int:
+def layer_constant_bytes(cfg: Config, ep: int, *, params16: bool, casts: bool | None = None) -> int:
     """Per MoE layer, whatever the tokens: 16-bit expert weight copies (mixed precision, fp32 parameters), the
     router's fp32 copy (16-bit parameters), the aux loss's fractions and the grouped matmul's offsets."""
+    casts = not params16 if casts is None else casts  # (FSDP2: fp32 shards, 16-bit gathered weights: neither)
     m, r = cfg.model, cfg.peft.rank
     local = m.n_experts // ep
     projections = 3 if m.mlp == "swiglu" else 2
@@ -172,19 +173,20 @@ def layer_constant_bytes(cfg: Config, ep: int, *, params16: bool) -> int:
     if cfg.train.precision != "fp32":
         if params16:
             out += 4 * m.n_experts * m.n_embd
-        else:  # (and of each expert LoRA's A and B)
+        elif casts:  # (and of each expert LoRA's A and B)
             out += 2 * local * (projections * m.n_embd * m.moe_expert_hidden
                                 + adapted * r * (m.n_embd + m.moe_expert_hidden))
     return out
 
 
-def moe_block_bytes(cfg: Config, tokens: int, ep: int, *, params16: bool, worst: bool = False) -> int:
+def moe_block_bytes(cfg: Config, tokens: int, ep: int, *, params16: bool, worst: bool = False,
+                    casts: bool | None = None) -> int:
     """What an MoE block's MoE part (router to combine, shared experts) saves for one micro-batch of `tokens`."""
     rows = routed_rows(cfg, tokens, ep)
     received = rows.received_worst if worst else rows.received_balanced
     order = 8 * rows.assignments + (rows.assignments if cfg.model.moe_capacity_factor > 0 else 0)
     return round(token_side_bytes(cfg) * tokens + order + kept_row_bytes(cfg) * rows.kept
-                 + received_row_bytes(cfg, ep) * received + layer_constant_bytes(cfg, ep, params16=params16))
+                 + received_row_bytes(cfg, ep) * received + layer_constant_bytes(cfg, ep, params16=params16, casts=casts))
 
 
 def a2a_buffer_bytes(cfg: Config, tokens: int, ep: int, *, worst: bool = False) -> int:

@@ -36,7 +36,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
             est.notes.append(f"activations include autocast's 16-bit copies of the fp32 weights, "
                              f"{copies * in_flight / 2**30:.2f} GiB on stage {s} ({in_flight:g} micro-batch(es) in "
                              "flight): 16-bit parameters (parallel.zero_stage=1/2 or 3 over more than one rank) keep none")
-        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp, cp=p.cp))
+        est.temporary_bytes = max(est.temporary_bytes, temporary_bytes(cfg, dp=dp, tp=tp, cp=p.cp, pp=pp, pp_rank=s))
         held = pipelined_zero3_bytes(cfg, tp=tp, pp=pp, pp_rank=s)
         if held:  # held through the step, beside the activations and the largest transient
             est.temporary_bytes += held
@@ -64,7 +64,7 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
 
 def _pending_weights(est: Estimate, cfg: Config, *, dp: int, tp: int, pp: int, pp_rank: int) -> None:
     pending = memory_pipeline.pending_weight_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp,
-                                                   blocks=len(_blocks(cfg, pp, pp_rank)), params16=_params16(cfg, dp))
+                                                   blocks=len(_blocks(cfg, pp, pp_rank)), params16=_params16(cfg, dp * cfg.parallel.cp))
     if pending is None:
         est.notes.append(f"ZB-H1: the gradients held from each B to its W on stage {pp_rank} are not counted for MoE "
                          "or PEFT models (an underestimate)")

@@ -270,7 +270,7 @@ def suggest(cfg: Config, world_size: int, budget: int, gpus_per_node: int = GPUS
                     states[key] = model_state_bytes(c, dp=dp, tp=tp, pp=pp, pp_rank=s)
                 e = dataclasses.replace(states[key], notes=[])
                 e.activation_bytes = activation_bytes(c, tp=tp, pp=pp, pp_rank=s, dp=dp)
-                e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp))
+                e.temporary_bytes = max(e.temporary_bytes, temporary_bytes(c, dp=dp, tp=tp, pp=pp, pp_rank=s))
                 e.temporary_bytes += pipelined_zero3_bytes(c, tp=tp, pp=pp, pp_rank=s)
                 e.offloaded = c.parallel.offload == "cpu"
                 builds_key = (dp, tp, pp, zero)

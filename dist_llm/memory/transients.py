@@ -11,7 +11,7 @@ from dist_llm.config import Config, ConfigError, reshard_after_forward, zero_dra
 from dist_llm.memory import moe as memory_moe
 from dist_llm.memory.activations import _layer_bytes, _moe_layer_bytes, autocast_weight_copy_bytes
 from dist_llm.memory.estimate import _runs_on_gloo
-from dist_llm.memory.params import _block_params, _model_params, _rank_shape, _stage_params
+from dist_llm.memory.params import _block_params, _model_params, _rank_shape, _stage_layers, _stage_params
 
 
 def ring_buffer_bytes(cfg: Config, *, tp: int, cp: int) -> int:
@@ -33,7 +33,7 @@ def ring_buffer_bytes(cfg: Config, *, tp: int, cp: int) -> int:
     return 2 * kv_block * size + 3 * kv_block * 4 + 2 * q_block * 4 + 3 * scores * 4
 
 
-def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
+def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1, pp: int = 1, pp_rank: int = 0) -> int:
     """The largest transient buffer: the fp32 logits and their softmax for the loss, or an FSDP2 unit gathered
     (a block's parameters, twice with prefetch; the embedding or the head, twice on a GPU: the all-gather's buffer
     and FSDP2's copy of it into the parameter live together for a moment; once on the CPU, gathered in place). (ZeRO-1/2's in-flight gradients come
@@ -50,13 +50,19 @@ def temporary_bytes(cfg: Config, *, dp: int, tp: int, cp: int = 1) -> int:
         candidates.append(copies * m.padded_vocab * m.n_embd // tp * size)
     sp = p.sequence_parallel and tp > 1
     if t.activation_checkpointing == "full":  # one block's activations, recomputed during its backward
-        layer = _layer_bytes(cfg, tp=tp, dp=dp * cp, sequence_parallel=sp)
+        world = dp * cp * tp * pp
+        layer = _layer_bytes(cfg, tp=tp, dp=dp * cp, sequence_parallel=sp, world=world)
         if m.n_experts:
-            layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp * cp, sequence_parallel=sp))
-        # (and its weights' 16-bit copies, made again by the recomputation: a block's share of a whole model's)
-        copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=1, pp_rank=0, dp=dp * cp) / m.n_layer
-        head = autocast_weight_copy_bytes(cfg, tp=tp, pp=1, pp_rank=0, dp=dp * cp, head_only=True) / m.n_layer
-        candidates.append(round(layer * t.micro_batch_size * m.block_size // cp + copies - head))
+            layer = max(layer, _moe_layer_bytes(cfg, tp=tp, dp=dp * cp, sequence_parallel=sp, world=world))
+        # autocast's 16-bit weight copies: the forward's cast cache holds every block's of the stage until the
+        # forward ends (the weights are leaves that need a gradient); each recomputation in backward, an autocast
+        # region of its own, makes its block's again (a block's share of the stage's here)
+        stage = (autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp * cp, world=world)
+                 - autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=dp * cp, world=world,
+                                              head_only=True))
+        blocks = max(1, len(_stage_layers(cfg, pp, pp_rank)) if pp > 1 else m.n_layer)
+        candidates.append(round(layer * t.micro_batch_size * m.block_size // cp + stage / blocks))
+        candidates.append(stage)
     if m.n_experts:  # expert parallelism's dispatch all-to-all: send and receive buffers (balanced load)
         tokens = t.micro_batch_size * m.block_size // tp  # (a tp rank routes 1/tp of them)
         candidates.append(memory_moe.a2a_buffer_bytes(cfg, tokens, memory_moe.ep_degree(cfg)))
