@@ -177,7 +177,10 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
                              "peft__targets": "[qkv, mlp_up]"}),
          # (a SwiGLU shared expert casts its input for gate and up; FSDP2 gathers the experts in 16 bits)
          "moe-shared": (1, {**MOE_SHARED}),
-         "moe-zero3": (2, {**MOE_SHARED, "parallel__zero_stage": 3, "train__micro_batch_size": 2})}
+         "moe-zero3": (2, {**MOE_SHARED, "parallel__zero_stage": 3, "train__micro_batch_size": 2}),
+         # (ZeRO-2 makes only LoRA's weights 16-bit: the frozen model and the residual stream stay fp32)
+         "zero2-lora": (2, {**LLAMA, "parallel__zero_stage": 2, "train__micro_batch_size": 2, "peft__method": "lora",
+                            "peft__targets": "[qkv, mlp_up]"})}
 # what the calculator counts over the meter where that is known and not this test's subject: at cp=2 the ring
 # path's saved tensors, 2,044 bytes here in bf16 (6,140 in fp32) whatever the data-parallel form
 OVER = {"cp2-zero2": 2044}

@@ -96,7 +96,7 @@ def rms_norm_saves_normalised(cfg: Config) -> bool:
 def _norm_input_bytes(cfg: Config, dp: int) -> int:
     """Bytes of a value a norm saves of its input (and RMSNorm's composite of its normalised output): the
     residual stream's dtype, 16-bit only with 16-bit parameters, except under RMSNorm's composite (fp32 copies)."""
-    if cfg.train.precision == "fp32" or not _params16(cfg, dp) or rms_norm_composite(cfg):
+    if cfg.train.precision == "fp32" or not _stream16(cfg, dp) or rms_norm_composite(cfg):
         return 4
     return 2
 
@@ -117,13 +117,20 @@ def _mlp_low_values(cfg: Config, tp: int, seq: int = 1) -> float:
     return low
 
 
+def _stream16(cfg: Config, dp: int) -> bool:
+    """Whether the model the matmuls read is 16-bit (its weights and so the residual stream): `_params16`, except
+    our ZeRO-1/2 under PEFT, which makes only the trained parameters (LoRA, adapters) 16-bit; the frozen model
+    stays fp32 (parallel/data/zero.py takes the parameters that need a gradient)."""
+    return _params16(cfg, dp) and not (cfg.parallel.backend == "native" and cfg.peft.method != "none")
+
+
 def casts_fp32_weights(cfg: Config, *, dp: int, world: int) -> bool:
     """Whether the matmuls read fp32 parameters (and the fp32 residual stream) through autocast's casts: mixed
     precision over fp32 parameters. Not with 16-bit parameters (our ZeRO-1/2 over dp x cp > 1, DeepSpeed) nor
     under FSDP2 (native ZeRO-3 on more than one rank, parallel/data.uses_fsdp: it gathers them in the compute
     dtype). `dp` is dp x cp (what ZeRO shards over); `world` every rank."""
     p = cfg.parallel
-    if cfg.train.precision == "fp32" or _params16(cfg, dp):
+    if cfg.train.precision == "fp32" or _stream16(cfg, dp):
         return False
     return not (p.zero_stage == 3 and p.backend == "native" and world > 1)
 
@@ -182,7 +189,7 @@ def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, 
     mlp += _gated_copy_bytes(cfg, tp=tp, dp=dp, world=world, sequence_parallel=sequence_parallel)
     # (under tp each rank routes its 1/tp of the tokens through whole experts: parallel/tensor/moe.py; the
     # experts' 16-bit copies exist wherever the dense layers' do: FSDP2 gathers them in 16 bits)
-    moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_params16(cfg, dp),
+    moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_stream16(cfg, dp),
                                      worst=worst, casts=casts_fp32_weights(cfg, dp=dp, world=world))
     shared = _shared_gated_copy_bytes(cfg, dp=dp, world=world) / tp  # (a tp rank's 1/tp of the tokens)
     return dense - mlp + moe / tokens + shared
@@ -231,17 +238,19 @@ def autocast_weight_copy_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, d
     m, f = cfg.model, cfg.peft
     sp = cfg.parallel.sequence_parallel and tp > 1
     blocks = tuple(_blocks(cfg, pp, pp_rank))
-    key = repr((m, f, tp, sp, blocks, pp_rank == 0))
+    adapters16 = _params16(cfg, dp)  # (here: our ZeRO-1/2 under PEFT, whose LoRA / adapter weights are 16-bit)
+    key = repr((m, f, tp, sp, blocks, pp_rank == 0, adapters16))
     if key not in _COPIES:
         if len(_COPIES) >= 256:  # (`memory --suggest` asks for every variant's stages)
             _COPIES.pop(next(iter(_COPIES)))
-        _COPIES[key] = (_block_copy_elements(cfg, tp, sp, blocks, first_stage=pp_rank == 0),
+        _COPIES[key] = (_block_copy_elements(cfg, tp, sp, blocks, first_stage=pp_rank == 0, adapters16=adapters16),
                         0.0 if sp else m.padded_vocab / tp * m.n_embd)
     in_blocks, head = _COPIES[key]
     return round(2 * ((0.0 if head_only else in_blocks) + (head if pp_rank == pp - 1 else 0.0)))
 
 
-def _block_copy_elements(cfg: Config, tp: int, sp: bool, blocks: tuple[int, ...], *, first_stage: bool) -> float:
+def _block_copy_elements(cfg: Config, tp: int, sp: bool, blocks: tuple[int, ...], *, first_stage: bool,
+                         adapters16: bool = False) -> float:
     """Weight elements of `blocks` whose 16-bit copies a micro-batch keeps (`autocast_weight_copy_bytes`)."""
     from dist_llm.memory.params import _local_shape, _model_params
 
@@ -269,6 +278,8 @@ def _block_copy_elements(cfg: Config, tp: int, sp: bool, blocks: tuple[int, ...]
                 or ".moe.router." in name or name in unsaved or (sp and sp_layers.search(name))):
             continue
         if f.method == "qlora" and ".lora." not in name:
+            continue
+        if adapters16 and (".lora." in name or ".adapter." in name):
             continue
         n += math.prod(_local_shape(name, shape, cfg, tp))
     return n
@@ -332,7 +343,7 @@ def _lora_dropout_bytes(cfg: Config, targets: Iterable[str], *, tp: int, dp: int
     out = 0.0
     for t in set(targets) & width.keys():
         norm_input = t in ("qkv", "mlp_up")
-        size = 4 if cfg.train.precision == "fp32" or (norm_input and not _params16(cfg, dp)) else 2
+        size = 4 if cfg.train.precision == "fp32" or (norm_input and not _stream16(cfg, dp)) else 2
         out += width[t] * (1 if cuda else size)
         if t == "mlp_up" and gated and not masks_only:  # (the second A's own dropped input)
             out += _values_bytes(cfg, dp, m.n_embd / seq)
