@@ -153,12 +153,10 @@ def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_par
 
 def _shared_gated_copy_bytes(cfg: Config, *, dp: int, world: int) -> float:
     """Bytes per token of the second 16-bit copy of an MoE block's SwiGLU shared experts' input (moe.py counts
-    one): plain layers at every tp, gate and up each cast it."""
-    m, f = cfg.model, cfg.peft
-    trained = f.method == "none" or (f.method in ("lora", "qlora") and "mlp_up" in f.targets and f.dropout == 0)
-    if not (m.n_shared_experts and m.mlp == "swiglu" and trained and casts_fp32_weights(cfg, dp=dp, world=world)):
+    one): the dense MLP's case (`_gated_copy_bytes`), with plain layers at every tp."""
+    if not cfg.model.n_shared_experts:
         return 0.0
-    return 2 * m.n_embd
+    return _gated_copy_bytes(cfg, tp=1, dp=dp, world=world, sequence_parallel=False)
 
 
 def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, world: int = 0) -> float:
@@ -170,7 +168,6 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worl
     dropout += _gated_copy_bytes(cfg, tp=tp, dp=dp, world=world or dp * tp, sequence_parallel=sequence_parallel)
     if cfg.train.precision == "fp32":
         return 4 * (low + high) + dropout
-    # (our ZeRO-1/2 keep 16-bit parameters; DeepSpeed casts the whole module to bf16/fp16 at every stage)
     fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
                                                 / (tp if sequence_parallel else 1))
     # (high - fp32_stats: the norms' inputs, and RMSNorm's normalised outputs where it keeps them)
