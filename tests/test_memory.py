@@ -177,7 +177,13 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
                              "peft__targets": "[qkv, mlp_up]"}),
          # (a SwiGLU shared expert casts its input for gate and up; FSDP2 gathers the experts in 16 bits)
          "moe-shared": (1, {**MOE_SHARED}),
-         "moe-zero3": (2, {**MOE_SHARED, "parallel__zero_stage": 3, "train__micro_batch_size": 2}),
+         # (Qwen2-MoE's shared gate: its product keeps the shared output and the sigmoid; its matmul a third
+         # 16-bit copy of the input, none under FSDP2 nor, frozen, under LoRA: 33 KB uncounted before)
+         "moe-shared-gate": (1, {**MOE_SHARED, "model__moe_shared_gate": True}),
+         "moe-gate-lora": (1, {**MOE_SHARED, "model__moe_shared_gate": True, "peft__method": "lora",
+                               "peft__targets": "[qkv, mlp_up]"}),
+         "moe-zero3": (2, {**MOE_SHARED, "model__moe_shared_gate": True, "parallel__zero_stage": 3,
+                           "train__micro_batch_size": 2}),
          # (ZeRO-2 makes only LoRA's weights 16-bit: the frozen model and the residual stream stay fp32)
          "zero2-lora": (2, {**LLAMA, "parallel__zero_stage": 2, "train__micro_batch_size": 2, "peft__method": "lora",
                             "peft__targets": "[qkv, mlp_up]"})}

@@ -151,12 +151,16 @@ def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_par
     return 2 * m.n_embd
 
 
-def _shared_gated_copy_bytes(cfg: Config, *, dp: int, world: int) -> float:
-    """Bytes per token of the second 16-bit copy of an MoE block's SwiGLU shared experts' input (moe.py counts
-    one): the dense MLP's case (`_gated_copy_bytes`), with plain layers at every tp."""
-    if not cfg.model.n_shared_experts:
+def _shared_copy_bytes(cfg: Config, *, dp: int, world: int) -> float:
+    """Bytes per token of the 16-bit copies of an MoE block's shared-expert input beyond the one moe.py counts:
+    a SwiGLU shared expert's second (the dense MLP's case, `_gated_copy_bytes`, with plain layers at every tp)
+    and model.moe_shared_gate's own (its matmul casts the fp32 input a third time and keeps the copy for its
+    weight's gradient; a frozen gate, under PEFT, keeps none)."""
+    m = cfg.model
+    if not m.n_shared_experts:
         return 0.0
-    return _gated_copy_bytes(cfg, tp=1, dp=dp, world=world, sequence_parallel=False)
+    gate = m.moe_shared_gate and cfg.peft.method == "none" and casts_fp32_weights(cfg, dp=dp, world=world)
+    return _gated_copy_bytes(cfg, tp=1, dp=dp, world=world, sequence_parallel=False) + (2 * m.n_embd if gate else 0)
 
 
 def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, world: int = 0) -> float:
@@ -188,7 +192,7 @@ def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, 
     # experts' 16-bit copies exist wherever the dense layers' do: FSDP2 gathers them in 16 bits)
     moe = memory_moe.moe_block_bytes(cfg, tokens // tp, memory_moe.ep_degree(cfg), params16=_stream16(cfg, dp),
                                      worst=worst, casts=casts_fp32_weights(cfg, dp=dp, world=world))
-    shared = _shared_gated_copy_bytes(cfg, dp=dp, world=world) / tp  # (a tp rank's 1/tp of the tokens)
+    shared = _shared_copy_bytes(cfg, dp=dp, world=world) / tp  # (a tp rank's 1/tp of the tokens)
     return dense - mlp + moe / tokens + shared
 
 

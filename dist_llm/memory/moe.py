@@ -12,7 +12,9 @@ experts, C = n_embd, H = the expert hidden size, s = the compute dtype's bytes:
     per token      router input 4C (fp32), logits 4E and probabilities 4E (fp32), the expert ids (int64, 8k),
                    the top-k softmax 4k (Mixtral's order), the z-loss's log-sum-exp 4; shared experts: their
                    hidden values as the dense MLP's (4 per width with SwiGLU, 2 with GELU) and, in mixed
-                   precision, their 16-bit input 2C
+                   precision, their 16-bit input 2C; with model.moe_shared_gate the gate's product keeps the
+                   shared output sC and the sigmoid's s (and its matmul a third 16-bit copy of the input, 2C,
+                   where autocast casts fp32 weights: activations.py)
     per assignment the sort order (int64, 8); with a capacity factor its keep mask (1)
     per kept row   the token index (int64, 8; and the expert index with biases), the gate s and the combined
                    expert output sC: on the rank that owns the tokens (model/moe.py's _Combine keeps no gated
@@ -135,6 +137,8 @@ def token_side_bytes(cfg: Config) -> float:
         out += s * m.n_embd  # the shared expert's LoRA input, in the compute dtype
     if m.n_shared_experts:
         out += s * _mlp_values(cfg, m.moe_shared_expert_hidden, "mlp_up", "mlp_down")
+        if m.moe_shared_gate:  # sigmoid(x w_g) * shared: the product keeps both factors (the sigmoid's output
+            out += s * (m.n_embd + 1)  # is the tensor the sigmoid keeps too)
     return out
 
 
