@@ -111,12 +111,17 @@ LAYOUTS = [
     "tp2-sp-selective", "pp2-gpipe", "dp2-pp2-zero1", "dp2-pp2-zero3"])
 def test_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, world: int,  # noqa: F811
                                               extra: dict[str, Any]) -> None:
-    check_rank_0(tmp_path, corpus, world, extra, rel=0.10)
+    # (8 bytes: the loss's scalars, its total weight in fp32 and at tp>1 the vocabulary-parallel loss's int64 count.
+    # Before, 10% was allowed: the calculator left out the learned positions' ids, the tp embedding's mask and the
+    # tp loss's two masks, and counted LayerNorm's CPU statistics over 16-bit inputs at 4 bytes, 0.1-0.5% apart)
+    check_rank_0(tmp_path, corpus, world, extra, within=8)
 
 
-def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, rel: float) -> None:
+def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, within: int,
+                 rel: float = 0.0) -> None:
     """One step at `world` ranks: rank 0's model states equal the prediction to the byte, its saved activations
-    within `rel`."""
+    at most `within` bytes above it (scalars the calculator leaves out) and, with `rel`, at most that fraction
+    below it (what the data decide: rows a capacity factor drops)."""
     extra = {**extra, "train__max_steps": 1}
     got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
            else train(0, 1, tmp_path, corpus, extra))
@@ -124,7 +129,8 @@ def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any]
     held = got["state_bytes"]
     assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
         est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
-    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=rel)
+    assert -rel * est.activation_bytes <= got["activation_bytes"] - est.activation_bytes <= within, (
+        got["activation_bytes"], est.activation_bytes)
 
 
 # One process, fp32: block 0 keeps nothing before its first LoRA (each first target in turn), a frozen RMSNorm
@@ -137,6 +143,14 @@ PEFT_CASES = {
     "mlp_down-llama": {"peft__targets": "[mlp_down]", "model__mlp": "swiglu", "model__norm": "rmsnorm",
                        "model__pos_emb": "rope", "model__n_kv_head": 2},
     "qkv-attn_out-dropout": {"peft__targets": "[qkv, attn_out]", "peft__dropout": 0.1, "model__norm": "rmsnorm"},
+    # adapters: block 0's ln_1 and attention keep nothing (its adapter comes after them; 9.6% over before)
+    "adapter": {"peft__method": "adapter", "model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope"},
+    # selective checkpointing recomputes the attention kernel: its output goes too where the projection is frozen
+    # (2% over before), and block 0's log-sum-exp is not taken off twice
+    "adapter-selective": {"peft__method": "adapter", "train__activation_checkpointing": "selective"},
+    "mlp_up-selective": {"peft__targets": "[mlp_up]", "train__activation_checkpointing": "selective"},
+    "attn_out-dropout-selective": {"peft__targets": "[attn_out]", "peft__dropout": 0.1,
+                                   "train__activation_checkpointing": "selective"},
 }
 
 
@@ -184,6 +198,12 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
                                "peft__targets": "[qkv, mlp_up]"}),
          "moe-zero3": (2, {**MOE_SHARED, "model__moe_shared_gate": True, "parallel__zero_stage": 3,
                            "train__micro_batch_size": 2}),
+         # (adapters on the rank's slice of the tokens under SP: 4% over before)
+         "adapter": (1, {**LLAMA, "peft__method": "adapter"}),
+         "tp2-sp-adapter": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True,
+                                "peft__method": "adapter"}),
+         "selective-lora": (1, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]",
+                                "train__activation_checkpointing": "selective"}),
          # (ZeRO-2 makes only LoRA's weights 16-bit: the frozen model and the residual stream stay fp32)
          "zero2-lora": (2, {**LLAMA, "parallel__zero_stage": 2, "train__micro_batch_size": 2, "peft__method": "lora",
                             "peft__targets": "[qkv, mlp_up]"})}

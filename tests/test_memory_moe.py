@@ -18,21 +18,21 @@ from tests.test_memory import _config, check_rank_0, cli
 
 MOE = {"model__n_experts": 4, "model__moe_top_k": 2, "model__moe_hidden": 48}
 
-# fp32: what the calculator leaves out is a few scalars (the loss's, the balancing gradient's): 1%.
-# mixed precision: the dense layers' 16-bit weight copies that autocast saves are not counted (the experts' are):
-# 3.4% of this tiny model's activations, so 5%; the dense tests allow 10%.
+# Saved activations to 16 bytes above the prediction (the loss's and the balancing losses' scalars); 0.2% below
+# where a capacity factor drops rows (the prediction keeps them all; this step's routing dropped 640 bytes' worth).
+# Before, 1% (5% in mixed precision, where the dense layers' 16-bit weight copies were not counted) was allowed.
 CASES = [
-    (1, {"model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__moe_every": 2}, 0.01),
+    (1, {"model__mlp": "swiglu", "model__norm": "rmsnorm", "model__pos_emb": "rope", "model__moe_every": 2}, 0.0),
     (1, {"model__n_shared_experts": 1, "model__moe_router_order": "softmax_topk", "model__moe_capacity_factor": 1.25,
-         "model__moe_bias_update_rate": 0.01}, 0.01),
+         "model__moe_bias_update_rate": 0.01}, 0.002),
     # Qwen2-MoE's shared gate (sigmoid(x w_g) * shared): its product's two factors, 2.2% uncounted before
-    (1, {"model__mlp": "swiglu", "model__n_shared_experts": 1, "model__moe_shared_gate": True}, 0.01),
-    (1, {"model__mlp": "swiglu", "train__precision": "bf16", "train__activation_checkpointing": "selective"}, 0.05),
-    (1, {"train__activation_checkpointing": "full"}, 0.01),
+    (1, {"model__mlp": "swiglu", "model__n_shared_experts": 1, "model__moe_shared_gate": True}, 0.0),
+    (1, {"model__mlp": "swiglu", "train__precision": "bf16", "train__activation_checkpointing": "selective"}, 0.0),
+    (1, {"train__activation_checkpointing": "full"}, 0.0),
     (2, {"parallel__zero_stage": 2, "train__precision": "bf16", "parallel__bucket_mb": 0.01,
-         "model__n_shared_experts": 1}, 0.05),
+         "model__n_shared_experts": 1}, 0.0),
     # tp=2: whole experts and shared expert on each rank, which routes half the tokens (parallel/tensor/moe.py)
-    (2, {"parallel__tp": 2, "model__n_shared_experts": 1, "model__mlp": "swiglu"}, 0.01),
+    (2, {"parallel__tp": 2, "model__n_shared_experts": 1, "model__mlp": "swiglu"}, 0.0),
     # LoRA (the router frozen: no input kept; expert inputs and down inputs only where their LoRA trains, plus
     # each LoRA's rank-r rows; block 0's ln_1 keeps nothing, the embeddings being frozen): 12 bytes off at one
     # process and, at the load each rank's experts computed, at ep=2. Before, the calculator counted block 0's
@@ -40,7 +40,7 @@ CASES = [
     # experts' outputs (R x C fp32, uncounted), which hid that and rank 0's light load (231 and 207 of 256 rows a
     # layer) against the balanced figure.
     (1, {"model__mlp": "swiglu", "model__n_shared_experts": 1, "peft__method": "lora", "peft__rank": 4,
-         "peft__targets": "[qkv, mlp_up, experts_up, experts_down]"}, 0.01),
+         "peft__targets": "[qkv, mlp_up, experts_up, experts_down]"}, 0.0),
     (2, {"parallel__ep": 2, "parallel__zero_stage": 1, "peft__method": "lora", "peft__rank": 4,
          "peft__targets": "[qkv, mlp_up, experts_up, experts_down]"}, 0.01),
 ]
@@ -57,7 +57,7 @@ def test_moe_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, 
     if extra.get("parallel__ep", 1) > 1:
         _check_at_load(tmp_path, corpus, world, {**MOE, **extra}, rel=rel)
     else:
-        check_rank_0(tmp_path, corpus, world, {**MOE, **extra}, rel=rel)
+        check_rank_0(tmp_path, corpus, world, {**MOE, **extra}, within=16, rel=rel)
 
 
 def _train_counting_rows(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811

@@ -63,8 +63,8 @@ def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[
     low += q  # attention output: kept by the attention kernel, and the projection's input
     low += sum(1 for x in lora if x in ("qkv", "attn_out")) * f.rank  # each LoRA's A x, the input of B
     low += _mlp_low_values(cfg, tp, seq)
-    if f.method == "adapter":  # after attention and MLP: its input, the bottleneck, and its activation
-        low += 2 * (c / seq + 2 * f.rank)
+    if f.method == "adapter":  # after attention and MLP: its input, the bottleneck, and its activation (under SP
+        low += 2 * (c + 2 * f.rank) / seq  # on the rank's slice of the tokens)
     high = 2 * norm_in + 2 * norm_stats + m.n_head / tp  # log-sum-exp per head
     return low, high
 
@@ -99,6 +99,14 @@ def _norm_input_bytes(cfg: Config, dp: int) -> int:
     if cfg.train.precision == "fp32" or not _stream16(cfg, dp) or rms_norm_composite(cfg):
         return 4
     return 2
+
+
+def _norm_stat_bytes(cfg: Config, dp: int) -> int:
+    """Bytes of a norm statistic (LayerNorm's mean and rstd, RMSNorm's rstd): fp32, except LayerNorm's CPU kernel
+    over a 16-bit input (16-bit parameters), which returns them in the input's dtype (CUDA's in fp32)."""
+    if cfg.model.norm == "layernorm" and cfg.train.precision != "fp32" and _stream16(cfg, dp) and _runs_on_gloo(cfg):
+        return 2
+    return 4
 
 
 def _mlp_low_values(cfg: Config, tp: int, seq: int = 1) -> float:
@@ -172,10 +180,11 @@ def _layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worl
     dropout += _gated_copy_bytes(cfg, tp=tp, dp=dp, world=world or dp * tp, sequence_parallel=sequence_parallel)
     if cfg.train.precision == "fp32":
         return 4 * (low + high) + dropout
-    fp32_stats = (cfg.model.n_head / tp) + 2 * ((1 if cfg.model.norm == "rmsnorm" else 2)
-                                                / (tp if sequence_parallel else 1))
-    # (high - fp32_stats: the norms' inputs, and RMSNorm's normalised outputs where it keeps them)
-    return 2 * low + _norm_input_bytes(cfg, dp) * (high - fp32_stats) + 4 * fp32_stats + dropout
+    lse = cfg.model.n_head / tp
+    stats = 2 * (1 if cfg.model.norm == "rmsnorm" else 2) / (tp if sequence_parallel else 1)
+    # (high - lse - stats: the norms' inputs, and RMSNorm's normalised outputs where it keeps them)
+    return (2 * low + _norm_input_bytes(cfg, dp) * (high - lse - stats) + 4 * lse + _norm_stat_bytes(cfg, dp) * stats
+            + dropout)
 
 
 def _moe_layer_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool, worst: bool = False,
@@ -204,15 +213,26 @@ def _head_bytes(cfg: Config, tp: int, dp: int, *, sequence_parallel: bool) -> fl
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
     norm_in = m.n_embd / seq * (2 if rms_norm_saves_normalised(cfg) else 1)
-    norm = norm_in * _norm_input_bytes(cfg, dp) + (1 if rms else 2) / seq * 4
+    norm = norm_in * _norm_input_bytes(cfg, dp) + (1 if rms else 2) / seq * _norm_stat_bytes(cfg, dp)
     # a frozen head needs no input for its gradient; under SP the head keeps its input's local slice
     head_input = m.n_embd / seq * (4 if cfg.train.precision == "fp32" else 2) if cfg.peft.method == "none" else 0
-    return norm + head_input + 4 * m.padded_vocab / tp + 8
+    return norm + head_input + _loss_bytes(cfg, tp)
 
 
-def _ids_bytes(cfg: Config) -> int:
-    """Bytes per token the embedding keeps on the first stage: its token ids (int64), where it trains."""
-    return 8 if cfg.peft.method == "none" else 0
+def _loss_bytes(cfg: Config, tp: int) -> float:
+    """Bytes per token the loss keeps: the softmax over the rank's vocabulary (fp32) and the targets (int64); at
+    tp > 1 the vocabulary-parallel loss also two bool masks (the targets in this rank's slice, those not ignored)."""
+    return 4 * cfg.model.padded_vocab / tp + 8 + (2 if tp > 1 else 0)
+
+
+def _ids_bytes(cfg: Config, tp: int) -> float:
+    """Bytes per token the embeddings keep on the first stage where they train: the token ids (int64; at tp > 1
+    the vocabulary-parallel embedding's local ids and its bool mask of ids outside its slice) and, with learned
+    positions, the positions (int64, one per position of the micro-batch's sequences, whatever their number)."""
+    if cfg.peft.method != "none":
+        return 0.0
+    positions = 8 / cfg.train.micro_batch_size if cfg.model.pos_emb == "learned" else 0.0
+    return 8 + (1 if tp > 1 else 0) + positions
 
 
 _COPIES: dict[str, tuple[float, float]] = {}
@@ -353,20 +373,38 @@ def _lora_dropout_bytes(cfg: Config, targets: Iterable[str], *, tp: int, dp: int
     return out
 
 
+def _attention_output_kept(cfg: Config) -> bool:
+    """Whether the attention's output is kept by the projection after it (its weight trains, or its LoRA's A reads
+    it undropped), not only by the attention kernel: what selective checkpointing, which recomputes the kernel,
+    leaves saved."""
+    f = cfg.peft
+    return f.method == "none" or (f.method in ("lora", "qlora") and "attn_out" in f.targets and f.dropout == 0)
+
+
+def _attention_core_bytes(cfg: Config, *, tp: int, dp: int) -> float:
+    """Bytes per token of a block that selective checkpointing does not keep: the kernel's log-sum-exp, and its
+    output where nothing after it keeps that (`_attention_output_kept`)."""
+    m = cfg.model
+    out = 0.0 if _attention_output_kept(cfg) else m.n_head * m.head_dim / tp
+    return _values_bytes(cfg, dp, out, 0.0, m.n_head / tp)
+
+
 def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
-    """Bytes per token that block 0 does not save under LoRA/QLoRA, against `_layer_bytes`. PEFT freezes the
+    """Bytes per token that block 0 does not save under PEFT, against `_layer_bytes`. PEFT freezes the
     embeddings and the norms, so the residual stream entering block 0 needs no gradient, and autograd keeps
-    nothing for an op none of whose inputs needs one: every value before the first LoRA of the block (qkv, then
-    attn_out, mlp_up, mlp_down, in the order the block runs them) goes unsaved, and that LoRA's dropout keeps no
-    mask. The LoRA's A keeps its input whatever (counted in `our_layer_values`); after it the stream needs a
-    gradient again and the rest of the model saves as counted. Checked against the activation meter for each
-    first target (tests/test_memory.py). Not taken off (an upper bound there): a first block that holds no LoRA,
-    or is MoE with none on its attention, adapters (whose first input needs no gradient either), full activation
-    checkpointing (which keeps block inputs instead). Only the first pipeline stage holds block 0."""
+    nothing for an op none of whose inputs needs one: every value before the block's first trained layer goes
+    unsaved. Under LoRA/QLoRA that is its first LoRA (qkv, then attn_out, mlp_up, mlp_down, in the order the block
+    runs them), whose dropout keeps no mask; with adapters the one after the attention (ln_1 and the attention
+    save nothing). The first trained layer keeps its input whatever (counted in `our_layer_values`); after it the
+    stream needs a gradient again and the rest of the model saves as counted. Checked against the activation meter
+    for each first target and for adapters (tests/test_memory.py). Not taken off (an upper bound there): a first
+    block that holds no LoRA, or is MoE with none on its attention, full activation checkpointing (which keeps
+    block inputs instead). Under selective checkpointing what `_attention_core_bytes` takes off every block is not
+    taken again. Only the first pipeline stage holds block 0."""
     f, m = cfg.peft, cfg.model
     lora = set(f.targets) if f.method in ("lora", "qlora") else set()
-    order = [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
-    if not order or (m.is_moe_block(0) and order[0] not in ("qkv", "attn_out")):
+    order = ["adapter"] if f.method == "adapter" else [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
+    if not order or (m.is_moe_block(0) and order[0] not in ("qkv", "attn_out", "adapter")):
         return 0.0  # (an MoE block's attention is a dense block's; its MLP part is moe.py's)
     first = order[0]
     seq = tp if sequence_parallel else 1
@@ -374,17 +412,19 @@ def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parall
     q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
     norm_in = m.n_embd / seq  # (as `our_layer_values`: its input; a frozen RMSNorm keeps no normalised output)
     stats = (1 if rms else 2) / seq
+    selective = cfg.train.activation_checkpointing == "selective"
     low, norm, fp32 = 0.0, norm_in, stats  # ln_1
     if first != "qkv":  # attention: q, k, v (and RoPE's rotated q, k), the log-sum-exp; its output unless kept
-        low += q + 2 * kv + (q + kv if m.pos_emb == "rope" else 0) + (q if first != "attn_out" else 0)
-        fp32 += m.n_head / tp
+        low += q + 2 * kv + (q + kv if m.pos_emb == "rope" else 0)
+        low += q if first != "attn_out" and not (selective and not _attention_output_kept(cfg)) else 0
+        fp32 += 0 if selective else m.n_head / tp
     if first in ("mlp_up", "mlp_down"):
         norm, fp32 = norm + norm_in, fp32 + stats  # ln_2
     if first == "mlp_down":  # the activation's saved values (gate, silu, up / up)
         low += (3 if m.mlp == "swiglu" else 1) * m.ffn_hidden / tp
     # the first LoRA's dropout keeps no mask; attn_out's dropped copy is the only one (the attention keeps nothing)
     return (_values_bytes(cfg, dp, low, norm, fp32)
-            + _lora_dropout_bytes(cfg, [first], tp=tp, dp=dp, seq=seq, masks_only=first != "attn_out"))
+            + _lora_dropout_bytes(cfg, [first], tp=tp, dp=dp, seq=seq, masks_only=first != "attn_out" or selective))
 
 
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
@@ -407,8 +447,8 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     mode = t.activation_checkpointing
     if mode == "full":  # each block keeps its input (its recomputation in backward is a temporary)
         per_micro = layers * m.n_embd / (tp if sp else 1) * 4
-    elif mode == "selective":  # only the attention core is recomputed: it held just the log-sum-exp
-        per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * m.n_head / tp * 4
+    elif mode == "selective":  # only the attention core is recomputed: its log-sum-exp (and output) go
+        per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * _attention_core_bytes(cfg, tp=tp, dp=zdp)
     else:
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer
     if pp_rank == 0 and mode != "full":
@@ -416,7 +456,7 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     if pp_rank == pp - 1:
         per_micro += _head_bytes(cfg, tp, zdp, sequence_parallel=sp)
     if pp_rank == 0:
-        per_micro += _ids_bytes(cfg)
+        per_micro += _ids_bytes(cfg, tp)
     in_flight = _in_flight(cfg, pp=pp, pp_rank=pp_rank, dp=dp)
     # (under full checkpointing the blocks' copies are made again in their recomputation: a temporary; the head
     # is not checkpointed)
@@ -427,5 +467,5 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
         # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets
         # above the LM head are freed at B (executor.py), so all but the one in its forward hold less (under PEFT
         # with a frozen head more is freed: an upper bound there)
-        held -= (in_flight - 1) * (cfg.model.padded_vocab / tp + 2) * 4
+        held -= (in_flight - 1) * _loss_bytes(cfg, tp)
     return round(held * tokens)
