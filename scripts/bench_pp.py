@@ -274,6 +274,7 @@ class Run:
 
         from dist_llm import perf
         from dist_llm.config import load_config
+        from dist_llm.parallel import comm
         from dist_llm.parallel.context import ParallelContext
         from dist_llm.train.saved_tensors import SavedTensorMeter
         from dist_llm.train.trainer import Trainer
@@ -300,8 +301,8 @@ class Run:
         torch.distributed.broadcast(held, src=0)  # the first stage's figure
         self.held = int(held.item())
         peaks = torch.zeros(pp, dtype=torch.int64)  # each stage's memory rise over its two warm-up steps
-        torch.distributed.all_gather_into_tensor(
-            peaks, torch.tensor([perf.peak_memory_bytes(self.ctx.device) - start_bytes], dtype=torch.int64))
+        comm.all_gather(peaks, torch.tensor([perf.peak_memory_bytes(self.ctx.device) - start_bytes], dtype=torch.int64),
+                        None, None)
         self.peaks = peaks.tolist()
         self.times: list[dict[str, list[float]]] = []  # per timed step, Trainer.pipeline_times()
         self.parts: list[list[dict[str, float]]] = []  # per timed step, every stage's clock breakdown

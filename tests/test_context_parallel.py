@@ -142,8 +142,8 @@ def test_refusals_name_the_key(tmp_path: Path, keys: dict[str, Any], culprit: st
 
 def test_memory_prediction_knows_cp(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     """`dist-llm memory` at cp=2: the states ZeRO-1 shards over dp x cp, activations of block_size/cp tokens; both
-    equal what rank 0 measures (activations within 10%, as test_memory.py), and the measured activations fall to
-    about half of one process's."""
+    equal what rank 0 measures (activations to the loss's 4-byte scalar, as test_memory.py; within 10% before the
+    ring's own q, k, v and output were counted), and the measured activations fall to about half of one process's."""
     from dist_llm import memory
     from tests.test_memory import _config
 
@@ -154,7 +154,7 @@ def test_memory_prediction_knows_cp(tmp_path: Path, corpus: Path) -> None:  # no
     held = got["state_bytes"]
     assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
         est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
-    assert got["activation_bytes"] == pytest.approx(est.activation_bytes, rel=0.10)
+    assert 0 <= got["activation_bytes"] - est.activation_bytes <= 4, (got["activation_bytes"], est.activation_bytes)
     assert got["activation_bytes"] / one["activation_bytes"] == pytest.approx(0.5, rel=0.10)
     # the ring's buffers by hand (micro-batch 4, 4 heads of 8, 64 tokens a rank, fp32): k+v blocks held and
     # arriving 2 x 2*4*4*64*8*4 B, their gradient accumulators in flight both ways and home 3 x 16384*4 B, dq and
@@ -166,7 +166,9 @@ def test_memory_prediction_knows_cp(tmp_path: Path, corpus: Path) -> None:  # no
 
 def test_memory_of_the_long_config_defaults_to_its_cp_world() -> None:
     """`dist-llm memory --config configs/long.yaml` (cp=2) counts cp in the default world size (it said "WORLD_SIZE=1
-    is not divisible by cp*tp*pp" before), and its activations are half of the same model's at cp=1."""
+    is not divisible by cp*tp*pp" before), and its activations are half of the same model's at cp=1 but for what
+    ring attention keeps apart from SDPA: a contiguous v instead of the qkv output (kv = 128 values a token less,
+    fp32) and RoPE's cos and sin gathered at the rank's positions (2 x 32 fp32 a position), in each of 4 blocks."""
     from dist_llm import memory
     from dist_llm.config import load_config
     from tests.test_memory import cli
@@ -176,4 +178,5 @@ def test_memory_of_the_long_config_defaults_to_its_cp_world() -> None:
     assert out.stdout.startswith("long: world 2 (dp=1, cp=2, tp=1, pp=1)")
     long = Path(__file__).resolve().parents[1] / "configs" / "long.yaml"
     cp2, cp1 = memory.predict(load_config(long)), memory.predict(load_config(long, ["parallel.cp=1"]))
-    assert cp2.activation_bytes == pytest.approx(cp1.activation_bytes / 2, rel=1e-6)  # 8192 -> 4096 tokens a rank
+    ring = 4 * 4096 * (-128 * 4 + 2 * 32 * 4)  # (8192 -> 4096 tokens a rank, one sequence a micro-batch)
+    assert cp2.activation_bytes == cp1.activation_bytes / 2 + ring

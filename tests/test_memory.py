@@ -183,7 +183,8 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
          # (without SP gate and up each cast the input; with it qkv, gate, up and the head keep fp32 weights)
          "tp2-llama": (2, {**LLAMA, "parallel__tp": 2}),
          "tp2-sp-llama": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
-         # (ZeRO-2 over the cp group: 16-bit parameters at dp=1)
+         # (ZeRO-2 over the cp group: 16-bit parameters at dp=1; ring attention's own q, k, v and output, and
+         # RoPE's gathered cos and sin: 2,044 bytes over before)
          "cp2-zero2": (2, {**LLAMA, "parallel__cp": 2, "parallel__zero_stage": 2}),
          # (with dropout each A keeps its own dropped copy; under SP a LoRA'd gate and up cast their slices apart)
          "lora-mlp_up-dropout": (1, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]", "peft__dropout": 0.1}),
@@ -198,6 +199,9 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
                                "peft__targets": "[qkv, mlp_up]"}),
          "moe-zero3": (2, {**MOE_SHARED, "model__moe_shared_gate": True, "parallel__zero_stage": 3,
                            "train__micro_batch_size": 2}),
+         # (DeepSpeed's 16-bit parameters under LoRA: LayerNorm's CPU statistics in bf16, block 0's too)
+         "ds-zero1-lora": (2, {"parallel__backend": "deepspeed", "parallel__zero_stage": 1, "peft__method": "lora",
+                               "peft__targets": "[mlp_up]"}),
          # (adapters on the rank's slice of the tokens under SP: 4% over before)
          "adapter": (1, {**LLAMA, "peft__method": "adapter"}),
          "tp2-sp-adapter": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True,
@@ -207,9 +211,6 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
          # (ZeRO-2 makes only LoRA's weights 16-bit: the frozen model and the residual stream stay fp32)
          "zero2-lora": (2, {**LLAMA, "parallel__zero_stage": 2, "train__micro_batch_size": 2, "peft__method": "lora",
                             "peft__targets": "[qkv, mlp_up]"})}
-# what the calculator counts over the meter where that is known and not this test's subject: at cp=2 the ring
-# path's saved tensors, 2,044 bytes here in bf16 (6,140 in fp32) whatever the data-parallel form
-OVER = {"cp2-zero2": 2044}
 
 
 @pytest.mark.parametrize("case", list(MIXED))
@@ -219,7 +220,44 @@ def test_mixed_precision_activations_are_exact(tmp_path: Path, corpus: Path, cas
     got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
            else train(0, 1, tmp_path, corpus, extra))["activation_bytes"]
     est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0).activation_bytes
-    assert 0 <= got - est + OVER.get(case, 0) <= 512, (case, got, est)
+    assert 0 <= got - est <= 512, (case, got, est)
+
+
+# cp=2, fp32: ring attention keeps contiguous q, k, v and its output apart from the projection's copy of it, where
+# SDPA keeps the qkv output and one output (and RoPE's cos and sin are gathered anew in each block); before,
+# 4.7% under with learned positions, over with RoPE, 2 KB under with selective checkpointing, 5 KB over with LoRA
+CP_CASES = {"gpt2": {}, "llama-selective": {**LLAMA, "train__activation_checkpointing": "selective"},
+            "llama-lora": {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]"}}
+
+
+@pytest.mark.parametrize("case", list(CP_CASES))
+def test_context_parallel_activations_are_exact(tmp_path: Path, corpus: Path, case: str) -> None:  # noqa: F811
+    extra = {**CP_CASES[case], "parallel__cp": 2, "train__max_steps": 1}
+    got = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False, timeout=600)[0]["activation_bytes"]
+    est = memory.predict(_config(tmp_path, corpus, extra), 2, pp_rank=0).activation_bytes
+    assert got - est == 4, (case, got, est)  # (the loss's fp32 scalar)
+
+
+def test_model_dropout_is_said_to_be_uncounted() -> None:
+    """The calculator counts no model.dropout masks (the configs train without): `dist-llm memory` says so."""
+    def notes(dropout: float) -> list[str]:
+        return memory.predict(load_config(None, [f"model.dropout={dropout}", "train.device=cpu"]), 1).notes
+
+    assert any(n.startswith("model.dropout=0.1: its masks") for n in notes(0.1))
+    assert not any("model.dropout" in n for n in notes(0.0))
+
+
+def test_layer_norm_on_cuda_keeps_fp32_copies() -> None:
+    """With 16-bit parameters (ZeRO-2 over 2 ranks, bf16) autocast runs layer_norm in fp32 on CUDA (its fp32 list
+    in aten's autocast_mode.cpp): each norm keeps an fp32 copy of its input and fp32 mean and rstd, where the CPU,
+    whose autocast leaves it in bf16, keeps bf16 ones. By hand for GPT-2 124M's shape: 25 norms (2 a block and the
+    final one), 4 x 1024 tokens, 2 more bytes for each of 768 input values and 2 statistics."""
+    base = ["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.block_size=1024",
+            "model.vocab_size=50304", "train.micro_batch_size=4", "train.global_batch_size=8", "train.precision=bf16",
+            "parallel.zero_stage=2"]
+    cpu, cuda = (memory.predict(load_config(None, [*base, f"train.device={d}"]), 2).activation_bytes
+                 for d in ("cpu", "cuda"))
+    assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2)
 
 
 def test_full_checkpointing_counts_the_forward_cast_cache() -> None:

@@ -95,15 +95,20 @@ def rms_norm_saves_normalised(cfg: Config) -> bool:
 
 def _norm_input_bytes(cfg: Config, dp: int) -> int:
     """Bytes of a value a norm saves of its input (and RMSNorm's composite of its normalised output): the
-    residual stream's dtype, 16-bit only with 16-bit parameters, except under RMSNorm's composite (fp32 copies)."""
+    residual stream's dtype, 16-bit only with 16-bit parameters, except under RMSNorm's composite (fp32 copies)
+    and LayerNorm on CUDA, which autocast runs in fp32 (its list in aten's autocast_mode.cpp: the 16-bit input
+    is cast up, and the norm keeps that fp32 copy; on the CPU autocast leaves layer_norm in its input's dtype)."""
     if cfg.train.precision == "fp32" or not _stream16(cfg, dp) or rms_norm_composite(cfg):
+        return 4
+    if cfg.model.norm == "layernorm" and not _runs_on_gloo(cfg):
         return 4
     return 2
 
 
 def _norm_stat_bytes(cfg: Config, dp: int) -> int:
     """Bytes of a norm statistic (LayerNorm's mean and rstd, RMSNorm's rstd): fp32, except LayerNorm's CPU kernel
-    over a 16-bit input (16-bit parameters), which returns them in the input's dtype (CUDA's in fp32)."""
+    over a 16-bit input (16-bit parameters), which returns them in the input's dtype (CUDA's kernel in fp32, and
+    autocast runs it on fp32 copies there: `_norm_input_bytes`)."""
     if cfg.model.norm == "layernorm" and cfg.train.precision != "fp32" and _stream16(cfg, dp) and _runs_on_gloo(cfg):
         return 2
     return 4
@@ -389,6 +394,19 @@ def _attention_core_bytes(cfg: Config, *, tp: int, dp: int) -> float:
     return _values_bytes(cfg, dp, out, 0.0, m.n_head / tp)
 
 
+def _first_trained(cfg: Config) -> str | None:
+    """Block 0's first layer that trains under PEFT (its input needs no gradient up to there): the first LoRA
+    target in the order the block runs them (qkv, attn_out, mlp_up, mlp_down), "adapter" for adapters (after the
+    attention); None without PEFT, without a LoRA in the block, or an MoE block 0 whose LoRAs are all in its MLP
+    part (moe.py's; not taken off: an upper bound)."""
+    f, m = cfg.peft, cfg.model
+    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
+    order = ["adapter"] if f.method == "adapter" else [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
+    if not order or (m.is_moe_block(0) and order[0] not in ("qkv", "attn_out", "adapter")):
+        return None  # (an MoE block's attention is a dense block's; its MLP part is moe.py's)
+    return order[0]
+
+
 def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parallel: bool) -> float:
     """Bytes per token that block 0 does not save under PEFT, against `_layer_bytes`. PEFT freezes the
     embeddings and the norms, so the residual stream entering block 0 needs no gradient, and autograd keeps
@@ -401,30 +419,46 @@ def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parall
     block that holds no LoRA, or is MoE with none on its attention, full activation checkpointing (which keeps
     block inputs instead). Under selective checkpointing what `_attention_core_bytes` takes off every block is not
     taken again. Only the first pipeline stage holds block 0."""
-    f, m = cfg.peft, cfg.model
-    lora = set(f.targets) if f.method in ("lora", "qlora") else set()
-    order = ["adapter"] if f.method == "adapter" else [t for t in ("qkv", "attn_out", "mlp_up", "mlp_down") if t in lora]
-    if not order or (m.is_moe_block(0) and order[0] not in ("qkv", "attn_out", "adapter")):
-        return 0.0  # (an MoE block's attention is a dense block's; its MLP part is moe.py's)
-    first = order[0]
+    m = cfg.model
+    first = _first_trained(cfg)
+    if first is None:
+        return 0.0
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
     q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
     norm_in = m.n_embd / seq  # (as `our_layer_values`: its input; a frozen RMSNorm keeps no normalised output)
     stats = (1 if rms else 2) / seq
     selective = cfg.train.activation_checkpointing == "selective"
-    low, norm, fp32 = 0.0, norm_in, stats  # ln_1
+    low, norm, lse, norm_stats = 0.0, norm_in, 0.0, stats  # ln_1
     if first != "qkv":  # attention: q, k, v (and RoPE's rotated q, k), the log-sum-exp; its output unless kept
         low += q + 2 * kv + (q + kv if m.pos_emb == "rope" else 0)
         low += q if first != "attn_out" and not (selective and not _attention_output_kept(cfg)) else 0
-        fp32 += 0 if selective else m.n_head / tp
+        lse += 0 if selective else m.n_head / tp
     if first in ("mlp_up", "mlp_down"):
-        norm, fp32 = norm + norm_in, fp32 + stats  # ln_2
+        norm, norm_stats = norm + norm_in, norm_stats + stats  # ln_2
     if first == "mlp_down":  # the activation's saved values (gate, silu, up / up)
         low += (3 if m.mlp == "swiglu" else 1) * m.ffn_hidden / tp
     # the first LoRA's dropout keeps no mask; attn_out's dropped copy is the only one (the attention keeps nothing)
-    return (_values_bytes(cfg, dp, low, norm, fp32)
+    return (_values_bytes(cfg, dp, low, norm, lse) + _norm_stat_bytes(cfg, dp) * norm_stats
             + _lora_dropout_bytes(cfg, [first], tp=tp, dp=dp, seq=seq, masks_only=first != "attn_out" or selective))
+
+
+def _ring_attention_bytes(cfg: Config, *, tp: int, dp: int) -> float:
+    """Bytes per token a block whose attention input needs a gradient saves under context parallelism beyond
+    `_layer_bytes`' count (SDPA's). Ring attention (parallel/context_parallel/ring.py) keeps contiguous q, k and v
+    of its own (RoPE's outputs are already; v, and without RoPE q and k, are copied out of the qkv output, which
+    then nobody keeps) and its output, which the projection does not share (it keeps a transposed copy, where it
+    keeps its input: `_attention_output_kept`). Under selective checkpointing the ring is recomputed and what
+    stays is SDPA's. RoPE's cos and sin, gathered at the rank's positions, are new fp32 tensors in each block
+    (per sequence position, not per sequence). Measured with scripts/saved_tensors_by_op.py under torchrun."""
+    m = cfg.model
+    rope = m.pos_emb == "rope"
+    tables = 2 * m.head_dim * 4 / cfg.train.micro_batch_size if rope else 0.0
+    if cfg.train.activation_checkpointing == "selective":
+        return tables
+    q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
+    low = (q if _attention_output_kept(cfg) else 0.0) - (q + kv if rope else 0.0)
+    return _values_bytes(cfg, dp, low) + tables
 
 
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
@@ -451,6 +485,9 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * _attention_core_bytes(cfg, tp=tp, dp=zdp)
     else:
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer
+    if cp > 1 and mode != "full":  # (not block 0's attention where its input needs no gradient: it keeps nothing)
+        quiet = pp_rank == 0 and _first_trained(cfg) not in (None, "qkv")
+        per_micro += (layers - quiet) * _ring_attention_bytes(cfg, tp=tp, dp=zdp)
     if pp_rank == 0 and mode != "full":
         per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=zdp, sequence_parallel=sp)
     if pp_rank == pp - 1:

@@ -51,6 +51,10 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         _pending_weights(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s)
         if cfg.model.n_experts:
             _moe_figures(est, cfg, dp=dp, tp=tp, pp=pp, pp_rank=s, ep=ep)
+        if cfg.model.dropout > 0:
+            est.notes.append(f"model.dropout={cfg.model.dropout:g}: its masks (on the CPU a tensor of the input's dtype, "
+                             "and the attention's probabilities where SDPA falls back to its math kernel) are not "
+                             "counted in the activations: an underestimate")
         if p.offload == "cpu":
             est.offloaded = True
             est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "
