@@ -302,7 +302,7 @@ class Run:
         self.held = int(held.item())
         peaks = torch.zeros(pp, dtype=torch.int64)  # each stage's memory rise over its two warm-up steps
         comm.all_gather(peaks, torch.tensor([perf.peak_memory_bytes(self.ctx.device) - start_bytes], dtype=torch.int64),
-                        None, None)
+                        torch.distributed.group.WORLD, None)
         self.peaks = peaks.tolist()
         self.times: list[dict[str, list[float]]] = []  # per timed step, Trainer.pipeline_times()
         self.parts: list[list[dict[str, float]]] = []  # per timed step, every stage's clock breakdown
