@@ -117,11 +117,9 @@ def test_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, worl
     check_rank_0(tmp_path, corpus, world, extra, within=8)
 
 
-def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, within: int,
-                 rel: float = 0.0) -> None:
+def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, within: int) -> None:
     """One step at `world` ranks: rank 0's model states equal the prediction to the byte, its saved activations
-    at most `within` bytes above it (scalars the calculator leaves out) and, with `rel`, at most that fraction
-    below it (what the data decide: rows a capacity factor drops)."""
+    at most `within` bytes above it (scalars the calculator leaves out)."""
     extra = {**extra, "train__max_steps": 1}
     got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
            else train(0, 1, tmp_path, corpus, extra))
@@ -129,7 +127,7 @@ def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any]
     held = got["state_bytes"]
     assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
         est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
-    assert -rel * est.activation_bytes <= got["activation_bytes"] - est.activation_bytes <= within, (
+    assert 0 <= got["activation_bytes"] - est.activation_bytes <= within, (
         got["activation_bytes"], est.activation_bytes)
 
 
@@ -226,38 +224,52 @@ def test_mixed_precision_activations_are_exact(tmp_path: Path, corpus: Path, cas
 # cp=2, fp32: ring attention keeps contiguous q, k, v and its output apart from the projection's copy of it, where
 # SDPA keeps the qkv output and one output (and RoPE's cos and sin are gathered anew in each block); before,
 # 4.7% under with learned positions, over with RoPE, 2 KB under with selective checkpointing, 5 KB over with LoRA
-CP_CASES = {"gpt2": {}, "llama-selective": {**LLAMA, "train__activation_checkpointing": "selective"},
-            "llama-lora": {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]"}}
+CP_CASES = {"gpt2": (2, {}), "llama-selective": (2, {**LLAMA, "train__activation_checkpointing": "selective"}),
+            "llama-lora": (2, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]"}),
+            "llama-bf16": (2, {**LLAMA, "train__precision": "bf16"}),
+            "llama-tp2-sp": (4, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True})}
 
 
 @pytest.mark.parametrize("case", list(CP_CASES))
 def test_context_parallel_activations_are_exact(tmp_path: Path, corpus: Path, case: str) -> None:  # noqa: F811
-    extra = {**CP_CASES[case], "parallel__cp": 2, "train__max_steps": 1}
-    got = run_distributed(train, 2, tmp_path, corpus, extra, init_group=False, timeout=600)[0]["activation_bytes"]
-    est = memory.predict(_config(tmp_path, corpus, extra), 2, pp_rank=0).activation_bytes
-    assert got - est == 4, (case, got, est)  # (the loss's fp32 scalar)
+    world, extra = CP_CASES[case]
+    extra = {**extra, "parallel__cp": 2, "train__max_steps": 1}
+    got = run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0]["activation_bytes"]
+    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0).activation_bytes
+    # (the loss's scalars: its fp32 total weight, and at tp > 1 the vocabulary-parallel loss's int64 count)
+    assert got - est == (8 if "tp2" in case else 4), (case, got, est)
 
 
-def test_model_dropout_is_said_to_be_uncounted() -> None:
-    """The calculator counts no model.dropout masks (the configs train without): `dist-llm memory` says so."""
-    def notes(dropout: float) -> list[str]:
-        return memory.predict(load_config(None, [f"model.dropout={dropout}", "train.device=cpu"]), 1).notes
+def test_what_is_not_counted_is_said() -> None:
+    """The calculator counts no model.dropout masks (the configs train without) and not SDPA's ALiBi bias (ring
+    attention's, at cp > 1, it does): `dist-llm memory` says so."""
+    def notes(*overrides: str) -> list[str]:
+        cfg = load_config(None, [*overrides, "train.device=cpu", "model.block_size=64"])
+        return memory.predict(cfg, cfg.parallel.cp).notes
 
-    assert any(n.startswith("model.dropout=0.1: its masks") for n in notes(0.1))
-    assert not any("model.dropout" in n for n in notes(0.0))
+    assert any(n.startswith("model.dropout=0.1: its masks") for n in notes("model.dropout=0.1"))
+    assert not any("model.dropout" in n or "alibi" in n for n in notes("model.dropout=0.0"))
+    assert any(n.startswith("model.pos_emb=alibi: SDPA with a bias") for n in notes("model.pos_emb=alibi"))
+    assert not any("alibi" in n for n in notes("model.pos_emb=alibi", "parallel.cp=2"))
 
 
 def test_layer_norm_on_cuda_keeps_fp32_copies() -> None:
     """With 16-bit parameters (ZeRO-2 over 2 ranks, bf16) autocast runs layer_norm in fp32 on CUDA (its fp32 list
-    in aten's autocast_mode.cpp): each norm keeps an fp32 copy of its input and fp32 mean and rstd, where the CPU,
-    whose autocast leaves it in bf16, keeps bf16 ones. By hand for GPT-2 124M's shape: 25 norms (2 a block and the
-    final one), 4 x 1024 tokens, 2 more bytes for each of 768 input values and 2 statistics."""
+    in aten's autocast_mode.cpp): each norm keeps an fp32 copy of its input, fp32 mean and rstd and fp32 copies of
+    its weight and bias, where the CPU, whose autocast leaves it in bf16, keeps bf16 ones and the parameters
+    themselves. By hand for GPT-2 124M's shape: 25 norms (2 a block and the final one), 4 x 1024 tokens, 2 more
+    bytes for each of 768 input values and 2 statistics, and 2 x 768 x 4 bytes of copies a norm. (Its SwiGLU
+    variant also keeps a second 16-bit copy of each MLP input, 2 x 768 bytes a token a block: gate and up each
+    cast the fp32 output.)"""
     base = ["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.block_size=1024",
             "model.vocab_size=50304", "train.micro_batch_size=4", "train.global_batch_size=8", "train.precision=bf16",
             "parallel.zero_stage=2"]
     cpu, cuda = (memory.predict(load_config(None, [*base, f"train.device={d}"]), 2).activation_bytes
                  for d in ("cpu", "cuda"))
-    assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2)
+    assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2) + 25 * 2 * 768 * 4
+    cpu, cuda = (memory.predict(load_config(None, [*base, "model.mlp=swiglu", f"train.device={d}"]), 2).activation_bytes
+                 for d in ("cpu", "cuda"))
+    assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2) + 25 * 2 * 768 * 4 + 12 * 4 * 1024 * 2 * 768
 
 
 def test_full_checkpointing_counts_the_forward_cast_cache() -> None:
@@ -465,8 +477,10 @@ def test_zero2_peak_within_the_prediction(tmp_path: Path) -> None:
     alive to the end of backward (the former behaviour) a whole 16-bit gradient piled up on top."""
     got = run_distributed(_peak_step, 2, tmp_path, {}, init_group=False)[0]
     est = memory.predict(load_config(None, tiny_overrides(tmp_path, **PEAK)), 2)
-    # activations are predicted within 10% (test_prediction_matches_what_rank_0_holds): that is the slack
-    assert got["peak"] <= est.peak_bytes + 0.10 * est.activation_bytes, (got, est.to_json())
+    # activations are predicted to the loss's scalars (test_prediction_matches_what_rank_0_holds); what the peak
+    # adds beside them and the largest temporary (small transients of the step, not modelled) measured 3,208 bytes
+    # of 9.17 MB: 4 KiB of slack (before, 10% of the activations, 29 KB)
+    assert got["peak"] <= est.peak_bytes + 4096, (got, est.to_json())
     assert got["peak"] >= 0.8 * est.peak_bytes, (got, est.to_json())
     assert got["states"] == est.model_states_bytes
 

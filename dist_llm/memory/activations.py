@@ -148,16 +148,36 @@ def casts_fp32_weights(cfg: Config, *, dp: int, world: int) -> bool:
     return not (p.zero_stage == 3 and p.backend == "native" and world > 1)
 
 
+def _norm_output_fp32(cfg: Config, *, dp: int, world: int) -> bool:
+    """Whether in mixed precision a norm's output, the input the matmuls after it cast, is fp32: over fp32
+    parameters (`casts_fp32_weights`), and for LayerNorm on CUDA whatever the parameters (autocast runs it in
+    fp32 there: `_norm_input_bytes`)."""
+    if cfg.train.precision == "fp32":
+        return False
+    return casts_fp32_weights(cfg, dp=dp, world=world) or (cfg.model.norm == "layernorm" and not _runs_on_gloo(cfg))
+
+
+def _norm_weight_copy_bytes(cfg: Config, *, dp: int, world: int, norms: int) -> int:
+    """Bytes a micro-batch keeps of autocast's fp32 copies of `norms` LayerNorms' 16-bit weight and bias on CUDA
+    (autocast casts them up with the input; the backward keeps both); none on the CPU, over fp32 parameters, or
+    with RMSNorm."""
+    m = cfg.model
+    if m.norm != "layernorm" or _runs_on_gloo(cfg) or not _norm_output_fp32(cfg, dp=dp, world=world) or \
+            casts_fp32_weights(cfg, dp=dp, world=world):
+        return 0
+    return norms * (2 if m.bias else 1) * m.n_embd * 4
+
+
 def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_parallel: bool) -> float:
     """Bytes per token of the second 16-bit copy of a gated MLP's input: autocast casts the fp32 input for gate
     and for up apart, and each matmul keeps its own copy (the values count one, `_mlp_low_values`); the sequence-
     parallel layers cast it once before their gather (parallel/tensor/layers.py), except under LoRA, whose A's
-    each cast their local slice; 16-bit inputs need no cast. With LoRA dropout each A keeps its own dropped copy
-    instead (`_lora_dropout_bytes`)."""
+    each cast their local slice; 16-bit inputs need no cast (`_norm_output_fp32`). With LoRA dropout each A keeps
+    its own dropped copy instead (`_lora_dropout_bytes`)."""
     m, f = cfg.model, cfg.peft
     lora = f.method in ("lora", "qlora")
     trained = "mlp_up" in f.targets if lora else f.method == "none"
-    if m.mlp != "swiglu" or not trained or (lora and f.dropout > 0) or not casts_fp32_weights(cfg, dp=dp, world=world):
+    if m.mlp != "swiglu" or not trained or (lora and f.dropout > 0) or not _norm_output_fp32(cfg, dp=dp, world=world):
         return 0.0
     if sequence_parallel and tp > 1:
         return 2 * m.n_embd / tp if lora else 0.0
@@ -172,7 +192,7 @@ def _shared_copy_bytes(cfg: Config, *, dp: int, world: int) -> float:
     m = cfg.model
     if not m.n_shared_experts:
         return 0.0
-    gate = m.moe_shared_gate and cfg.peft.method == "none" and casts_fp32_weights(cfg, dp=dp, world=world)
+    gate = m.moe_shared_gate and cfg.peft.method == "none" and _norm_output_fp32(cfg, dp=dp, world=world)
     return _gated_copy_bytes(cfg, tp=1, dp=dp, world=world, sequence_parallel=False) + (2 * m.n_embd if gate else 0)
 
 
@@ -499,6 +519,8 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
     # is not checkpointed)
     copies = autocast_weight_copy_bytes(cfg, tp=tp, pp=pp, pp_rank=pp_rank, dp=zdp, world=world,
                                         head_only=mode == "full")
+    copies += _norm_weight_copy_bytes(cfg, dp=zdp, world=world,  # (2 a block, recomputed under full checkpointing)
+                                      norms=(0 if mode == "full" else 2 * layers) + (pp_rank == pp - 1))
     held = per_micro * in_flight + copies * in_flight / tokens
     if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
         # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets

@@ -55,6 +55,10 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
             est.notes.append(f"model.dropout={cfg.model.dropout:g}: its masks (on the CPU a tensor of the input's dtype, "
                              "and the attention's probabilities where SDPA falls back to its math kernel) are not "
                              "counted in the activations: an underestimate")
+        if cfg.model.pos_emb == "alibi" and p.cp == 1:
+            est.notes.append("model.pos_emb=alibi: SDPA with a bias (the CPU's math kernel keeps the attention "
+                             "probabilities, heads x T x T a sequence; CUDA's kernels the bias) is not counted in the "
+                             "activations: an underestimate (ring attention, parallel.cp > 1, is counted)")
         if p.offload == "cpu":
             est.offloaded = True
             est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "
