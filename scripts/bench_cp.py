@@ -31,7 +31,15 @@ import torch
 import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
-RATIO_TOLERANCE = 0.10  # the attention part's ratio cp=k / cp=1 within 10% of 1/k
+RATIO_TOLERANCE = 0.10  # the attention part's ratio cp=k / cp=1 at most 10% above 1/k
+
+
+def ratio_ok(ratio: float, cp: int, tolerance: float = RATIO_TOLERANCE) -> bool:
+    """Issue 21's target: the attention part's saved activations per rank fall to 1/cp, here at most `tolerance`
+    above it. Below is allowed: a ring rank keeps less a token than SDPA does (contiguous q, k and v where SDPA's
+    v, a view, keeps the whole qkv output; one pair of RoPE tables for all blocks): 0.447 at cp=2, 0.223 at cp=4
+    (2026-11-28), exactly what `dist-llm memory` predicts."""
+    return ratio * cp <= 1 + tolerance
 
 
 def _attention_meter(model: torch.nn.Module, meter: Any) -> list[Any]:
@@ -168,10 +176,10 @@ def main() -> None:
               f"{r['rise_bytes'] / mib:>8,.0f}" + (" (oversubscribed)" if r["oversubscribed"] else ""))
     for r in runs:
         if r["cp"] > 1:
-            ok = abs(r["attention_ratio"] * r["cp"] - 1) <= RATIO_TOLERANCE
+            ok = ratio_ok(r["attention_ratio"], r["cp"])
             print(f"{'PASS' if ok else 'FAIL'}: block {r['block_size']} cp={r['cp']}: attention saved activations "
-                  f"per rank {r['attention_ratio']:.3f} of cp=1's (predicted {1 / r['cp']:.3f}, within "
-                  f"{RATIO_TOLERANCE:.0%})")
+                  f"per rank {r['attention_ratio']:.3f} of cp=1's (target 1/cp = {1 / r['cp']:.3f} or less, at "
+                  f"most {RATIO_TOLERANCE:.0%} above)")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "layers": args.layers, "tolerance": RATIO_TOLERANCE},
                                         indent=1))

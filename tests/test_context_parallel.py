@@ -168,7 +168,7 @@ def test_memory_of_the_long_config_defaults_to_its_cp_world() -> None:
     """`dist-llm memory --config configs/long.yaml` (cp=2) counts cp in the default world size (it said "WORLD_SIZE=1
     is not divisible by cp*tp*pp" before), and its activations are half of the same model's at cp=1 but for what
     ring attention keeps apart from SDPA: a contiguous v instead of the qkv output (kv = 128 values a token less,
-    fp32) and RoPE's cos and sin gathered at the rank's positions (2 x 32 fp32 a position), in each of 4 blocks."""
+    fp32) in each of 4 blocks, and once RoPE's cos and sin gathered at the rank's 4096 positions (32 fp32 each)."""
     from dist_llm import memory
     from dist_llm.config import load_config
     from tests.test_memory import cli
@@ -178,5 +178,35 @@ def test_memory_of_the_long_config_defaults_to_its_cp_world() -> None:
     assert out.stdout.startswith("long: world 2 (dp=1, cp=2, tp=1, pp=1)")
     long = Path(__file__).resolve().parents[1] / "configs" / "long.yaml"
     cp2, cp1 = memory.predict(load_config(long)), memory.predict(load_config(long, ["parallel.cp=1"]))
-    ring = 4 * 4096 * (-128 * 4 + 2 * 32 * 4)  # (8192 -> 4096 tokens a rank, one sequence a micro-batch)
+    ring = 4 * 4096 * -128 * 4 + 2 * 4096 * 32 * 4  # (8192 -> 4096 tokens a rank, one sequence a micro-batch)
     assert cp2.activation_bytes == cp1.activation_bytes / 2 + ring
+
+
+def test_rope_tables_are_gathered_once_for_a_positions_tensor() -> None:
+    """Context parallelism's positions are one tensor per length, asked for by every block: RoPE gathers its cos and
+    sin at them once and hands every block the same pair (each block's rotation keeps it for backward, so one pair
+    is alive rather than one a block); another positions tensor, cast or moved tables, or new tables gather again.
+    The rotation equals the one from tables gathered anew."""
+    import torch
+
+    from dist_llm.model.positions import RotaryEmbedding
+
+    rope = RotaryEmbedding(8, 16)
+    pos = torch.tensor([0, 3, 5, 15])
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)
+    fresh = RotaryEmbedding(8, 16)
+    first = rope(q, k, pos)
+    cos = rope._gathered[2]
+    second = rope(q, k, pos)
+    assert rope._gathered[2] is cos  # (the same pair for the next block)
+    reference = (fresh.cos[pos], fresh.sin[pos])
+    assert torch.equal(cos, reference[0]) and torch.equal(rope._gathered[3], reference[1])
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    rope(q, k, pos.clone())
+    assert rope._gathered[2] is not cos  # (another positions tensor)
+    rope.double()
+    out = rope(q.double(), k.double(), pos)
+    assert rope._gathered[2].dtype == torch.float64 and out[0].dtype == torch.float64
+    rope.reset_parameters()
+    assert rope._gathered is None

@@ -469,16 +469,20 @@ def _ring_attention_bytes(cfg: Config, *, tp: int, dp: int) -> float:
     of its own (RoPE's outputs are already; v, and without RoPE q and k, are copied out of the qkv output, which
     then nobody keeps) and its output, which the projection does not share (it keeps a transposed copy, where it
     keeps its input: `_attention_output_kept`). Under selective checkpointing the ring is recomputed and what
-    stays is SDPA's. RoPE's cos and sin, gathered at the rank's positions, are new fp32 tensors in each block
-    (per sequence position, not per sequence). Measured with scripts/saved_tensors_by_op.py under torchrun."""
-    m = cfg.model
-    rope = m.pos_emb == "rope"
-    tables = 2 * m.head_dim * 4 / cfg.train.micro_batch_size if rope else 0.0
+    stays is SDPA's. Measured with scripts/saved_tensors_by_op.py under torchrun."""
     if cfg.train.activation_checkpointing == "selective":
-        return tables
+        return 0.0
+    m = cfg.model
     q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
-    low = (q if _attention_output_kept(cfg) else 0.0) - (q + kv if rope else 0.0)
-    return _values_bytes(cfg, dp, low) + tables
+    low = (q if _attention_output_kept(cfg) else 0.0) - (q + kv if m.pos_emb == "rope" else 0.0)
+    return _values_bytes(cfg, dp, low)
+
+
+def _rope_table_bytes(cfg: Config, cp: int) -> int:
+    """Bytes of RoPE's cos and sin gathered at a context-parallel rank's positions (fp32, positions x head size):
+    one pair for every block and micro-batch (model/positions.py keeps it), saved by each block's rotation."""
+    m = cfg.model
+    return 2 * (m.block_size // cp) * m.head_dim * 4 if m.pos_emb == "rope" and cp > 1 else 0
 
 
 def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, worst: bool = False,
@@ -505,9 +509,11 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer - layers * _attention_core_bytes(cfg, tp=tp, dp=zdp)
     else:
         per_micro = (layers - n_moe) * layer + n_moe * moe_layer
+    tables = 0
     if cp > 1 and mode != "full":  # (not block 0's attention where its input needs no gradient: it keeps nothing)
         quiet = pp_rank == 0 and _first_trained(cfg) not in (None, "qkv")
         per_micro += (layers - quiet) * _ring_attention_bytes(cfg, tp=tp, dp=zdp)
+        tables = _rope_table_bytes(cfg, cp) if layers > quiet else 0
     if pp_rank == 0 and mode != "full":
         per_micro -= _first_block_unsaved_bytes(cfg, tp=tp, dp=zdp, sequence_parallel=sp)
     if pp_rank == pp - 1:
@@ -521,7 +527,7 @@ def activation_bytes(cfg: Config, *, tp: int, pp: int, pp_rank: int, dp: int, wo
                                         head_only=mode == "full")
     copies += _norm_weight_copy_bytes(cfg, dp=zdp, world=world,  # (2 a block, recomputed under full checkpointing)
                                       norms=(0 if mode == "full" else 2 * layers) + (pp_rank == pp - 1))
-    held = per_micro * in_flight + copies * in_flight / tokens
+    held = per_micro * in_flight + (copies * in_flight + tables) / tokens
     if p.pp_schedule == "zb1" and pp > 1 and pp_rank == pp - 1:
         # a micro-batch past its B keeps the graph below its weight ops only: the loss's log-softmax and targets
         # above the LM head are freed at B (executor.py), so all but the one in its forward hold less (under PEFT
