@@ -32,14 +32,21 @@ import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parent.parent
 RATIO_TOLERANCE = 0.10  # the attention part's ratio cp=k / cp=1 at most 10% above 1/k
+SAVED_SLACK = 1024  # each rank's saved activations against `dist-llm memory`'s: the loss's scalars
 
 
 def ratio_ok(ratio: float, cp: int, tolerance: float = RATIO_TOLERANCE) -> bool:
-    """Issue 21's target: the attention part's saved activations per rank fall to 1/cp, here at most `tolerance`
-    above it. Below is allowed: a ring rank keeps less a token than SDPA does (contiguous q, k and v where SDPA's
-    v, a view, keeps the whole qkv output; one pair of RoPE tables for all blocks): 0.447 at cp=2, 0.223 at cp=4
-    (2026-11-28), exactly what `dist-llm memory` predicts."""
-    return ratio * cp <= 1 + tolerance
+    """Issue 21 asks the attention part's saved activations per rank to fall near 1/cp. Measured 0.447 at cp=2 and
+    0.223 at cp=4 (2026-11-28), 10.6% under 1/cp: cp=1's SDPA keeps the whole qkv output through v's view where
+    a ring rank keeps contiguous q, k and v, and one pair of RoPE tables serves all blocks. So the check is at
+    most `tolerance` above 1/cp and at least half of it (a meter that lost the ring's tensors would fall below);
+    the exact figure is checked per rank against `dist-llm memory` (`saved_ok`)."""
+    return 0.5 <= ratio * cp <= 1 + tolerance
+
+
+def saved_ok(saved: int, predicted: int) -> bool:
+    """A rank's saved activations equal `dist-llm memory`'s to `SAVED_SLACK` bytes."""
+    return abs(saved - predicted) <= SAVED_SLACK
 
 
 def _attention_meter(model: torch.nn.Module, meter: Any) -> list[Any]:
@@ -178,8 +185,12 @@ def main() -> None:
         if r["cp"] > 1:
             ok = ratio_ok(r["attention_ratio"], r["cp"])
             print(f"{'PASS' if ok else 'FAIL'}: block {r['block_size']} cp={r['cp']}: attention saved activations "
-                  f"per rank {r['attention_ratio']:.3f} of cp=1's (target 1/cp = {1 / r['cp']:.3f} or less, at "
-                  f"most {RATIO_TOLERANCE:.0%} above)")
+                  f"per rank {r['attention_ratio']:.3f} of cp=1's (target near 1/cp = {1 / r['cp']:.3f}: at most "
+                  f"{RATIO_TOLERANCE:.0%} above, at least half)")
+    for r in runs:
+        ok = saved_ok(r["saved_bytes"], r["predicted_saved_bytes"])
+        print(f"{'PASS' if ok else 'FAIL'}: block {r['block_size']} cp={r['cp']}: saved activations "
+              f"{r['saved_bytes']:,} bytes, `dist-llm memory` {r['predicted_saved_bytes']:,} (within {SAVED_SLACK:,})")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "layers": args.layers, "tolerance": RATIO_TOLERANCE},
                                         indent=1))

@@ -196,17 +196,28 @@ def test_rope_tables_are_gathered_once_for_a_positions_tensor() -> None:
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 1, 4, 8)
     fresh = RotaryEmbedding(8, 16)
     first = rope(q, k, pos)
-    cos = rope._gathered[2]
+    cos = rope._gathered[1]
     second = rope(q, k, pos)
-    assert rope._gathered[2] is cos  # (the same pair for the next block)
+    assert rope._gathered[1] is cos  # (the same pair for the next block)
     reference = (fresh.cos[pos], fresh.sin[pos])
-    assert torch.equal(cos, reference[0]) and torch.equal(rope._gathered[3], reference[1])
+    assert torch.equal(cos, reference[0]) and torch.equal(rope._gathered[2], reference[1])
     for a, b in zip(first, second):
         assert torch.equal(a, b)
     rope(q, k, pos.clone())
-    assert rope._gathered[2] is not cos  # (another positions tensor)
+    assert rope._gathered[1] is not cos  # (another positions tensor)
+    pos[3] = 7  # (an in-place write: gathered again)
+    rope(q, k, pos)
+    assert torch.equal(rope._gathered[1], fresh.cos[pos])
     rope.double()
+    assert rope._gathered is None  # (a cast or a move lets the old pair go)
     out = rope(q.double(), k.double(), pos)
-    assert rope._gathered[2].dtype == torch.float64 and out[0].dtype == torch.float64
+    assert rope._gathered[1].dtype == torch.float64 and out[0].dtype == torch.float64
     rope.reset_parameters()
     assert rope._gathered is None
+    # a forward in inference mode keeps nothing: its tensors could not be saved by a training forward after it
+    with torch.inference_mode():
+        rope(q.double(), k.double(), pos)
+    assert rope._gathered is None
+    qd = q.double().requires_grad_()
+    rope(qd, k.double(), pos)[0].sum().backward()
+    assert qd.grad is not None

@@ -480,7 +480,9 @@ def _ring_attention_bytes(cfg: Config, *, tp: int, dp: int) -> float:
 
 def _rope_table_bytes(cfg: Config, cp: int) -> int:
     """Bytes of RoPE's cos and sin gathered at a context-parallel rank's positions (fp32, positions x head size):
-    one pair for every block and micro-batch (model/positions.py keeps it), saved by each block's rotation."""
+    one pair shared by every block and micro-batch (model/positions.py keeps it), saved by each block's rotation.
+    Under train.compile each block's graph gathers its own (not counted); under full checkpointing the kept pair
+    is no activation (the blocks' recomputation saves it)."""
     m = cfg.model
     return 2 * (m.block_size // cp) * m.head_dim * 4 if m.pos_emb == "rope" and cp > 1 else 0
 

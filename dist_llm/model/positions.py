@@ -20,7 +20,7 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables()
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
-        self._gathered: tuple[torch.Tensor, tuple, torch.Tensor, torch.Tensor] | None = None  # see `_at`
+        self._gathered: tuple[tuple, torch.Tensor, torch.Tensor] | None = None  # see `_at`
 
     def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
@@ -37,6 +37,10 @@ class RotaryEmbedding(nn.Module):
 
     reset_buffers = reset_parameters  # (the name model/init.py looks for)
 
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        self._gathered = None  # (moved or cast: the old pair would pin the old device's memory)
+        return super()._apply(fn, recurse)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs) at `positions` (T,) (default 0..T-1); computed in fp32,
@@ -52,14 +56,18 @@ class RotaryEmbedding(nn.Module):
         """The tables gathered at `positions`. Context parallelism's positions are one tensor per length
         (parallel/context_parallel/apply.py), asked for by every block of every micro-batch, and each block's
         rotation keeps the pair for backward: gathered once and kept, one pair is alive rather than one a block
-        and micro-batch (2 x 16,384 x 128 fp32 a block, 16 MiB, for a Llama-7B rank holding 16k tokens)."""
-        if torch.compiler.is_compiling():  # (the compiled graph gathers them itself)
+        and micro-batch (2 x 16,384 x 128 fp32 a block, 16 MiB, for a Llama-7B rank holding 16k tokens). The key
+        is the tensors themselves and their version counters (an in-place write gathers again); the pair holds
+        them, so no other tensor can take their memory and be mistaken for them."""
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or positions.is_inference():
+            # (a compiled graph gathers them itself; inference tensors cannot be saved by a later training forward)
             return self.cos[positions], self.sin[positions]
-        key = (self.cos.data_ptr(), self.cos.dtype, self.cos.device)  # (moved or cast buffers gather again)
+        key = (positions, positions._version, self.cos, self.cos._version, self.sin, self.sin._version)
         hit = self._gathered
-        if hit is None or hit[0] is not positions or hit[1] != key:
-            hit = self._gathered = (positions, key, self.cos[positions], self.sin[positions])
-        return hit[2], hit[3]
+        if hit is None or len(hit[0]) != len(key) or any(a is not b if isinstance(a, torch.Tensor) else a != b
+                                                          for a, b in zip(hit[0], key)):
+            hit = self._gathered = (key, self.cos[positions], self.sin[positions])
+        return hit[1], hit[2]
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
