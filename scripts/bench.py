@@ -233,7 +233,7 @@ def cp_rows(r: dict[str, Any]) -> list[dict[str, Any]]:
         name = f"T={t} cp={k}" + (" (oversubscribed)" if run["oversubscribed"] else "")
         out.append(row("cp", f"{name} saved", "dist-llm memory", "MiB saved", run["saved_bytes"] / 2**20,
                        run["predicted_saved_bytes"] / 2**20, f"equal (+-{SAVED_SLACK} B)",
-                       saved_ok(run["saved_bytes"], run["predicted_saved_bytes"])))
+                       saved_ok(run.get("saved_bytes_each", [run["saved_bytes"]]), run["predicted_saved_bytes"])))
         if k > 1:
             out.append(row("cp", name, f"T={t} cp=1", "tokens/s", run["tokens_per_s"], one["tokens_per_s"],
                            ours_mem=run["rise_bytes"], ref_mem=one["rise_bytes"]))

@@ -44,9 +44,9 @@ def ratio_ok(ratio: float, cp: int, tolerance: float = RATIO_TOLERANCE) -> bool:
     return 0.5 <= ratio * cp <= 1 + tolerance
 
 
-def saved_ok(saved: int, predicted: int) -> bool:
-    """A rank's saved activations equal `dist-llm memory`'s to `SAVED_SLACK` bytes."""
-    return abs(saved - predicted) <= SAVED_SLACK
+def saved_ok(saved_each: list[int], predicted: int) -> bool:
+    """Every rank's saved activations equal `dist-llm memory`'s (the same for each cp rank) to `SAVED_SLACK` bytes."""
+    return all(abs(saved - predicted) <= SAVED_SLACK for saved in saved_each)
 
 
 def _attention_meter(model: torch.nn.Module, meter: Any) -> list[Any]:
@@ -143,7 +143,7 @@ def run_world(args: argparse.Namespace, block: int, cp: int) -> dict[str, Any]:
     ranks.sort(key=lambda r: r["rank"])
     timed = ranks[0]["step_s"][1:] or ranks[0]["step_s"]  # (the first step carries the warm-up)
     return {"block_size": block, "cp": cp, "tokens_per_s": block / statistics.median(timed), "ranks": ranks,
-            "saved_bytes": max(r["saved_bytes"] for r in ranks),
+            "saved_bytes": max(r["saved_bytes"] for r in ranks), "saved_bytes_each": [r["saved_bytes"] for r in ranks],
             "attention_saved_bytes": max(r["attention_saved_bytes"] for r in ranks),
             "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks), "rise_bytes": max(r["rise_bytes"] for r in ranks),
             "predicted_saved_bytes": ranks[0]["predicted_saved_bytes"], "oversubscribed": cp > (os.cpu_count() or 1)}
@@ -188,9 +188,10 @@ def main() -> None:
                   f"per rank {r['attention_ratio']:.3f} of cp=1's (target near 1/cp = {1 / r['cp']:.3f}: at most "
                   f"{RATIO_TOLERANCE:.0%} above, at least half)")
     for r in runs:
-        ok = saved_ok(r["saved_bytes"], r["predicted_saved_bytes"])
-        print(f"{'PASS' if ok else 'FAIL'}: block {r['block_size']} cp={r['cp']}: saved activations "
-              f"{r['saved_bytes']:,} bytes, `dist-llm memory` {r['predicted_saved_bytes']:,} (within {SAVED_SLACK:,})")
+        ok = saved_ok(r["saved_bytes_each"], r["predicted_saved_bytes"])
+        print(f"{'PASS' if ok else 'FAIL'}: block {r['block_size']} cp={r['cp']}: saved activations of each rank "
+              f"{min(r['saved_bytes_each']):,} to {max(r['saved_bytes_each']):,} bytes, `dist-llm memory` "
+              f"{r['predicted_saved_bytes']:,} (each within {SAVED_SLACK:,})")
     if args.json:
         args.json.write_text(json.dumps({"runs": runs, "layers": args.layers, "tolerance": RATIO_TOLERANCE},
                                         indent=1))

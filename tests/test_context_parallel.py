@@ -205,9 +205,15 @@ def test_rope_tables_are_gathered_once_for_a_positions_tensor() -> None:
         assert torch.equal(a, b)
     rope(q, k, pos.clone())
     assert rope._gathered[1] is not cos  # (another positions tensor)
+    rope(q, k, pos)
+    before = rope._gathered[1]
     pos[3] = 7  # (an in-place write: gathered again)
     rope(q, k, pos)
-    assert torch.equal(rope._gathered[1], fresh.cos[pos])
+    assert rope._gathered[1] is not before and torch.equal(rope._gathered[1], fresh.cos[pos])
+    rope.cos.data = rope.cos.data * 2  # (a .data swap, as model/buffers.py casts buffers: gathered again)
+    rope(q, k, pos)
+    assert torch.equal(rope._gathered[1], 2 * fresh.cos[pos])
+    rope.reset_parameters()
     rope.double()
     assert rope._gathered is None  # (a cast or a move lets the old pair go)
     out = rope(q.double(), k.double(), pos)
@@ -221,3 +227,7 @@ def test_rope_tables_are_gathered_once_for_a_positions_tensor() -> None:
     qd = q.double().requires_grad_()
     rope(qd, k.double(), pos)[0].sum().backward()
     assert qd.grad is not None
+    with torch.inference_mode():  # (tables made in inference mode: no version counter, so never kept)
+        built = RotaryEmbedding(8, 16)
+    built(q, k, pos)
+    assert built._gathered is None

@@ -57,15 +57,17 @@ class RotaryEmbedding(nn.Module):
         (parallel/context_parallel/apply.py), asked for by every block of every micro-batch, and each block's
         rotation keeps the pair for backward: gathered once and kept, one pair is alive rather than one a block
         and micro-batch (2 x 16,384 x 128 fp32 a block, 16 MiB, for a Llama-7B rank holding 16k tokens). The key
-        is the tensors themselves and their version counters (an in-place write gathers again); the pair holds
-        them, so no other tensor can take their memory and be mistaken for them."""
-        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or positions.is_inference():
-            # (a compiled graph gathers them itself; inference tensors cannot be saved by a later training forward)
+        is the tensors themselves, their version counters (an in-place write through them gathers again) and
+        their storages (a `.data` swap, as model/buffers.py casts buffers, does too); the pair holds the storages,
+        so no other tensor can take their memory and be mistaken for them."""
+        tensors = (positions, self.cos, self.sin)
+        if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or any(t.is_inference() for t in tensors):
+            # (a compiled graph gathers them itself; inference tensors cannot be saved by a later training forward
+            # and keep no version counter)
             return self.cos[positions], self.sin[positions]
-        key = (positions, positions._version, self.cos, self.cos._version, self.sin, self.sin._version)
+        key = tuple(x for t in tensors for x in (t, t._version, t.untyped_storage(), t.dtype))
         hit = self._gathered
-        if hit is None or len(hit[0]) != len(key) or any(a is not b if isinstance(a, torch.Tensor) else a != b
-                                                          for a, b in zip(hit[0], key)):
+        if hit is None or any(a is not b if isinstance(a, torch.Tensor) else a != b for a, b in zip(hit[0], key)):
             hit = self._gathered = (key, self.cos[positions], self.sin[positions])
         return hit[1], hit[2]
 
