@@ -117,13 +117,19 @@ def test_prediction_matches_what_rank_0_holds(tmp_path: Path, corpus: Path, worl
     check_rank_0(tmp_path, corpus, world, extra, within=8)
 
 
-def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, within: int) -> None:
-    """One step at `world` ranks: rank 0's model states equal the prediction to the byte, its saved activations
-    at most `within` bytes above it (scalars the calculator leaves out)."""
+def measured_and_predicted(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any]):  # type: ignore[no-untyped-def]  # noqa: F811
+    """One training step at `world` ranks: what rank 0 measured (`train`'s result) and `dist-llm memory`'s
+    prediction for rank 0."""
     extra = {**extra, "train__max_steps": 1}
     got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
            else train(0, 1, tmp_path, corpus, extra))
-    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0)
+    return got, memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0)
+
+
+def check_rank_0(tmp_path: Path, corpus: Path, world: int, extra: dict[str, Any], *, within: int) -> None:
+    """One step at `world` ranks: rank 0's model states equal the prediction to the byte, its saved activations
+    at most `within` bytes above it (scalars the calculator leaves out)."""
+    got, est = measured_and_predicted(tmp_path, corpus, world, extra)
     held = got["state_bytes"]
     assert (held["params"], held["grads"], held["master"], held["optimizer"]) == (
         est.params_bytes, est.grads_bytes, est.master_bytes, est.optimizer_bytes)
@@ -155,9 +161,8 @@ PEFT_CASES = {
 
 def test_peft_activations_are_exact(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
     for name, extra in PEFT_CASES.items():
-        extra = {"peft__method": "lora", "train__max_steps": 1, **extra}
-        got = train(0, 1, tmp_path / name, corpus, extra)["activation_bytes"]
-        est = memory.predict(_config(tmp_path / name, corpus, extra), 1).activation_bytes
+        measured, predicted = measured_and_predicted(tmp_path / name, corpus, 1, {"peft__method": "lora", **extra})
+        got, est = measured["activation_bytes"], predicted.activation_bytes
         # (what the calculator leaves out: one fp32 scalar the loss keeps)
         assert got - est == 4, (name, got, est)
 
@@ -215,10 +220,8 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
 @pytest.mark.parametrize("case", list(MIXED))
 def test_mixed_precision_activations_are_exact(tmp_path: Path, corpus: Path, case: str) -> None:  # noqa: F811
     world, extra = MIXED[case]
-    extra = {**extra, "train__precision": "bf16", "train__max_steps": 1}
-    got = (run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0] if world > 1
-           else train(0, 1, tmp_path, corpus, extra))["activation_bytes"]
-    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0).activation_bytes
+    measured, predicted = measured_and_predicted(tmp_path, corpus, world, {**extra, "train__precision": "bf16"})
+    got, est = measured["activation_bytes"], predicted.activation_bytes
     assert 0 <= got - est <= 512, (case, got, est)
 
 
@@ -234,9 +237,8 @@ CP_CASES = {"gpt2": (2, {}), "llama-selective": (2, {**LLAMA, "train__activation
 @pytest.mark.parametrize("case", list(CP_CASES))
 def test_context_parallel_activations_are_exact(tmp_path: Path, corpus: Path, case: str) -> None:  # noqa: F811
     world, extra = CP_CASES[case]
-    extra = {**extra, "parallel__cp": 2, "train__max_steps": 1}
-    got = run_distributed(train, world, tmp_path, corpus, extra, init_group=False, timeout=600)[0]["activation_bytes"]
-    est = memory.predict(_config(tmp_path, corpus, extra), world, pp_rank=0).activation_bytes
+    measured, predicted = measured_and_predicted(tmp_path, corpus, world, {**extra, "parallel__cp": 2})
+    got, est = measured["activation_bytes"], predicted.activation_bytes
     # (the loss's scalars: its fp32 total weight, and at tp > 1 the vocabulary-parallel loss's int64 count)
     assert got - est == (8 if "tp2" in case else 4), (case, got, est)
 

@@ -39,14 +39,21 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, *, seque
     return s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
 
 
+def attention_widths(cfg: Config, tp: int) -> tuple[float, float]:
+    """Values per token of this tp rank's q and of its k (or v): its 1/tp of the heads, or one whole kv head where
+    the kv heads are fewer than tp (each rank then keeps a copy of its group's)."""
+    m = cfg.model
+    return m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
+
+
 def our_layer_values(cfg: Config, tp: int, *, sequence_parallel: bool) -> tuple[float, float]:
     """Values a block of our GPT saves for backward per token: (16-bit-able values, fp32 values). The first
     are matmul outputs that autocast computes in the compute dtype; the second stay fp32 in mixed precision
     (the residual stream, norm statistics, the attention log-sum-exp). A linear keeps its input only when
     its weight is trained or carries LoRA; a frozen base (PEFT) keeps less."""
     m, f = cfg.model, cfg.peft
-    c, hd = m.n_embd, m.head_dim
-    q, kv = m.n_head * hd / tp, (m.kv_heads * hd / tp if m.kv_heads >= tp else hd)
+    c = m.n_embd
+    q, kv = attention_widths(cfg, tp)
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
     lora = set(f.targets) if f.method in ("lora", "qlora") else set()
@@ -162,8 +169,8 @@ def _norm_weight_copy_bytes(cfg: Config, *, dp: int, world: int, norms: int) -> 
     (autocast casts them up with the input; the backward keeps both); none on the CPU, over fp32 parameters, or
     with RMSNorm."""
     m = cfg.model
-    if m.norm != "layernorm" or _runs_on_gloo(cfg) or not _norm_output_fp32(cfg, dp=dp, world=world) or \
-            casts_fp32_weights(cfg, dp=dp, world=world):
+    if (m.norm != "layernorm" or _runs_on_gloo(cfg) or cfg.train.precision == "fp32"
+            or casts_fp32_weights(cfg, dp=dp, world=world)):
         return 0
     return norms * (2 if m.bias else 1) * m.n_embd * 4
 
@@ -445,7 +452,7 @@ def _first_block_unsaved_bytes(cfg: Config, *, tp: int, dp: int, sequence_parall
         return 0.0
     seq = tp if sequence_parallel else 1
     rms = m.norm == "rmsnorm"
-    q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
+    q, kv = attention_widths(cfg, tp)
     norm_in = m.n_embd / seq  # (as `our_layer_values`: its input; a frozen RMSNorm keeps no normalised output)
     stats = (1 if rms else 2) / seq
     selective = cfg.train.activation_checkpointing == "selective"
@@ -473,7 +480,7 @@ def _ring_attention_bytes(cfg: Config, *, tp: int, dp: int) -> float:
     if cfg.train.activation_checkpointing == "selective":
         return 0.0
     m = cfg.model
-    q, kv = m.n_head * m.head_dim / tp, (m.kv_heads * m.head_dim / tp if m.kv_heads >= tp else m.head_dim)
+    q, kv = attention_widths(cfg, tp)
     low = (q if _attention_output_kept(cfg) else 0.0) - (q + kv if m.pos_emb == "rope" else 0.0)
     return _values_bytes(cfg, dp, low)
 

@@ -12,6 +12,7 @@ an empty B), so it holds nothing extra.
 from __future__ import annotations
 
 from dist_llm.config import Config
+from dist_llm.memory.activations import attention_widths
 
 
 def pending_values(cfg: Config, tp: int, *, blocks: int, last: bool) -> tuple[float, float] | None:
@@ -21,8 +22,7 @@ def pending_values(cfg: Config, tp: int, *, blocks: int, last: bool) -> tuple[fl
     m = cfg.model
     if m.n_experts or cfg.peft.method != "none":
         return None
-    hd = m.head_dim
-    q, kv = m.n_head * hd / tp, (m.kv_heads * hd / tp if m.kv_heads >= tp else hd)
+    q, kv = attention_widths(cfg, tp)
     hidden = m.ffn_hidden / tp
     # column-parallel outputs are 1/tp; a row-parallel output's gradient is the whole width (its all-reduce's
     # backward is the identity); a bias is added in the same op as its matmul, or takes the same gradient
