@@ -85,6 +85,74 @@ def test_alibi_slopes_known_values() -> None:
     assert alibi_slopes(6).tolist() == pytest.approx(s4 + s8[0::2][:2])
 
 
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+def test_alibi_bias_is_one_tensor_for_all_blocks_and_micro_batches(monkeypatch: pytest.MonkeyPatch,
+                                                                   checkpointing: str) -> None:
+    """CUDA's memory-efficient SDPA keeps its bias for backward; each block built its own, so a bias a block and
+    micro-batch stayed alive. Here SDPA is wrapped to keep its attn_mask as that kernel does (the CPU's math
+    kernel keeps none), two micro-batches run forward before either runs backward (as a pipeline does), and
+    every call must have got the same tensor; losses and gradients bitwise those of a bias built per call (the
+    same values); once the graphs and the kept masks are gone, no bias is left."""
+    import dist_llm.model.gpt as gpt
+    from dist_llm.model import positions
+
+    sdpa = F.scaled_dot_product_attention
+    kept: list[torch.Tensor] = []
+
+    def keeping(q, k, v, attn_mask=None, **kw):  # type: ignore[no-untyped-def]
+        kept.append(attn_mask)
+        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", keeping)
+    cfg = small(pos_emb="alibi", n_layer=3)
+    idx = torch.randint(0, 64, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+
+    def run() -> tuple[list[float], list[torch.Tensor]]:
+        torch.manual_seed(0)
+        model = GPT(cfg)
+        model.set_activation_checkpointing(checkpointing)  # type: ignore[arg-type]
+        losses = [model(x, x) for x in idx]  # both forwards before either backward
+        for loss in losses:
+            loss.backward()
+        return [loss.item() for loss in losses], [p.grad for p in model.parameters()]
+
+    losses, grads = run()
+    calls = {"none": 6, "full": 12, "selective": 12}[checkpointing]  # 3 blocks x 2 micro-batches, recomputed
+    assert len(kept) == calls and len({id(m) for m in kept}) == 1, [id(m) for m in kept]
+    kept.clear()
+    assert len(positions._ALIBI_BIASES) == 0  # freed with the graphs: nothing held between steps
+    monkeypatch.setattr(gpt, "shared_alibi_bias",
+                        lambda slopes, heads, T, dtype: positions.alibi_bias(slopes, T, dtype))
+    ref_losses, ref_grads = run()
+    assert len({id(m) for m in kept}) == calls  # the reference built one per call
+    assert losses == ref_losses
+    for a, b in zip(grads, ref_grads, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_alibi_bias_sharing_keys_and_inference_mode() -> None:
+    """A rank's bias is shared only with callers of the same heads, dtype, device and length; a bias made in
+    inference mode is never handed to a training forward (which could not save it for backward)."""
+    from dist_llm.model.positions import alibi_bias, shared_alibi_bias
+
+    s8 = alibi_slopes(8)
+    low, high = s8[:4], s8[4:]  # tensor-parallel ranks 0 and 1 of 8 heads
+    a = shared_alibi_bias(low, (8, 0, 4), 16, torch.float32)
+    assert shared_alibi_bias(low.clone(), (8, 0, 4), 16, torch.float32) is a  # another block's slopes buffer
+    for other in [shared_alibi_bias(high, (8, 4, 4), 16, torch.float32),
+                  shared_alibi_bias(low, (8, 0, 4), 8, torch.float32),
+                  shared_alibi_bias(low, (8, 0, 4), 16, torch.bfloat16),
+                  shared_alibi_bias(low.to(torch.bfloat16), (8, 0, 4), 16, torch.float32)]:
+        assert other is not a
+    assert torch.equal(shared_alibi_bias(high, (8, 4, 4), 16, torch.float32), alibi_bias(high, 16, torch.float32))
+    del a
+    with torch.inference_mode():
+        made = shared_alibi_bias(low, (8, 0, 4), 16, torch.float32)
+    assert made.is_inference()
+    got = shared_alibi_bias(low, (8, 0, 4), 16, torch.float32)
+    assert not got.is_inference() and got is not made
+
+
 def test_rope_is_relative() -> None:
     """q.k after RoPE depends only on the distance between positions."""
     torch.manual_seed(0)

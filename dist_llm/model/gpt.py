@@ -20,7 +20,7 @@ from dist_llm.config import ModelConfig
 from dist_llm.model import init as model_init
 from dist_llm.model.factory import LayerFactory, Reduction
 from dist_llm.model.moe import MoE, moe_layers
-from dist_llm.model.positions import RotaryEmbedding, alibi_bias, alibi_slopes
+from dist_llm.model.positions import RotaryEmbedding, alibi_slopes, shared_alibi_bias
 
 Checkpointing = Literal["none", "full", "selective"]
 
@@ -67,7 +67,10 @@ class Attention(nn.Module):
             return self.layers.sequence.attention(q, k, v, alibi_slopes=self.alibi_slopes)
         dropout = self.dropout if self.training else 0.0
         gqa = self.n_kv_head != self.n_head
-        bias = alibi_bias(self.alibi_slopes, q.shape[-2], q.dtype) if self.alibi_slopes is not None else None
+        bias = None
+        if self.alibi_slopes is not None:  # one bias for all the blocks (CUDA's efficient kernel keeps it)
+            heads = (self.total_heads, self.first_head, self.n_head)
+            bias = shared_alibi_bias(self.alibi_slopes, heads, q.shape[-2], q.dtype)
         with self.layers.attention_rng() if dropout else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
                                                   dropout_p=dropout, enable_gqa=gqa)
