@@ -184,7 +184,8 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
          "zero3-one-rank": (1, {**LLAMA, "parallel__zero_stage": 3}),
          # (block 0 keeps no copy up to its first LoRA's base and A; gate's and up's A each cast their input)
          "lora-mlp_up": (1, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]"}),
-         # (without SP gate and up each cast the input; with it qkv, gate, up and the head keep fp32 weights)
+         # (gate and up read one cast of the input, model/casting.py; with SP qkv, gate, up and the head keep fp32
+         # weights)
          "tp2-llama": (2, {**LLAMA, "parallel__tp": 2}),
          "tp2-sp-llama": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True}),
          # (ZeRO-2 over the cp group: 16-bit parameters at dp=1; ring attention's own q, k, v and output, and
@@ -194,9 +195,9 @@ MIXED = {"one-process-llama": (1, {**LLAMA}),
          "lora-mlp_up-dropout": (1, {**LLAMA, "peft__method": "lora", "peft__targets": "[mlp_up]", "peft__dropout": 0.1}),
          "tp2-sp-lora": (2, {**LLAMA, "parallel__tp": 2, "parallel__sequence_parallel": True, "peft__method": "lora",
                              "peft__targets": "[qkv, mlp_up]"}),
-         # (a SwiGLU shared expert casts its input for gate and up; FSDP2 gathers the experts in 16 bits)
+         # (a SwiGLU shared expert casts its input once for gate and up; FSDP2 gathers the experts in 16 bits)
          "moe-shared": (1, {**MOE_SHARED}),
-         # (Qwen2-MoE's shared gate: its product keeps the shared output and the sigmoid; its matmul a third
+         # (Qwen2-MoE's shared gate: its product keeps the shared output and the sigmoid; its matmul another
          # 16-bit copy of the input, none under FSDP2 nor, frozen, under LoRA: 33 KB uncounted before)
          "moe-shared-gate": (1, {**MOE_SHARED, "model__moe_shared_gate": True}),
          "moe-gate-lora": (1, {**MOE_SHARED, "model__moe_shared_gate": True, "peft__method": "lora",
@@ -261,9 +262,9 @@ def test_layer_norm_on_cuda_keeps_fp32_copies() -> None:
     in aten's autocast_mode.cpp): each norm keeps an fp32 copy of its input, fp32 mean and rstd and fp32 copies of
     its weight and bias, where the CPU, whose autocast leaves it in bf16, keeps bf16 ones and the parameters
     themselves. By hand for GPT-2 124M's shape: 25 norms (2 a block and the final one), 4 x 1024 tokens, 2 more
-    bytes for each of 768 input values and 2 statistics, and 2 x 768 x 4 bytes of copies a norm. (Its SwiGLU
-    variant also keeps a second 16-bit copy of each MLP input, 2 x 768 bytes a token a block: gate and up each
-    cast the fp32 output.)"""
+    bytes for each of 768 input values and 2 statistics, and 2 x 768 x 4 bytes of copies a norm. Its SwiGLU
+    variant differs by as much: gate and up read one 16-bit copy of the fp32 output (model/casting.py), where
+    each cast its own before, 2 x 768 bytes a token a block more."""
     base = ["model.n_layer=12", "model.n_embd=768", "model.n_head=12", "model.block_size=1024",
             "model.vocab_size=50304", "train.micro_batch_size=4", "train.global_batch_size=8", "train.precision=bf16",
             "parallel.zero_stage=2"]
@@ -272,7 +273,7 @@ def test_layer_norm_on_cuda_keeps_fp32_copies() -> None:
     assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2) + 25 * 2 * 768 * 4
     cpu, cuda = (memory.predict(load_config(None, [*base, "model.mlp=swiglu", f"train.device={d}"]), 2).activation_bytes
                  for d in ("cpu", "cuda"))
-    assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2) + 25 * 2 * 768 * 4 + 12 * 4 * 1024 * 2 * 768
+    assert cuda - cpu == 25 * 4 * 1024 * (2 * 768 + 2 * 2) + 25 * 2 * 768 * 4
 
 
 def test_full_checkpointing_counts_the_forward_cast_cache() -> None:

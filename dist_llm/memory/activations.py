@@ -176,26 +176,27 @@ def _norm_weight_copy_bytes(cfg: Config, *, dp: int, world: int, norms: int) -> 
 
 
 def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_parallel: bool) -> float:
-    """Bytes per token of the second 16-bit copy of a gated MLP's input: autocast casts the fp32 input for gate
-    and for up apart, and each matmul keeps its own copy (the values count one, `_mlp_low_values`); the sequence-
-    parallel layers cast it once before their gather (parallel/tensor/layers.py), except under LoRA, whose A's
-    each cast their local slice; 16-bit inputs need no cast (`_norm_output_fp32`). With LoRA dropout each A keeps
-    its own dropped copy instead (`_lora_dropout_bytes`)."""
+    """Bytes per token of a second 16-bit copy of a gated MLP's input (the values count one, `_mlp_low_values`).
+    Gate and up read one autocast copy of an fp32 input (model/casting.py: the plain layers and the column-
+    parallel ones), and the sequence-parallel layers cast it once before their gather (parallel/tensor/layers.py);
+    under LoRA, whose A's join their base layers through hooks, each A casts its input itself (the whole input, or
+    under SP its local slice) and keeps its own copy. 16-bit inputs need no cast (`_norm_output_fp32`). With LoRA
+    dropout each A keeps its own dropped copy instead (`_lora_dropout_bytes`)."""
     m, f = cfg.model, cfg.peft
     lora = f.method in ("lora", "qlora")
     trained = "mlp_up" in f.targets if lora else f.method == "none"
     if m.mlp != "swiglu" or not trained or (lora and f.dropout > 0) or not _norm_output_fp32(cfg, dp=dp, world=world):
         return 0.0
-    if sequence_parallel and tp > 1:
-        return 2 * m.n_embd / tp if lora else 0.0
-    return 2 * m.n_embd
+    if not lora:
+        return 0.0
+    return 2 * m.n_embd / tp if sequence_parallel and tp > 1 else 2 * m.n_embd
 
 
 def _shared_copy_bytes(cfg: Config, *, dp: int, world: int) -> float:
     """Bytes per token of the 16-bit copies of an MoE block's shared-expert input beyond the one moe.py counts:
     a SwiGLU shared expert's second (the dense MLP's case, `_gated_copy_bytes`, with plain layers at every tp)
-    and model.moe_shared_gate's own (its matmul casts the fp32 input a third time and keeps the copy for its
-    weight's gradient; a frozen gate, under PEFT, keeps none)."""
+    and model.moe_shared_gate's own (its matmul casts the fp32 input again and keeps that copy for its weight's
+    gradient; a frozen gate, under PEFT, keeps none)."""
     m = cfg.model
     if not m.n_shared_experts:
         return 0.0

@@ -13,7 +13,7 @@ experts, C = n_embd, H = the expert hidden size, s = the compute dtype's bytes:
                    the top-k softmax 4k (Mixtral's order), the z-loss's log-sum-exp 4; shared experts: their
                    hidden values as the dense MLP's (4 per width with SwiGLU, 2 with GELU) and, in mixed
                    precision, their 16-bit input 2C; with model.moe_shared_gate the gate's product keeps the
-                   shared output sC and the sigmoid's s (and its matmul a third 16-bit copy of the input, 2C,
+                   shared output sC and the sigmoid's s (and its matmul another 16-bit copy of the input, 2C,
                    where autocast casts fp32 weights: activations.py)
     per assignment the sort order (int64, 8); with a capacity factor its keep mask (1)
     per kept row   the token index (int64, 8; and the expert index with biases), the gate s and the combined

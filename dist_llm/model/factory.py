@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dist_llm.model.casting import cast_once
+
 Reduction = Literal["mean", "sum"]
 
 LinearRole = Literal["qkv", "attn_out", "mlp_up", "mlp_gate", "mlp_down", "lm_head"]
@@ -58,8 +60,12 @@ class LayerFactory:
 
     def linears(self, x: torch.Tensor, *layers: nn.Module) -> tuple[torch.Tensor, ...]:
         """The outputs of several linear layers that read the same input x (SwiGLU's gate and up): each layer
-        called in turn here; a tensor-parallel factory gives them one input collective."""
-        return tuple(layer(x) for layer in layers)
+        called in turn here, on one autocast copy of x (model/casting.py) unless a layer has forward hooks (a
+        LoRA joins its base layer through one, and its dropout would then act on the 16-bit copy); a
+        tensor-parallel factory gives them one input collective."""
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in layers)
+        inputs = (x,) * len(layers) if hooked else cast_once(x, len(layers))
+        return tuple(layer(xi) for layer, xi in zip(layers, inputs))
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, dim)

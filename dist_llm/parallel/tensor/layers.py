@@ -21,6 +21,7 @@ from torch import nn
 from torch.autograd import Function
 
 from dist_llm.compiling import keep_out_of_graphs
+from dist_llm.model.casting import cast_once
 from dist_llm.model.factory import Reduction
 from dist_llm.parallel import comm
 from dist_llm.parallel.marks import mark_partition, mark_replicated_rows, mark_sequence_parallel
@@ -185,8 +186,8 @@ def column_parallel_linears(x: torch.Tensor, *layers: ColumnParallelLinear) -> t
     params = [(m._synced(m.weight), m._synced(m.bias)) for m in layers]
     if first.sequence_parallel and comm.group_size(first.group) > 1:
         return _sequence_parallel_linears(x, first.group, first.stats, *(t for wb in params for t in wb))
-    x = tpc.copy_to_tp(x, first.group, first.stats)
-    return tuple(F.linear(x, w, b) for w, b in params)
+    x = tpc.copy_to_tp(x, first.group, first.stats)  # (the summed input gradient all-reduced in x's dtype)
+    return tuple(F.linear(xi, w, b) for xi, (w, b) in zip(cast_once(x, len(params)), params))
 
 
 def _all_gather_seq(x: torch.Tensor, group: dist.ProcessGroup | None,

@@ -84,7 +84,9 @@ class TensorParallelFactory(LayerFactory):
         layer through a forward hook) is called as a module, so that they run: each then has its own."""
         plain = all(type(m) is ColumnParallelLinear and not (m._forward_hooks or m._forward_pre_hooks)
                     for m in layers)
-        return column_parallel_linears(x, *layers) if plain else super().linears(x, *layers)  # type: ignore[arg-type]
+        if plain:
+            return column_parallel_linears(x, *layers)  # type: ignore[arg-type]
+        return tuple(layer(x) for layer in layers)  # (each enters the tp region itself: its input in x's dtype)
 
     def moe_layers(self) -> LayerFactory:
         """An MoE layer splits its tokens over tp and holds whole weights (parallel/tensor/moe.py): its shared
