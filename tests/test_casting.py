@@ -3,6 +3,8 @@ cast per matmul (each matmul kept its own 16-bit copy before)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +12,7 @@ import dist_llm.model.factory as factory
 from dist_llm.config import ModelConfig
 from dist_llm.model import GPT
 from dist_llm.model.casting import cast_once
+from tests.distributed import run_distributed
 
 
 def _saved_bytes(fn) -> tuple[object, int]:  # type: ignore[no-untyped-def]
@@ -79,3 +82,43 @@ def test_a_reader_left_unused_adds_nothing() -> None:
     (a.float() * 3).sum().backward()
     assert x.grad is not None and x.grad.dtype == torch.float32
     assert torch.equal(x.grad, torch.full_like(x, 3.0))
+
+
+def _tp_runs(rank: int, world_size: int, out_dir: Path) -> list[tuple[float, list[torch.Tensor], int]]:
+    """A tp=2 SwiGLU model's loss, gradients and saved bytes in bf16 autocast, with the column-parallel gate and
+    up reading one cast of their input and, second, each casting its own."""
+    import dist_llm.parallel.tensor.layers as tp_layers
+    from dist_llm.config import load_config
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import build_model
+    from tests.conftest import tiny_overrides
+
+    cfg = load_config(None, tiny_overrides(out_dir, parallel__tp=world_size, model__mlp="swiglu",
+                                           model__norm="rmsnorm", model__pos_emb="rope", model__bias=False))
+    ctx = ParallelContext.from_config(cfg)
+    idx = torch.randint(0, cfg.model.vocab_size, (4, cfg.model.block_size), generator=torch.Generator().manual_seed(0))
+    runs = []
+    for each_casts in (False, True):
+        if each_casts:
+            tp_layers.cast_once = lambda x, n: (x,) * n  # (this rank process only)
+        torch.manual_seed(0)
+        model = build_model(cfg, ctx).train()
+
+        def step() -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return model(idx, idx)
+
+        loss, nbytes = _saved_bytes(step)
+        loss.backward()  # type: ignore[union-attr]
+        runs.append((loss.item(), [p.grad for p in model.parameters()], nbytes))  # type: ignore[union-attr]
+    return runs
+
+
+def test_column_parallel_gate_and_up_read_one_cast(tmp_path: Path) -> None:
+    """The same under tp=2 without sequence parallelism, where the summed input gradient is then all-reduced:
+    bitwise the same loss and gradients on each rank, one (tokens x n_embd) bf16 copy a block less."""
+    for (loss, grads, nbytes), (ref_loss, ref_grads, ref_bytes) in run_distributed(_tp_runs, 2, tmp_path):
+        assert loss == ref_loss
+        for a, b in zip(grads, ref_grads, strict=True):
+            assert torch.equal(a, b)
+        assert ref_bytes - nbytes == 2 * 4 * 32 * 32 * 2  # 2 blocks, 4 x 32 tokens, n_embd 32, bf16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -85,72 +86,108 @@ def test_alibi_slopes_known_values() -> None:
     assert alibi_slopes(6).tolist() == pytest.approx(s4 + s8[0::2][:2])
 
 
-@pytest.mark.parametrize("checkpointing", ["none", "full", "selective"])
+class _KeepMask(torch.autograd.Function):
+    """Saves SDPA's mask for backward as CUDA's memory-efficient kernel does (a broadcast view of it), holding
+    it through autograd alone: the CPU's math kernel keeps none."""
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(mask.expand(out.shape[0], *mask.shape))
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[no-untyped-def, override]
+        return grad, None
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full", "selective", "meter"])
 def test_alibi_bias_is_one_tensor_for_all_blocks_and_micro_batches(monkeypatch: pytest.MonkeyPatch,
                                                                    checkpointing: str) -> None:
-    """CUDA's memory-efficient SDPA keeps its bias for backward; each block built its own, so a bias a block and
-    micro-batch stayed alive. Here SDPA is wrapped to keep its attn_mask as that kernel does (the CPU's math
-    kernel keeps none), two micro-batches run forward before either runs backward (as a pipeline does), and
-    every call must have got the same tensor; losses and gradients bitwise those of a bias built per call (the
-    same values); once the graphs and the kept masks are gone, no bias is left."""
+    """Each block built its own ALiBi bias; where SDPA keeps it for backward, a bias a block and micro-batch
+    stayed alive. SDPA here saves its mask as CUDA's memory-efficient kernel does; two micro-batches run forward
+    before either runs backward (as a pipeline does); every call must get the same tensor (seen through weak
+    references, so that only autograd keeps them), also under the trainer's saved-tensor meter (which detached
+    every saved tensor: a new Python object, so the bias died after each block). Under checkpointing the
+    forwards keep none. Losses and gradients bitwise those of a bias built per call; once the graphs are gone no
+    bias is left."""
+    import weakref
+
     import dist_llm.model.gpt as gpt
     from dist_llm.model import positions
+    from dist_llm.train.saved_tensors import SavedTensorMeter
 
     sdpa = F.scaled_dot_product_attention
-    kept: list[torch.Tensor] = []
+    seen: list[weakref.ref] = []
 
     def keeping(q, k, v, attn_mask=None, **kw):  # type: ignore[no-untyped-def]
-        kept.append(attn_mask)
-        return sdpa(q, k, v, attn_mask=attn_mask, **kw)
+        seen.append(weakref.ref(attn_mask if attn_mask._base is None else attn_mask._base))  # what a saved view keeps
+        return _KeepMask.apply(sdpa(q, k, v, attn_mask=attn_mask, **kw), attn_mask)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", keeping)
-    cfg = small(pos_emb="alibi", n_layer=3)
-    idx = torch.randint(0, 64, (2, 2, 16), generator=torch.Generator().manual_seed(0))
+    cfg = small(pos_emb="alibi", n_layer=3, block_size=12)  # (12 tokens: rows padded to 16)
+    idx = torch.randint(0, 64, (2, 2, 12), generator=torch.Generator().manual_seed(0))
 
-    def run() -> tuple[list[float], list[torch.Tensor]]:
+    def run() -> tuple[list[float], list[torch.Tensor], int]:
         torch.manual_seed(0)
         model = GPT(cfg)
-        model.set_activation_checkpointing(checkpointing)  # type: ignore[arg-type]
-        losses = [model(x, x) for x in idx]  # both forwards before either backward
+        mode = "none" if checkpointing == "meter" else checkpointing
+        model.set_activation_checkpointing(mode)  # type: ignore[arg-type]
+        with SavedTensorMeter() if checkpointing == "meter" else contextlib.nullcontext():
+            losses = [model(x, x) for x in idx]  # both forwards before either backward
+        alive = {id(r()) for r in seen if r() is not None}  # (checkpointed: the forwards keep none)
         for loss in losses:
             loss.backward()
-        return [loss.item() for loss in losses], [p.grad for p in model.parameters()]
+        return [loss.item() for loss in losses], [p.grad for p in model.parameters()], len(alive)
 
-    losses, grads = run()
-    calls = {"none": 6, "full": 12, "selective": 12}[checkpointing]  # 3 blocks x 2 micro-batches, recomputed
-    assert len(kept) == calls and len({id(m) for m in kept}) == 1, [id(m) for m in kept]
-    kept.clear()
+    recomputed = checkpointing in ("full", "selective")
+    losses, grads, distinct = run()
+    assert len(seen) == (12 if recomputed else 6)  # 3 blocks x 2 micro-batches (and their recomputation)
+    assert distinct == (0 if recomputed else 1)
     assert len(positions._ALIBI_BIASES) == 0  # freed with the graphs: nothing held between steps
+    seen.clear()
     monkeypatch.setattr(gpt, "shared_alibi_bias",
-                        lambda slopes, heads, T, dtype: positions.alibi_bias(slopes, T, dtype))
-    ref_losses, ref_grads = run()
-    assert len({id(m) for m in kept}) == calls  # the reference built one per call
+                        lambda slopes, values, T, dtype: positions.alibi_bias(slopes, T, dtype))
+    ref_losses, ref_grads, ref_distinct = run()
+    assert ref_distinct == (0 if recomputed else 6)  # one a block and micro-batch, all alive until backward
     assert losses == ref_losses
     for a, b in zip(grads, ref_grads, strict=True):
         assert torch.equal(a, b)
 
 
 def test_alibi_bias_sharing_keys_and_inference_mode() -> None:
-    """A rank's bias is shared only with callers of the same heads, dtype, device and length; a bias made in
-    inference mode is never handed to a training forward (which could not save it for backward)."""
-    from dist_llm.model.positions import alibi_bias, shared_alibi_bias
+    """A bias is shared only by callers of the same slopes (a tensor-parallel rank's heads), dtype, device and
+    length; its rows are padded to 16 elements (CUDA's memory-efficient kernel copies an unaligned bias at each
+    call); the slopes' values are read again after an in-place write; a bias made in inference mode is never
+    handed to a training forward (which could not save it for backward)."""
+    from dist_llm.model.positions import SlopeValues, alibi_bias, shared_alibi_bias
 
     s8 = alibi_slopes(8)
     low, high = s8[:4], s8[4:]  # tensor-parallel ranks 0 and 1 of 8 heads
-    a = shared_alibi_bias(low, (8, 0, 4), 16, torch.float32)
-    assert shared_alibi_bias(low.clone(), (8, 0, 4), 16, torch.float32) is a  # another block's slopes buffer
-    for other in [shared_alibi_bias(high, (8, 4, 4), 16, torch.float32),
-                  shared_alibi_bias(low, (8, 0, 4), 8, torch.float32),
-                  shared_alibi_bias(low, (8, 0, 4), 16, torch.bfloat16),
-                  shared_alibi_bias(low.to(torch.bfloat16), (8, 0, 4), 16, torch.float32)]:
-        assert other is not a
-    assert torch.equal(shared_alibi_bias(high, (8, 4, 4), 16, torch.float32), alibi_bias(high, 16, torch.float32))
-    del a
+    values = SlopeValues()
+
+    def shared(slopes: torch.Tensor, T: int = 12, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return shared_alibi_bias(slopes, SlopeValues()(slopes), T, dtype)
+
+    def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+        return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+    a = shared(low)  # (held: while it lives its storage is no other tensor's)
+    assert same(shared(low.clone()), a)  # another block's slopes buffer
+    assert a.shape == (4, 12, 12) and a.stride() == (12 * 16, 16, 1)
+    others = [shared(high), shared(low, T=8), shared(low, dtype=torch.bfloat16), shared(low.bfloat16())]
+    assert not any(same(other, a) for other in others)
+    assert torch.equal(shared(high), alibi_bias(high, 12, torch.float32))
+    slopes = low.clone()
+    assert same(shared_alibi_bias(slopes, values(slopes), 12, torch.float32), a)
+    slopes.mul_(2)  # (as reset_buffers writes the buffer in place)
+    doubled = shared_alibi_bias(slopes, values(slopes), 12, torch.float32)
+    assert not same(doubled, a) and torch.equal(doubled, alibi_bias(slopes, 12, torch.float32))
+    del a, others
     with torch.inference_mode():
-        made = shared_alibi_bias(low, (8, 0, 4), 16, torch.float32)
+        made = shared(low)
     assert made.is_inference()
-    got = shared_alibi_bias(low, (8, 0, 4), 16, torch.float32)
-    assert not got.is_inference() and got is not made
+    got = shared(low)
+    assert not got.is_inference() and not same(got, made)
 
 
 def test_rope_is_relative() -> None:

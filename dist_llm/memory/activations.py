@@ -183,11 +183,8 @@ def _gated_copy_bytes(cfg: Config, *, tp: int, dp: int, world: int, sequence_par
     under SP its local slice) and keeps its own copy. 16-bit inputs need no cast (`_norm_output_fp32`). With LoRA
     dropout each A keeps its own dropped copy instead (`_lora_dropout_bytes`)."""
     m, f = cfg.model, cfg.peft
-    lora = f.method in ("lora", "qlora")
-    trained = "mlp_up" in f.targets if lora else f.method == "none"
-    if m.mlp != "swiglu" or not trained or (lora and f.dropout > 0) or not _norm_output_fp32(cfg, dp=dp, world=world):
-        return 0.0
-    if not lora:
+    if (m.mlp != "swiglu" or f.method not in ("lora", "qlora") or "mlp_up" not in f.targets or f.dropout > 0
+            or not _norm_output_fp32(cfg, dp=dp, world=world)):
         return 0.0
     return 2 * m.n_embd / tp if sequence_parallel and tp > 1 else 2 * m.n_embd
 

@@ -58,8 +58,9 @@ def predict(cfg: Config, world_size: int | None = None, *, pp_rank: int | None =
         if cfg.model.pos_emb == "alibi" and p.cp == 1:
             est.notes.append("model.pos_emb=alibi: SDPA with a bias (the CPU's math kernel keeps the attention "
                              "probabilities, heads x T x T a sequence and block; CUDA's memory-efficient kernel the "
-                             "heads x T x T bias, one shared by the blocks) is not counted in the activations: an "
-                             "underestimate (ring attention, parallel.cp > 1, is counted)")
+                             "heads x T x T bias, one shared by the blocks, one a block under train.compile) is not "
+                             "counted in the activations: an underestimate (ring attention, parallel.cp > 1, is "
+                             "counted)")
         if p.offload == "cpu":
             est.offloaded = True
             est.notes.append("parallel.offload=cpu: parameters, gradients and optimizer states live in host memory "

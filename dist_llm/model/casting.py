@@ -4,8 +4,9 @@ Autocast casts an fp32 input to the compute dtype at each matmul, and each matmu
 its weight's gradient: two copies of the MLP's input a block and micro-batch where one holds the same values
 (2 bytes x n_embd a token: 2 GiB a micro-batch for a Llama-7B shape at 8k tokens). `cast_once` casts once and
 hands each reader an alias of the one copy; autocast leaves a tensor already in its dtype as it is. In backward
-the readers' input gradients are cast up and summed in x's dtype, as autograd did with a cast per reader, so the
-gradients are bitwise the same (two terms: their sum does not depend on the order).
+the readers' input gradients are cast up and summed in x's dtype, as autograd did with a cast per reader: for
+two readers bitwise the same gradients (a sum of two terms does not depend on the order); for more, the same up
+to the order of the additions.
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ class _CastOnce(Function):
 def cast_once(x: torch.Tensor, n: int) -> tuple[torch.Tensor, ...]:
     """`n` inputs for `n` matmuls that read x: under autocast, x (fp32) cast once to the compute dtype; else x."""
     device = x.device.type
-    if n < 2 or x.dtype != torch.float32 or not torch.is_autocast_enabled(device):
+    if (n < 2 or x.dtype != torch.float32 or not torch.amp.is_autocast_available(device)
+            or not torch.is_autocast_enabled(device)):
         return (x,) * n
     dtype = torch.get_autocast_dtype(device)
     if dtype == x.dtype:

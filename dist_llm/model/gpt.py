@@ -20,7 +20,7 @@ from dist_llm.config import ModelConfig
 from dist_llm.model import init as model_init
 from dist_llm.model.factory import LayerFactory, Reduction
 from dist_llm.model.moe import MoE, moe_layers
-from dist_llm.model.positions import RotaryEmbedding, alibi_slopes, shared_alibi_bias
+from dist_llm.model.positions import RotaryEmbedding, SlopeValues, alibi_slopes, shared_alibi_bias
 
 Checkpointing = Literal["none", "full", "selective"]
 
@@ -48,6 +48,7 @@ class Attention(nn.Module):
         if cfg.pos_emb == "alibi":
             self.first_head = layers.first_head(cfg.n_head)  # a tensor-parallel rank holds a contiguous range of heads
             self.register_buffer("alibi_slopes", self._slopes(cfg.n_head), persistent=False)
+            self._slope_values = SlopeValues()
         else:
             self.alibi_slopes = None
         self.total_heads = cfg.n_head
@@ -69,8 +70,8 @@ class Attention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         bias = None
         if self.alibi_slopes is not None:  # one bias for all the blocks (CUDA's efficient kernel keeps it)
-            heads = (self.total_heads, self.first_head, self.n_head)
-            bias = shared_alibi_bias(self.alibi_slopes, heads, q.shape[-2], q.dtype)
+            slopes = self.alibi_slopes
+            bias = shared_alibi_bias(slopes, self._slope_values(slopes), q.shape[-2], q.dtype)
         with self.layers.attention_rng() if dropout else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
                                                   dropout_p=dropout, enable_gqa=gqa)

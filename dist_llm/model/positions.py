@@ -106,24 +106,51 @@ def alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.
 
 
 
+
 # One ALiBi bias for every block while any holds it: see `shared_alibi_bias`.
 _ALIBI_BIASES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
+# CUDA's memory-efficient SDPA copies a bias whose rows are not aligned to this many elements into a padded
+# tensor of its own at every call (which it then keeps); a bias built padded and sliced is used as it is.
+_BIAS_ROW_ALIGNMENT = 16
 
 
-def shared_alibi_bias(slopes: torch.Tensor, heads: tuple[int, int, int], seq_len: int,
+def shared_alibi_bias(slopes: torch.Tensor, slope_values: tuple[float, ...], seq_len: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """`alibi_bias` for `slopes`, those of heads (first, count) of a model's `total` (`heads` = (total, first,
-    count)), the same tensor for every caller while one of them holds it. Each block asks for the bias of its
-    heads; where SDPA's kernel keeps the bias for backward (CUDA's memory-efficient one), a bias a block and
-    micro-batch stayed alive, 32 x 256 MiB for an MPT-7B shape (32 heads, 2,048 tokens, bf16); shared, one does.
-    Held weakly, so it is freed with the last graph that saved it (nothing kept between steps). Keyed on `heads`
-    (which fix the slopes' values: reading them would wait for the device), their dtype and device, the length
-    and the bias dtype. Not shared under compile (the graph builds its own) or inference mode (an inference
-    tensor cannot be saved by a later training forward)."""
-    if torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or slopes.is_inference():
+    """`alibi_bias` for `slopes` (whose values are `slope_values`: `SlopeValues`), the same tensor for every
+    caller while one of them holds it. Each block asks for the bias of its heads; where SDPA's kernel keeps the
+    bias for backward (CUDA's memory-efficient one), a bias a block and micro-batch stayed alive, 32 x 256 MiB for
+    an MPT-7B shape (32 heads, 2,048 tokens, bf16); shared, one does. Held weakly, so it is freed with the last
+    graph that saved it (nothing kept between steps). Keyed on the slopes' values, dtype and device, the length
+    and the bias dtype. Its rows are padded to `_BIAS_ROW_ALIGNMENT` elements (a (heads, T, T) view). Not shared
+    under compile (the graph builds its own), in inference mode (an inference tensor cannot be saved by a later
+    training forward) or on the meta device."""
+    if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or slopes.is_inference()
+            or slopes.device.type == "meta"):
         return alibi_bias(slopes, seq_len, dtype)
-    key = (heads, slopes.dtype, slopes.device, seq_len, dtype)
-    bias = _ALIBI_BIASES.get(key)
-    if bias is None:
-        bias = _ALIBI_BIASES[key] = alibi_bias(slopes, seq_len, dtype)
-    return bias
+    key = (slope_values, slopes.dtype, slopes.device, seq_len, dtype)
+    # The padded tensor is what is cached: a view saved for backward (SDPA's broadcast of the bias) keeps its
+    # base alive, not the views between.
+    rows = _ALIBI_BIASES.get(key)
+    if rows is None:
+        padded = -(-seq_len // _BIAS_ROW_ALIGNMENT) * _BIAS_ROW_ALIGNMENT
+        rows = torch.empty(slopes.shape[0], seq_len, padded, dtype=dtype, device=slopes.device)
+        rows[..., :seq_len].copy_(alibi_bias(slopes, seq_len, dtype))
+        _ALIBI_BIASES[key] = rows
+    return rows[..., :seq_len]
+
+
+class SlopeValues:
+    """A slopes tensor's values as Python floats, read again only after the tensor changes (an in-place write, a
+    cast or a `.data` swap: its version counter or storage differs); reading them waits for the device, so not
+    once a forward."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[int, object, tuple[float, ...]] | None = None
+
+    def __call__(self, slopes: torch.Tensor) -> tuple[float, ...]:
+        if slopes.device.type == "meta":
+            return ()
+        storage = slopes.untyped_storage()  # (held: no other tensor can take its memory while it is compared)
+        if self._seen is None or self._seen[0] != slopes._version or self._seen[1] is not storage:
+            self._seen = (slopes._version, storage, tuple(slopes.tolist()))
+        return self._seen[2]

@@ -71,7 +71,10 @@ class SavedTensorMeter:
         # saved tensors; zb1's split backward (retain_graph, split_backward.py) and a graph dropped unused never
         # do, so every such graph of the metered step stayed alive for the life of the process (pytorch#189025).
         # The unpacked tensor gets its grad_fn back from autograd (SavedVariable::unpack), so nothing is lost.
-        return _Held(t.detach(), self, key)
+        # A tensor without a grad_fn closes no cycle and is held as it is: detaching it would make a new Python
+        # object and let the original's die, and a cache that shares a tensor while it lives (the ALiBi bias,
+        # model/positions.py) would then build one a block in the metered step.
+        return _Held(t if t.grad_fn is None else t.detach(), self, key)
 
     def _current_params(self) -> set[int]:
         return {s.data_ptr() for s in map(_storage, self._module.parameters()) if s is not None}  # type: ignore[union-attr]
