@@ -124,7 +124,7 @@ def test_alibi_bias_is_one_tensor_for_all_blocks_and_micro_batches(monkeypatch: 
         return _KeepMask.apply(sdpa(q, k, v, attn_mask=attn_mask, **kw), attn_mask)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", keeping)
-    cfg = small(pos_emb="alibi", n_layer=3, block_size=12)  # (12 tokens: rows padded to 16)
+    cfg = small(pos_emb="alibi", n_layer=3, block_size=12)  # (12 tokens: rows padded to 16 elements)
     idx = torch.randint(0, 64, (2, 2, 12), generator=torch.Generator().manual_seed(0))
 
     def run() -> tuple[list[float], list[torch.Tensor], int]:
@@ -156,8 +156,8 @@ def test_alibi_bias_is_one_tensor_for_all_blocks_and_micro_batches(monkeypatch: 
 
 def test_alibi_bias_sharing_keys_and_inference_mode() -> None:
     """A bias is shared only by callers of the same slopes (a tensor-parallel rank's heads), dtype, device and
-    length; its rows are padded to 16 elements (CUDA's memory-efficient kernel copies an unaligned bias at each
-    call); the slopes' values are read again after an in-place write; a bias made in inference mode is never
+    length; its rows are padded to a multiple of 8 elements (CUDA's memory-efficient kernel copies an unaligned
+    bias at each call); the slopes' values are read again after an in-place write; a bias made in inference mode is never
     handed to a training forward (which could not save it for backward)."""
     from dist_llm.model.positions import SlopeValues, alibi_bias, shared_alibi_bias
 

@@ -110,8 +110,9 @@ def alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.
 # One ALiBi bias for every block while any holds it: see `shared_alibi_bias`.
 _ALIBI_BIASES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakValueDictionary()
 # CUDA's memory-efficient SDPA copies a bias whose rows are not aligned to this many elements into a padded
-# tensor of its own at every call (which it then keeps); a bias built padded and sliced is used as it is.
-_BIAS_ROW_ALIGNMENT = 16
+# tensor of its own at every call (aten's preprocess_mask), which it then keeps; a bias built padded and sliced
+# is used as it is.
+_BIAS_ROW_ALIGNMENT = 8
 
 
 def shared_alibi_bias(slopes: torch.Tensor, slope_values: tuple[float, ...], seq_len: int,
