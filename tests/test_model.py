@@ -166,7 +166,7 @@ def test_alibi_bias_sharing_keys_and_inference_mode() -> None:
     values = SlopeValues()
 
     def shared(slopes: torch.Tensor, T: int = 12, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return shared_alibi_bias(slopes, SlopeValues()(slopes), T, dtype)
+        return shared_alibi_bias(slopes, SlopeValues(), T, dtype)
 
     def same(x: torch.Tensor, y: torch.Tensor) -> bool:
         return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
@@ -178,9 +178,9 @@ def test_alibi_bias_sharing_keys_and_inference_mode() -> None:
     assert not any(same(other, a) for other in others)
     assert torch.equal(shared(high), alibi_bias(high, 12, torch.float32))
     slopes = low.clone()
-    assert same(shared_alibi_bias(slopes, values(slopes), 12, torch.float32), a)
+    assert same(shared_alibi_bias(slopes, values, 12, torch.float32), a)
     slopes.mul_(2)  # (as reset_buffers writes the buffer in place)
-    doubled = shared_alibi_bias(slopes, values(slopes), 12, torch.float32)
+    doubled = shared_alibi_bias(slopes, values, 12, torch.float32)
     assert not same(doubled, a) and torch.equal(doubled, alibi_bias(slopes, 12, torch.float32))
     del a, others
     with torch.inference_mode():
@@ -188,6 +188,33 @@ def test_alibi_bias_sharing_keys_and_inference_mode() -> None:
     assert made.is_inference()
     got = shared(low)
     assert not got.is_inference() and not same(got, made)
+
+
+def test_an_alibi_model_compiles_whole_runs_in_inference_mode_and_pickles_after_a_forward() -> None:
+    """What the shared bias must not break (each broke with the slopes' values read before the compile and
+    inference checks, or held in a pickled attribute): a block traced by Dynamo in one graph; a model built and
+    run in inference mode (its slopes keep no version counter); a model saved with torch.save or pickled after a
+    forward, and the copy runs with the same output."""
+    import io
+    import pickle
+
+    import torch._dynamo
+
+    cfg = small(pos_emb="alibi", n_layer=1)
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(GPT(cfg).blocks[0])(torch.randn(2, 16, 32, requires_grad=True))
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    torch._dynamo.reset()
+    idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        assert GPT(cfg)(idx).shape == (2, 16, 64)
+    model = GPT(cfg)
+    out = model(idx)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for copy in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(copy(idx), out)
 
 
 def test_rope_is_relative() -> None:

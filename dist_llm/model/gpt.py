@@ -70,8 +70,7 @@ class Attention(nn.Module):
         gqa = self.n_kv_head != self.n_head
         bias = None
         if self.alibi_slopes is not None:  # one bias for all the blocks (CUDA's efficient kernel keeps it)
-            slopes = self.alibi_slopes
-            bias = shared_alibi_bias(slopes, self._slope_values(slopes), q.shape[-2], q.dtype)
+            bias = shared_alibi_bias(self.alibi_slopes, self._slope_values, q.shape[-2], q.dtype)
         with self.layers.attention_rng() if dropout else contextlib.nullcontext():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, is_causal=bias is None,
                                                   dropout_p=dropout, enable_gqa=gqa)

@@ -115,20 +115,20 @@ _ALIBI_BIASES: weakref.WeakValueDictionary[tuple, torch.Tensor] = weakref.WeakVa
 _BIAS_ROW_ALIGNMENT = 8
 
 
-def shared_alibi_bias(slopes: torch.Tensor, slope_values: tuple[float, ...], seq_len: int,
+def shared_alibi_bias(slopes: torch.Tensor, slope_values: "SlopeValues", seq_len: int,
                       dtype: torch.dtype) -> torch.Tensor:
-    """`alibi_bias` for `slopes` (whose values are `slope_values`: `SlopeValues`), the same tensor for every
-    caller while one of them holds it. Each block asks for the bias of its heads; where SDPA's kernel keeps the
-    bias for backward (CUDA's memory-efficient one), a bias a block and micro-batch stayed alive, 32 x 256 MiB for
-    an MPT-7B shape (32 heads, 2,048 tokens, bf16); shared, one does. Held weakly, so it is freed with the last
-    graph that saved it (nothing kept between steps). Keyed on the slopes' values, dtype and device, the length
-    and the bias dtype. Its rows are padded to `_BIAS_ROW_ALIGNMENT` elements (a (heads, T, T) view). Not shared
-    under compile (the graph builds its own), in inference mode (an inference tensor cannot be saved by a later
-    training forward) or on the meta device."""
+    """`alibi_bias` for `slopes` (whose values `slope_values` reads), the same tensor for every caller while one of
+    them holds it. Each block asks for the bias of its heads; where SDPA's kernel keeps the bias for backward
+    (CUDA's memory-efficient one), a bias a block and micro-batch stayed alive, 32 x 256 MiB for an MPT-7B shape
+    (32 heads, 2,048 tokens, bf16); shared, one does. Held weakly, so it is freed with the last graph that saved
+    it (nothing kept between steps). Keyed on the slopes' values, dtype and device, the length and the bias
+    dtype. Its rows are padded to `_BIAS_ROW_ALIGNMENT` elements (a (heads, T, T) view). Not shared under compile
+    (the graph builds its own), in inference mode (an inference tensor cannot be saved by a later training
+    forward) or on the meta device."""
     if (torch.compiler.is_compiling() or torch.is_inference_mode_enabled() or slopes.is_inference()
             or slopes.device.type == "meta"):
         return alibi_bias(slopes, seq_len, dtype)
-    key = (slope_values, slopes.dtype, slopes.device, seq_len, dtype)
+    key = (slope_values(slopes), slopes.dtype, slopes.device, seq_len, dtype)
     # The padded tensor is what is cached: a view saved for backward (SDPA's broadcast of the bias) keeps its
     # base alive, not the views between.
     rows = _ALIBI_BIASES.get(key)
@@ -141,17 +141,19 @@ def shared_alibi_bias(slopes: torch.Tensor, slope_values: tuple[float, ...], seq
 
 
 class SlopeValues:
-    """A slopes tensor's values as Python floats, read again only after the tensor changes (an in-place write, a
-    cast or a `.data` swap: its version counter or storage differs); reading them waits for the device, so not
-    once a forward."""
+    """A slopes tensor's values as Python floats, read again only after the tensor changes through autograd's
+    view of it (an in-place write, a cast or a `.data` swap: its version counter or storage differs; a write
+    through `.data` goes unseen, and nothing here makes one); reading them waits for the device, so not once a
+    forward. Not carried by a pickle or a copy (it holds a storage)."""
 
     def __init__(self) -> None:
         self._seen: tuple[int, object, tuple[float, ...]] | None = None
 
     def __call__(self, slopes: torch.Tensor) -> tuple[float, ...]:
-        if slopes.device.type == "meta":
-            return ()
         storage = slopes.untyped_storage()  # (held: no other tensor can take its memory while it is compared)
         if self._seen is None or self._seen[0] != slopes._version or self._seen[1] is not storage:
             self._seen = (slopes._version, storage, tuple(slopes.tolist()))
         return self._seen[2]
+
+    def __getstate__(self) -> dict:
+        return {"_seen": None}
