@@ -8,7 +8,9 @@ batch, so results agree to rounding, not bit for bit), parameters to PARAM_ATOL 
 
 from __future__ import annotations
 
+import io
 import json
+import pickle
 import shutil
 from pathlib import Path
 from typing import Any
@@ -231,3 +233,12 @@ def test_rope_tables_are_gathered_once_for_a_positions_tensor() -> None:
         built = RotaryEmbedding(8, 16)
     built(q, k, pos)
     assert built._gathered is None
+    # a module holding a pair saves and pickles (its key's storages are not carried: the copy gathers its own)
+    rope(q, k, pos)
+    assert rope._gathered is not None
+    buffer = io.BytesIO()
+    torch.save(rope, buffer)
+    buffer.seek(0)
+    for copy in (torch.load(buffer, weights_only=False), pickle.loads(pickle.dumps(rope))):
+        assert copy._gathered is None
+        assert all(torch.equal(a, b) for a, b in zip(copy(q, k, pos), rope(q, k, pos), strict=True))

@@ -42,6 +42,11 @@ class RotaryEmbedding(nn.Module):
         self._gathered = None  # (moved or cast: the old pair would pin the old device's memory)
         return super()._apply(fn, recurse)
 
+    def __getstate__(self) -> dict:
+        # (the pair's key holds storages that alias the tables: torch.save refuses them and pickle cannot rebuild
+        # them; a copy gathers its own)
+        return {**super().__getstate__(), "_gathered": None}
+
     def forward(self, q: torch.Tensor, k: torch.Tensor,
                 positions: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotate q (B, nh, T, hs) and k (B, nkv, T, hs) at `positions` (T,) (default 0..T-1); computed in fp32,
