@@ -85,6 +85,24 @@ def test_resume_ignores_partial_and_prunes(tmp_path: Path, corpus_file: Path) ->
         make_trainer(out, corpus_file, model__n_layer=3)
 
 
+def test_an_explicit_rollback_sets_the_later_checkpoints_aside(tmp_path: Path, corpus_file: Path) -> None:
+    """Resuming step 4 of a run saved up to step 8 starts another history: a crash of the new run after its
+    step-6 save must resume that save, not the old run's step 8 (found by a review: auto took step_000008)."""
+    out = tmp_path / "run"
+    kw = dict(train__max_steps=8, train__ckpt_interval=2, train__keep_checkpoints=10)
+    make_trainer(out, corpus_file, **kw).fit()
+    root = out / "checkpoints"
+    old8 = (root / "step_000008" / ckpt.MANIFEST).read_bytes()
+    make_trainer(out, corpus_file, train__resume=str(root / "step_000004"), train__stop_after_step=6,
+                 optim__lr=1e-3, optim__min_lr=1e-4, **kw).fit()
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000002", "step_000004", "step_000006"]
+    aside = [p for p in root.iterdir() if p.name.startswith("superseded-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["step_000006", "step_000008"]
+    assert (aside[0] / "step_000008" / ckpt.MANIFEST).read_bytes() == old8  # moved, not rewritten
+    t = make_trainer(out, corpus_file, optim__lr=1e-3, optim__min_lr=1e-4, **kw)
+    assert t.resumed_from == root / "step_000006" and t.step == 6
+
+
 def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path, corpus_file: Path) -> None:
     runs = {}
     for micro in (8, 4, 2):

@@ -188,10 +188,19 @@ class RunState:
         self.sampler.load_state_dict(state["sampler"])
         self.scaler.load_state_dict(state["scaler"])
         log.info("resumed from %s at step %d", path, self.step)
+        if choice != "auto":
+            self._set_aside_later_steps()
         dropped = self._on_main(lambda: truncate_after(self.out_dir / "metrics.jsonl", self.step))
         if dropped:
             log.info("metrics.jsonl: dropped %d line(s) after step %d, which this run writes again", dropped, self.step)
         return path
+
+    def _set_aside_later_steps(self) -> None:
+        """An explicit resume from step N starts another line of history: checkpoints of later steps in
+        checkpoints/ belong to the run it rolls back, and an automatic resume after a crash of this one would take
+        them (the newest) instead of this run's own. They are moved into superseded-<time>/, never deleted."""
+        later = [p for p in self._step_dirs(complete=False) if ckpt.step_of(p) > self.step]
+        self._move_aside(later, "superseded")
 
     def _first_difference(self, path: Path) -> str:
         """': model.KEY is A there, B here' for the first model setting in which the checkpoint's config.yaml
