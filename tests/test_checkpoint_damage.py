@@ -67,24 +67,19 @@ def _vouch(path: Path, name: str, data: bytes) -> None:
 # -- 1: a save that fails never removes a complete checkpoint it did not write ------------------------------
 def test_a_failed_move_aside_keeps_the_complete_checkpoint(run: Path, corpus: Path,  # noqa: F811
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Resumed from step 2 with step 4 complete: re-saving step 4 must move the earlier one aside; the disk is
-    full, so the move fails. The save stops training with one line, and the earlier step 4 is still there, byte
-    for byte (before the fix, the failed save's clean-up deleted it)."""
+    """Resumed from step 2 with step 4 complete: the later step 4 (another history) must be moved aside; the disk
+    is full, so the move fails. The resume stops with one line before any step, and step 4 is still there, byte
+    for byte (before an earlier fix, the failed re-save's clean-up deleted it)."""
     root = run / "checkpoints"
     before = files(root)
 
-    def disk_full(*args: Any, **kwargs: Any) -> Path:
-        raise OSError(errno.ENOSPC, "No space left on device", str(root / "previous-x"))
+    def disk_full(root_: Path, paths: list[Path], label: str) -> Path:
+        raise OSError(errno.ENOSPC, "No space left on device", str(root / f"{label}-x"))
 
     monkeypatch.setattr(ckpt, "move_aside", disk_full)
-    resumed = trainer(run, corpus, train__max_steps=4, train__ckpt_interval=2,
-                      train__resume=str(ckpt.step_dir(root, 2)))
     with pytest.raises(CheckpointError) as info:
-        resumed.fit()
-    assert str(info.value) == (
-        f"saving checkpoint {ckpt.step_dir(root, 4)} failed ({root / 'previous-x'}: No space left on device (while "
-        f"making room for the new checkpoint; {ckpt.step_dir(root, 4)} is kept)); training stopped at step 4, the "
-        f"last complete checkpoint is {ckpt.step_dir(root, 4)}")
+        trainer(run, corpus, train__max_steps=4, train__ckpt_interval=2, train__resume=str(ckpt.step_dir(root, 2)))
+    assert str(info.value) == f"checkpoints in {root}: {root / 'superseded-x'}: No space left on device; nothing was deleted"
     assert files(root) == before
     assert ckpt.verify(ckpt.step_dir(root, 4)) is None
 

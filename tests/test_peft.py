@@ -210,7 +210,17 @@ def test_peft_checkpoint_holds_only_the_trained_tensors_and_resumes(tmp_path: Pa
     lora_bytes = 4 * sum(p.numel() for n, p in first["params"].items() if ".lora." in n)
     assert first["state_bytes"]["grads"] == lora_bytes  # gradients for LoRA only
     assert 2 * lora_bytes <= first["state_bytes"]["optimizer"] < 2 * lora_bytes + 1024  # two moments (+ steps)
-    resumed = train(0, 1, run, corpus, LORA)
+    # other LoRA settings are another model: refused in one line before anything is loaded (a review found alpha
+    # and targets resumed silently, and a method or rank change failing deep in DCP's load)
+    refused = {"alpha": ({"peft__alpha": 64.0}, "peft.alpha=16.0, this run sets peft.alpha=64.0"),
+               "targets": ({"peft__targets": "[qkv]"}, r"peft.targets=\['qkv', 'attn_out', 'mlp_up', 'mlp_down'\], "
+                           r"this run sets peft.targets=\['qkv'\]"),
+               "rank": ({"peft__rank": 8}, "peft.rank=4, this run sets peft.rank=8"),
+               "method": ({"peft__method": "none"}, "peft.method=lora, this run sets peft.method=none")}
+    for change, message in refused.values():
+        with pytest.raises(ConfigError, match=f"step_000004 was trained with {message}"):
+            train(0, 1, run, corpus, {**LORA, **change})
+    resumed = train(0, 1, run, corpus, {**LORA, "peft__targets": "[mlp_down, mlp_up, attn_out, qkv]"})  # (order)
     ref = reference(tmp_path_factory, corpus, **LORA)
     assert resumed["losses"] == ref["losses"]  # the same run, bit for bit, across the restart
 

@@ -120,8 +120,9 @@ def test_an_io_error_while_checking_is_not_damage(tmp_path: Path, corpus: Path, 
 
 
 def test_pruning_keeps_the_newest_and_anything_newer(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
-    """Resumed from an older checkpoint while newer ones exist (one of them damaged): the re-save of an existing
-    step moves the earlier one aside, and pruning deletes only checkpoints older than the one just written."""
+    """Resumed from an older checkpoint while newer ones exist (one of them damaged): the newer ones are another
+    history, moved aside intact (damaged as it is) before the first save, and pruning deletes only checkpoints
+    older than the one just written."""
     root = tmp_path / "checkpoints"
     trainer(tmp_path, corpus, train__max_steps=8, train__ckpt_interval=2, train__keep_checkpoints=0).fit()
     newest = ckpt.step_dir(root, 8)
@@ -131,11 +132,10 @@ def test_pruning_keeps_the_newest_and_anything_newer(tmp_path: Path, corpus: Pat
 
     trainer(tmp_path, corpus, train__max_steps=8, train__ckpt_interval=2, train__keep_checkpoints=1,
             train__stop_after_step=4, train__resume=str(ckpt.step_dir(root, 2))).fit()
-    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000004", "step_000006", "step_000008"]
-    assert ckpt.verify(ckpt.step_dir(root, 4)) is None  # the new step 4 (step 2 was pruned: older, keep=1)
-    assert files(ckpt.step_dir(root, 6)) == earlier[6] and files(newest) == earlier[8]  # newer: untouched
-    [replaced] = root.glob("previous-*/step_000004")
-    assert files(replaced) == earlier[4]
+    assert [p.name for p in ckpt.list_checkpoints(root)] == ["step_000004"]  # (step 2 pruned: older, keep=1)
+    assert ckpt.verify(ckpt.step_dir(root, 4)) is None
+    [aside] = root.glob("superseded-*")
+    assert {step: files(aside / f"step_{step:06d}") for step in (4, 6, 8)} == earlier  # moved, byte for byte
 
 
 def test_prune_counts_back_from_the_checkpoint_just_written(tmp_path: Path) -> None:

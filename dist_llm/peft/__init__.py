@@ -227,17 +227,26 @@ def _same_setting(key: str, saved: Any, ours: Any) -> bool:
     return type(saved) is type(ours) and saved == ours
 
 
-def _check_settings(file: Path, meta: Any, cfg: PeftConfig) -> None:
-    """adapter.json (`meta`) was written for the peft settings `cfg`: a LoRA of another rank, scale or targets is
-    another model, refused in one line naming the key."""
-    if not isinstance(meta, dict):
-        raise ConfigError(f"{file}: not a JSON object")
+def settings_difference(saved: dict[str, Any], cfg: PeftConfig) -> tuple[str, Any, Any] | None:
+    """(key, saved value or None where missing, ours) for the first peft setting of `cfg.method` that the saved
+    settings do not share (a LoRA of another rank, scale or targets is another model); None when they agree."""
     for key in _SETTINGS[cfg.method]:
         ours = list(cfg.targets) if key == "targets" else getattr(cfg, key)
+        if key not in saved or not _same_setting(key, saved[key], ours):
+            return key, saved.get(key), ours
+    return None
+
+
+def _check_settings(file: Path, meta: Any, cfg: PeftConfig) -> None:
+    """adapter.json (`meta`) was written for the peft settings `cfg`, else one line naming the key."""
+    if not isinstance(meta, dict):
+        raise ConfigError(f"{file}: not a JSON object")
+    differ = settings_difference(meta, cfg)
+    if differ is not None:
+        key, saved, ours = differ
         if key not in meta:
             raise ConfigError(f"{file}: has no {key!r} (this model's peft.{key} is {ours})")
-        if not _same_setting(key, meta[key], ours):
-            raise ConfigError(f"{file}: {key} is {meta[key]!r}, this model's peft.{key} is {ours!r}")
+        raise ConfigError(f"{file}: {key} is {saved!r}, this model's peft.{key} is {ours!r}")
 
 
 def load_adapter(model: nn.Module, path: Path, cfg: PeftConfig) -> dict[str, Any]:

@@ -141,7 +141,7 @@ def _clear(path: Path, ctx: ParallelContext) -> str | None:
     if not ctx.is_main or not path.exists():
         return None
     try:
-        if is_complete(path):  # (resume moves a newer damaged one aside first: only an explicit resume gets here)
+        if is_complete(path):  # (resume moves later ones aside first: a guard, in case one appears since)
             log.warning("moved %s, an earlier run's checkpoint at this step, to %s", path,
                         move_aside(path.parent, [path], "previous"))
         else:

@@ -27,7 +27,7 @@ from dist_llm.parallel.data import DataParallel
 from dist_llm.parallel.parallelize import PP_SEED_STRIDE
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.model.buffers import trained_buffers
-from dist_llm.peft import trainable_names
+from dist_llm.peft import settings_difference as peft_settings_difference, trainable_names
 from dist_llm.precision import LossScaler
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train import run_lock
@@ -162,6 +162,7 @@ class RunState:
             raise ConfigError(f"train.resume: {path} holds a different model than the model.* settings describe"
                               f"{self._first_difference(path)}; start over with train.resume=never (the earlier "
                               "run is moved aside) or use another train.out_dir")
+        self._check_peft_settings(path)
         if self.cfg.peft.method != "none" and _same_base(manifest.get("peft_base")) != self.peft_base():
             raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
                               f"model.init_from describes ({self.peft_base()})")
@@ -194,6 +195,22 @@ class RunState:
         if dropped:
             log.info("metrics.jsonl: dropped %d line(s) after step %d, which this run writes again", dropped, self.step)
         return path
+
+    def _check_peft_settings(self, path: Path) -> None:
+        """The checkpoint was trained with this run's peft settings: resuming LoRA weights under another alpha or
+        targets would change the model silently (and a rank or method change fails deep in the load)."""
+        saved = ckpt.saved_config(path, "train.resume").peft
+        here = self.cfg.peft
+        if saved.method != here.method:
+            hint = (f"; to fine-tune its weights, start a new run from it with model.init_from=ckpt:{path}"
+                    if saved.method == "none" else "")
+            raise ConfigError(f"train.resume: {path} was trained with peft.method={saved.method}, this run sets "
+                              f"peft.method={here.method}{hint}")
+        differ = None if here.method == "none" else peft_settings_difference(dataclasses.asdict(saved), here)
+        if differ is not None:
+            key, was, now = differ
+            raise ConfigError(f"train.resume: {path} was trained with peft.{key}={was}, this run sets peft.{key}="
+                              f"{now}: set it back, or start over with train.resume=never")
 
     def _set_aside_later_steps(self) -> None:
         """An explicit resume from step N starts another line of history: checkpoints of later steps in
