@@ -61,6 +61,8 @@ def guarded(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Names
             return fail(str(e))
         except TrainingError as e:
             return fail(str(e), code=1, every_rank=isinstance(e, CollectiveError))
+        except RecursionError as e:  # (a file nested past Python's limit that no reader above named: still bad input)
+            return fail(f"an input file is nested too deeply to read ({e})")
         except (RuntimeError, MemoryError) as e:  # out of memory: the config's size, not a bug; each rank says its own
             from dist_llm.train.errors import out_of_memory
 

@@ -509,7 +509,7 @@ def parse_override(text: str) -> tuple[str, Any]:
         raise ConfigError(f"override '{text}': expected section.key=value")
     try:
         value = read_yaml(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         value = raw
     return key.strip(), value
 
@@ -519,10 +519,15 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
     cfg = Config()
     if path is not None:
         p = Path(path)
+        if p.is_dir():
+            found = ", ".join(sorted(q.name for q in p.glob("*.y*ml"))[:6]) or "none there"
+            raise ConfigError(f"--config: {p} is a directory; give one of its YAML files ({found})")
         if not p.is_file():
             raise ConfigError(f"--config: file not found: {p}")
         try:
             tree = read_yaml(p.read_text()) or {}
+        except RecursionError:
+            raise ConfigError(f"--config: {p} is nested too deeply to be a config") from None
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -84,8 +84,8 @@ def read_hf_config(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{file}: not found (a Hugging Face model directory needs config.json)")
     try:
         config = json.loads(file.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ConfigError(f"{file}: not valid JSON ({e})") from None
+    except (ValueError, RecursionError) as e:  # (a UnicodeDecodeError is a ValueError)
+        raise ConfigError(f"{file}: not valid JSON ({str(e).splitlines()[0][:200]})") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{file}: expected a JSON object")
     return config
@@ -243,7 +243,7 @@ def read_weight_map(index: Path) -> dict[str, Path]:
     try:
         weight_map = json.loads(index.read_text())["weight_map"]
         items = list(weight_map.items())
-    except (ValueError, KeyError, TypeError, AttributeError):
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise ConfigError(f"{index}: not a weight index (no weight_map)") from None
     for name, shard in items:
         if type(name) is not str or type(shard) is not str:

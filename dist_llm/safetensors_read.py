@@ -58,7 +58,10 @@ def read_header(file: Path) -> dict[str, Stored]:
         # (read on every rank before anything else: a forged length must not make each allocate gigabytes)
         if not 2 <= size <= min(os.fstat(f.fileno()).st_size - 8, MAX_HEADER):
             raise ValueError(f"header length {size} does not fit the file or exceeds {MAX_HEADER} bytes")
-        header = json.loads(f.read(size))
+        try:
+            header = json.loads(f.read(size))
+        except RecursionError:  # (nested past Python's limit: a header of weights is two levels deep)
+            raise ValueError("the header is nested too deeply to be one of weights") from None
     if not isinstance(header, dict):
         raise ValueError("the header is not a JSON object")
     out = {}

@@ -20,7 +20,7 @@ from dist_llm.parallel.context import ParallelContext
 from dist_llm.train import checksums
 from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
-from tests.test_checkpoint_security import _checkpoint, _plant, _train_args, saved_run  # noqa: F401
+from tests.test_checkpoint_security import _checkpoint, _files, _plant, _train_args, saved_run  # noqa: F401
 
 # command -> (the flag its refusal names, argv for (run, saved_run, tmp_path))
 READERS: dict[str, tuple[str, Callable[[Path, Path, Path], list[str]]]] = {
@@ -186,3 +186,72 @@ def test_the_check_stops_the_hashes_in_flight_once_it_knows(tmp_path: Path, monk
     assert checksums.check_files(tmp_path, files) == f"{tmp_path / 'a'}: 10 bytes, the manifest says 11"
     assert time.monotonic() - start < 30
 
+
+
+@pytest.mark.parametrize("command", list(READERS))
+def test_a_config_yaml_nested_past_the_recursion_limit_is_one_line(command: str, run: Path, saved_run: Path,  # noqa: F811
+                                                                   tmp_path: Path,
+                                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """yaml's composer recurses once a level: 100,000 brackets were a RecursionError traceback (a review)."""
+    flag, argv = READERS[command]
+    file = _plant(_checkpoint(run), "config.yaml", b"[" * 100_000 + b"]" * 100_000)
+    code, errors = _errors(argv(run, saved_run, tmp_path), capsys)
+    assert (code, errors) == (2, [f"dist-llm: error: {flag}: {file} is nested too deeply to be a config"])
+
+
+def _edit_json(name: str, edit: Callable[[Any], Any]) -> Callable[[Path], bytes]:
+    def make(checkpoint: Path) -> bytes:
+        return json.dumps(edit(json.loads((checkpoint / name).read_text()))).encode()
+    return make
+
+
+def _without(key: str) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    return lambda d: {k: v for k, v in d.items() if k != key}
+
+
+# a small file of the checkpoint, rewritten and vouched for by the manifest -> the line resume must say about it
+HOSTILE_STATE: dict[str, tuple[str, Callable[[Path], bytes], str]] = {
+    "state a list": ("train_state.json", lambda c: b"[]", "train_state.json: a JSON list, not an object"),
+    "step a string": ("train_state.json", _edit_json("train_state.json", lambda d: {**d, "step": "2"}),
+                      "train_state.json: step is '2', not a count"),
+    "step negative": ("train_state.json", _edit_json("train_state.json", lambda d: {**d, "step": -1}),
+                      "train_state.json: step is -1, not a count"),
+    "no sampler": ("train_state.json", _edit_json("train_state.json", _without("sampler")),
+                   "train_state.json: sampler and scaler must be objects"),
+    "sampler seed a float": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "sampler": {**d["sampler"], "seed": 1.5}}),
+        "train_state.json: sampler.seed is 1.5, not a count"),
+    "scale zero": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "scaler": {**d["scaler"], "scale": 0}}),
+        "train_state.json: scaler.scale is 0, not a positive number"),
+    "another stream": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "sampler": {**d["sampler"], "stream": 7}}),
+        "train_state.json: sampler state is for stream 7, this sampler draws stream 0"),
+    "nested": ("train_state.json", lambda c: b"[" * 100_000 + b"]" * 100_000,
+               "train_state.json: not a train state (RecursionError: maximum recursion depth exceeded while "
+               "decoding a JSON array from a unicode string)"),
+    "rng of 3 bytes": ("rng/rank_00000.json", lambda c: b'{"cpu": "AAAA"}',
+                       "rng/rank_00000.json: its cpu generator state is 3 bytes, this torch's holds 5056 bytes"),
+    "rng a list": ("rng/rank_00000.json", lambda c: b"[1]",
+                   "rng/rank_00000.json: its cpu generator state is missing, this torch's holds 5056 bytes"),
+    "rng not base64": ("rng/rank_00000.json", lambda c: b'{"cpu": "#"}',
+                       "rng/rank_00000.json: its cpu generator state is missing, this torch's holds 5056 bytes"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE_STATE))
+def test_a_hostile_train_state_or_rng_file_is_one_line_and_frees_the_run(case: str, run: Path, saved_run: Path,  # noqa: F811
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """train_state.json and the RNG files are read after the tensors: a file of the wrong shape (vouched for by a
+    rewritten manifest) was a traceback from inside the resume (TypeError, KeyError, torch's RuntimeError), and a
+    string step left run.lock behind. 5056 bytes: the size of torch's CPU (Mersenne Twister) generator state,
+    624 32-bit words with their offsets and the normal-distribution cache."""
+    name, make, message = HOSTILE_STATE[case]
+    checkpoint = _checkpoint(run)
+    _plant(checkpoint, name, make(checkpoint))
+    before = _files(run / "checkpoints")
+    code, errors = _errors(_train_args(run, saved_run), capsys)
+    said = "train.resume: " if case == "another stream" else ""  # (the sampler's own check, named by resume)
+    assert (code, errors) == (2, [f"dist-llm: error: {said}{checkpoint / name}{message.removeprefix(name)}"])
+    assert not (run / "run.lock").exists()
+    assert _files(run / "checkpoints") == before  # nothing moved or written

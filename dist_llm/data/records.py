@@ -31,6 +31,8 @@ def read_records(path: Path) -> list[tuple[str, str]]:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError(f"data.source: {path}:{n} is not JSON ({e.msg})") from None
+            except RecursionError:
+                raise ConfigError(f"data.source: {path}:{n} is nested too deeply to be a record") from None
             if isinstance(rec, dict) and isinstance(rec.get("text"), str):
                 out.append(("", rec["text"]))
             elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str) and isinstance(rec.get("completion"), str):

@@ -161,5 +161,5 @@ def _is_byte_marker(path: Path) -> bool:
         return False
     try:
         return json.loads(path.read_text()).get(_BYTE_MARKER_KEY) == "byte"
-    except (ValueError, AttributeError):
+    except (ValueError, AttributeError, RecursionError):
         return False

@@ -260,8 +260,8 @@ def load_adapter(model: nn.Module, path: Path, cfg: PeftConfig) -> dict[str, Any
     json_file, tensors_file = path / "adapter.json", path / "adapter.safetensors"
     try:
         meta = json.loads(json_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{json_file}: unreadable ({e})") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{json_file}: unreadable ({str(e).splitlines()[0][:200]})") from None
     _check_settings(json_file, meta, cfg)
     tensors = load_file(str(tensors_file))
     targets = dict(model.named_parameters()) | trained_buffers(model)

@@ -32,6 +32,7 @@ import errno
 import io
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -126,13 +127,26 @@ def rng_state(device: torch.device) -> dict[str, str]:
     return state
 
 
-def set_rng_state(state: dict[str, str], device: torch.device) -> None:
-    def tensor(text: str) -> torch.Tensor:
-        return torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8)
+def set_rng_state(state: Any, device: torch.device, *, source: Path | None = None) -> None:
+    """Restore `rng_state`'s generators; a state that is not one (`source`: the file it came from, named in the
+    one-line ConfigError) leaves them as they were."""
+    def tensor(key: str, like: torch.Tensor) -> torch.Tensor:
+        text = state.get(key) if isinstance(state, dict) else None
+        try:
+            raw = base64.b64decode(text, validate=True) if isinstance(text, str) else None
+        except ValueError:
+            raw = None
+        if raw is None or len(raw) != like.numel():  # (torch checks the size, in a multi-line RuntimeError)
+            got = "missing" if raw is None else f"{len(raw)} bytes"
+            raise ConfigError(f"{source or 'the RNG state'}: its {key} generator state is {got}, this torch's "
+                              f"holds {like.numel()} bytes")
+        return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
 
-    torch.set_rng_state(tensor(state["cpu"]))
-    if device.type == "cuda" and "cuda" in state:
-        torch.cuda.set_rng_state(tensor(state["cuda"]), device)
+    cpu = tensor("cpu", torch.get_rng_state())
+    cuda = tensor("cuda", torch.cuda.get_rng_state(device)) if device.type == "cuda" and "cuda" in state else None
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
 
 
 def _clear(path: Path, ctx: ParallelContext) -> str | None:
@@ -355,6 +369,8 @@ def saved_config(path: Path, what: str) -> Config:
         tree = yaml.safe_load(file.read_text())
     except FileNotFoundError:
         raise ConfigError(f"{what}: {file}: missing") from None
+    except RecursionError:
+        raise ConfigError(f"{what}: {file} is nested too deeply to be a config") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:  # (a YAML error's text is a dozen lines with a caret)
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
@@ -588,10 +604,74 @@ def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, 
     if state.get("optim", {}).get("state") and not holds_optimizer_state(path):
         state = {k: v for k, v in state.items() if k != "optim"}
     _load(state, path, group)
-    train_state = read_json(path / "train_state.json")
-    rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
-    if read_json(path / MANIFEST).get("layout") == ctx.layout() and rng_file.is_file():
-        set_rng_state(read_json(rng_file), ctx.device)
-    else:
-        torch.manual_seed(stage_seed + RESHARD_SEED_STRIDE * int(train_state["step"]))  # (CUDA's generators too)
+    # the small files are checked (their digests match the manifest, but a writer could have made both): what
+    # fails on one rank (its own RNG file) is every rank's one line, not a peer left waiting in a collective
+    failure: ConfigError | None = None
+    try:
+        train_state = checked_train_state(path / "train_state.json")
+        rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
+        if read_json(path / MANIFEST).get("layout") == ctx.layout() and rng_file.is_file():
+            set_rng_state(checked_json(rng_file, "an RNG state"), ctx.device, source=rng_file)
+        else:
+            torch.manual_seed(stage_seed + RESHARD_SEED_STRIDE * train_state["step"])  # (CUDA's generators too)
+    except ConfigError as e:
+        failure = e
+    failure = ctx.first_failure(failure)
+    if failure is not None:
+        raise failure
     return train_state
+
+
+def checked_json(file: Path, what: str) -> Any:
+    """A small JSON file of a checkpoint, or a one-line ConfigError naming it (nested past Python's recursion
+    limit, not UTF-8, not JSON)."""
+    try:
+        return json.loads(file.read_text())
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"{file}: not {what} ({type(e).__name__}: {str(e).splitlines()[0][:200]})") from None
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+#: train_state.json's fields and what each must be; the loss scaler's may be absent (a run before they existed)
+_TRAIN_STATE: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "step": (_is_count, "a count"), "tokens_seen": (_is_count, "a count"),
+    **{f"sampler.{k}": (_is_count, "a count") for k in ("step", "seed", "global_batch_size", "stream")}}
+_OPTIONAL = {"elapsed_s": (_is_number, "a number"),
+             "scaler.scale": (lambda v: _is_number(v) and v > 0, "a positive number"),
+             **{f"scaler.{k}": (_is_count, "a count") for k in ("good_steps", "bad_steps_in_row", "skipped_steps")}}
+_MISSING = object()
+
+
+def _field(state: dict[str, Any], dotted: str) -> Any:
+    outer, _, inner = dotted.partition(".")
+    value = state.get(outer, _MISSING)
+    if inner:
+        value = value.get(inner, _MISSING) if isinstance(value, dict) else _MISSING
+    return value
+
+
+def checked_train_state(file: Path) -> dict[str, Any]:
+    """train_state.json with every field of the type the resume uses, else one line naming the file and field
+    (a list, a string step or a missing sampler were tracebacks deep inside the resume)."""
+    state = checked_json(file, "a train state")
+    problem = None
+    if not isinstance(state, dict):
+        problem = f"a JSON {type(state).__name__}, not an object"
+    elif not isinstance(state.get("sampler"), dict) or not isinstance(state.get("scaler"), dict):
+        problem = "sampler and scaler must be objects"
+    else:
+        for key, (ok, kind) in {**_TRAIN_STATE, **_OPTIONAL}.items():
+            value = _field(state, key)
+            if (value is not _MISSING or key in _TRAIN_STATE) and not ok(value):
+                problem = f"{key} is {'missing' if value is _MISSING else repr(value)[:80]}, not {kind}"
+                break
+    if problem is not None:
+        raise ConfigError(f"{file}: {problem}")
+    return state

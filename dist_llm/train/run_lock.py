@@ -109,7 +109,7 @@ def release(path: Path) -> None:
     """Remove the lock if this process holds it."""
     try:
         holder = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return
     if isinstance(holder, dict) and holder.get("pid") == os.getpid() and holder.get("host") == socket.gethostname():
         path.unlink(missing_ok=True)

@@ -186,7 +186,12 @@ class RunState:
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
-        self.sampler.load_state_dict(state["sampler"])
+        try:
+            self.sampler.load_state_dict(state["sampler"])
+        except ConfigError:
+            raise
+        except ValueError as e:  # (a sampler of another stream: the file was written for another purpose)
+            raise ConfigError(f"train.resume: {path / 'train_state.json'}: {e}") from None
         self.scaler.load_state_dict(state["scaler"])
         log.info("resumed from %s at step %d", path, self.step)
         if choice != "auto":
@@ -224,7 +229,7 @@ class RunState:
         differs from this run's ('' if it cannot be told)."""
         try:
             saved = yaml.safe_load((path / "config.yaml").read_text()).get("model", {})
-        except (OSError, yaml.YAMLError, AttributeError):
+        except (OSError, yaml.YAMLError, AttributeError, RecursionError):
             return ""
         here = dataclasses.asdict(self.cfg.model)
         for key, value in here.items():

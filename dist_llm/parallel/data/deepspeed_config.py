@@ -93,8 +93,8 @@ def merged_deepspeed_config(cfg: Config, dp: int) -> dict[str, Any]:
         return ours
     try:
         theirs = json.loads(Path(path).expanduser().read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise ConfigError(f"parallel.deepspeed_config: cannot read {path}: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:
+        raise ConfigError(f"parallel.deepspeed_config: cannot read {path}: {str(e).splitlines()[0][:200]}") from None
     if not isinstance(theirs, dict):
         raise ConfigError(f"parallel.deepspeed_config: {path} must hold a JSON object")
     for ds_key, our_key in _AGREE:
