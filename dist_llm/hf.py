@@ -127,7 +127,31 @@ def model_config_from_hf(path: str | Path, base: ModelConfig | None = None) -> M
     arch.update(moe_arch(config, file, family) if family in MOE_FAMILIES else DENSE_ARCH)
     cfg = dataclasses.replace(base or ModelConfig(), **arch)
     _check_shapes(cfg, file)
+    _check_layer_count(cfg, path, file)
     return cfg
+
+
+#: the block index in a Hugging Face tensor name: GPT-2's `h.3.`, Llama's and the MoE families' `layers.3.`
+_LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
+
+
+def _check_layer_count(cfg: ModelConfig, path: Path, file: Path) -> None:
+    """No more layers than the weight files hold, told from their tensor names only (an index's map, or the
+    safetensors headers): a forged count (3,000,000 for 4) would otherwise build a model of that many blocks on
+    the meta device (minutes, gigabytes of module objects) before any header is compared with it."""
+    try:
+        weights = _weight_files(path)
+    except ConfigError:
+        return  # (no weight files: the reader of the weights says so)
+    if weights.weight_map is not None:
+        names: list[str] = list(weights.weight_map)
+    elif weights.kind == "safetensors":
+        names = [name for shard in weights.files for name in _safetensors_header(shard)]
+    else:
+        return  # (a lone pytorch_model.bin names its tensors inside its pickle: checked once it is read)
+    held = max((int(m.group(1)) + 1 for name in names if (m := _LAYER_INDEX.search(name))), default=0)
+    if cfg.n_layer > held:
+        raise ConfigError(f"{file}: {cfg.n_layer} layers, but the weight files of {path} hold {held}")
 
 
 def _check_shapes(cfg: ModelConfig, file: Path) -> None:
@@ -235,6 +259,21 @@ def _load_file(file: Path, *, mmap: bool = False) -> dict[str, torch.Tensor]:
         # torch.load's weights_only refusal opens with a paragraph on its defaults; the line naming the global says why
         reason = next((line for line in lines if "unsupported" in line.lower()), lines[0])
         raise ConfigError(f"{file}: cannot read weights ({reason})") from None
+
+
+def _torch_weights(file: Path) -> dict[str, torch.Tensor]:
+    """A pytorch_model.bin's tensors, mapped: a dict of floating-point tensors (as a safetensors header's dtypes
+    are checked), else one line naming the file; an integer tensor was imported as a weight without a word."""
+    loaded: Any = _load_file(file, mmap=True)
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{file}: cannot read weights (it holds a {type(loaded).__name__}, not tensors by name)")
+    for key, value in loaded.items():
+        if _IGNORED.search(str(key)):
+            continue
+        if not isinstance(value, torch.Tensor) or not value.is_floating_point():
+            kind = value.dtype if isinstance(value, torch.Tensor) else type(value).__name__
+            raise ConfigError(f"{file}: cannot read weights (tensor {key!r} is {kind}, not a floating-point weight)")
+    return loaded
 
 
 def read_weight_map(index: Path) -> dict[str, Path]:
@@ -427,7 +466,7 @@ class HFCheckpoint:
                 self._headers[file] = _safetensors_header(file)
                 found = {k: (s.shape, None) for k, s in self._headers[file].items()}
             else:
-                found = {k: (tuple(t.shape), t) for k, t in _load_file(file, mmap=True).items()}
+                found = {k: (tuple(t.shape), t) for k, t in _torch_weights(file).items()}
             for key, (shape, tensor) in found.items():
                 if _IGNORED.search(key):
                     continue

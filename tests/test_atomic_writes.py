@@ -270,3 +270,28 @@ def test_a_file_system_that_cannot_fsync_a_folder_still_writes(tmp_path: Path, c
     monkeypatch.setattr(os, "fsync", eio)
     with pytest.raises(OSError, match="Input/output error"):
         atomic_write_text(tmp_path / "b.txt", "lost")
+
+
+def test_the_tokenizer_copied_into_a_checkpoint_is_synced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file a manifest lists must be on disk before the manifest says the checkpoint is complete: the
+    tokenizer's copy was left in the page cache (shutil.copyfile, no fsync), so a power cut could leave a
+    complete-looking checkpoint with an empty tokenizer.json (a review)."""
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    source = tmp_path / "tokenizer.src.json"
+    source.write_text('{"model": {}}')
+    cfg = load_config(None, tiny_overrides(tmp_path))
+    from dist_llm.parallel.context import ParallelContext
+
+    model = GPT(cfg.model)
+    path = tmp_path / "ckpt"
+    ckpt.save_checkpoint(path, state={"model": model.state_dict()}, train_state={"step": 0}, cfg=cfg,
+                         ctx=ParallelContext.from_config(cfg), extra_files={"tokenizer.json": source})
+    assert (path / "tokenizer.json").read_text() == '{"model": {}}'
+    assert any(Path(p).parent == path and "tokenizer.json" in Path(p).name for p in synced), synced

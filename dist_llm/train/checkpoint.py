@@ -59,7 +59,7 @@ from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_mo
 from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
 
 from dist_llm.config import Config, ConfigError, config_from_dict
-from dist_llm.fileio import atomic_write_text, fsync_dir
+from dist_llm.fileio import atomic_path, atomic_write_text, fsync_dir
 from dist_llm.model.init import INIT_SCHEME
 from dist_llm.parallel.comm import shared_error
 from dist_llm.parallel.context import ParallelContext
@@ -177,8 +177,9 @@ def _write_own_files(path: Path, *, train_state: dict[str, Any], cfg: Config, ct
         if ctx.is_main:
             _atomic_write(path / "train_state.json", json.dumps(train_state, indent=1))
             _atomic_write(path / CONFIG_FILE, cfg.to_yaml())
-            for name, source in (extra_files or {}).items():
-                shutil.copyfile(source, path / name)
+            for name, source in (extra_files or {}).items():  # (synced, as every other file of a checkpoint)
+                with atomic_path(path / name) as tmp:
+                    shutil.copyfile(source, tmp)
         if engine_files is not None:  # before the manifest, which lists (and checksums) what it wrote
             engine_files(path)
     except Exception as e:  # noqa: BLE001 - an engine's save may fail otherwise; its peers must still hear of it
