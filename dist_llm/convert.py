@@ -53,6 +53,7 @@ from dist_llm.hf import (
 from dist_llm.hf_tokenizer import write_hf_tokenizer
 from dist_llm.host_malloc import map_large_allocations
 from dist_llm.model import GPT
+from dist_llm.peft.base_identity import check_base
 from dist_llm.peft.expert_lora import LORA_OF
 from dist_llm.safetensors_shards import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -148,6 +149,8 @@ class MergedPeft:
             raise ConfigError("peft.method: adapter layers cannot be folded into the base model; "
                               "export needs LoRA or QLoRA (or no PEFT)")
         self.adapters, self.cfg = adapters, cfg
+        check_base(adapters.path, ckpt.read_json(adapters.path / ckpt.MANIFEST).get("peft_base"), cfg.model.init_from,
+                   "convert --to-hf")
         kind, _, where = cfg.model.init_from.partition(":")
         base_dir = Path(where).expanduser()
         if kind == "hf":

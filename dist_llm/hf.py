@@ -328,6 +328,12 @@ def _weight_files(path: Path) -> _WeightFiles:
     raise ConfigError(f"{path}: no weights found (expected {SAFETENSORS_FILE}, {SAFETENSORS_INDEX} or {TORCH_FILE})")
 
 
+def weight_files(path: Path) -> list[Path]:
+    """The files a Hugging Face directory's weights are read from: its index (where sharded) and the shards."""
+    found = _weight_files(path)
+    return ([found.index] if found.index is not None else []) + found.files
+
+
 def read_hf_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """All tensors of a Hugging Face directory by their Hugging Face names, read whole (shards joined): for
     comparisons and small models; loading a model reads region by region (`HFCheckpoint`)."""

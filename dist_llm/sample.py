@@ -10,6 +10,7 @@ from dist_llm.config import Config, ConfigError
 from dist_llm.data import load_tokenizer
 from dist_llm.model import GPT
 from dist_llm.parallel.context import pick_device
+from dist_llm.peft.base_identity import check_base
 from dist_llm.train import checkpoint as ckpt
 
 
@@ -44,6 +45,7 @@ def load_model(path: Path, device: torch.device, *, init_from: str | None = None
     # A PEFT checkpoint holds the trained tensors only: rebuild its base as training did (from
     # model.init_from, or the seeded random init), add the PEFT modules, then load those tensors.
     _check_base(cfg.model.init_from, path, overridden=init_from is not None)
+    check_base(path, ckpt.read_json(path / ckpt.MANIFEST).get("peft_base"), cfg.model.init_from, "sample")
     if not cfg.model.init_from:  # (the base drawn from train.seed, as this version draws it)
         ckpt.check_seeded_base(path, cfg, what="sample")
     from dist_llm.parallel.context import ParallelContext

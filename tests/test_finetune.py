@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -173,3 +174,43 @@ def test_qlora_from_a_checkpoint_quantises_its_weights(tmp_path: Path, corpus: P
         torch.testing.assert_close(trainer.module.wte.weight, base.wte.weight, rtol=0, atol=0)
     finally:
         trainer.ctx.destroy()
+
+
+def test_a_base_replaced_at_the_same_path_is_refused_by_resume_sample_and_export(
+        tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, llama_dir: Path, corpus: Path) -> None:  # noqa: F811
+    """A LoRA checkpoint names its base by path: another model of the same shapes put there (another revision,
+    a fine-tuned copy) was adapted and exported merged without a word (a review: every exported tensor differed).
+    The manifest keeps a digest of a sample of the base's files; each reader compares it with what is there."""
+    from dist_llm.convert import convert_checkpoint_to_hf
+    from dist_llm.sample import load_model
+
+    base = tmp_path / "base"
+    shutil.copytree(llama_dir, base)
+    run = tmp_path / "run"
+    extra = {**LORA, "model__init_from": f"hf:{base}", "train__ckpt_interval": 2}
+    train(0, 1, run, corpus, {**extra, "train__stop_after_step": 2})
+    step = run / "checkpoints" / "step_000002"
+    saved = json.loads((step / "manifest.json").read_text())["peft_base"]
+    assert len(saved["weights"]) == 32  # (the digest's hex characters)
+
+    torch.manual_seed(1)  # the same architecture, other weights
+    shutil.rmtree(base)
+    save(hf_llama(), base)
+    refusal = (f"the base model in {base} is not the one {step} was trained on (a sample of its weights differs: "
+               "replaced or changed since); point model.init_from (or --init-from) at that model")
+    with pytest.raises(ConfigError) as info:
+        train(0, 1, run, corpus, extra)
+    assert str(info.value) == f"train.resume: {refusal}"
+    with pytest.raises(ConfigError) as info:
+        load_model(run, torch.device("cpu"))
+    assert str(info.value) == f"sample: {refusal}"
+    with pytest.raises(ConfigError) as info:
+        convert_checkpoint_to_hf(run, tmp_path / "hf")
+    assert str(info.value) == f"convert --to-hf: {refusal}"
+    assert not (tmp_path / "hf").exists()
+
+    shutil.rmtree(base)
+    shutil.copytree(llama_dir, base)  # the original back (a copy: same bytes, new files): all three go on
+    load_model(run, torch.device("cpu"))
+    convert_checkpoint_to_hf(run, tmp_path / "hf")
+    assert train(0, 1, run, corpus, extra)["losses"] == reference(tmp_path_factory, corpus, **extra)["losses"]

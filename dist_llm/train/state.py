@@ -28,6 +28,7 @@ from dist_llm.parallel.parallelize import PP_SEED_STRIDE
 from dist_llm.parallel.tensor.checkpoint import TensorParallelState
 from dist_llm.model.buffers import trained_buffers
 from dist_llm.peft import settings_difference as peft_settings_difference, trainable_names
+from dist_llm.peft.base_identity import base_digest, check_base
 from dist_llm.precision import LossScaler
 from dist_llm.train import checkpoint as ckpt
 from dist_llm.train import run_lock
@@ -101,6 +102,7 @@ class RunState:
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_s = 0.0
+        self._base_digest: str | None = None  # (of a PEFT base: peft_base())
         self.pending_save: ckpt.PendingSave | None = None
         # Saving, loading and checking a checkpoint coordinate the ranks over a gloo group of their own. Its waits
         # scale with the checkpoint (a rank waits for the slowest one's writing or hashing): under the training
@@ -163,9 +165,12 @@ class RunState:
                               f"{self._first_difference(path)}; start over with train.resume=never (the earlier "
                               "run is moved aside) or use another train.out_dir")
         self._check_peft_settings(path)
-        if self.cfg.peft.method != "none" and _same_base(manifest.get("peft_base")) != self.peft_base():
-            raise ConfigError(f"train.resume: {path} adapts another base model ({manifest.get('peft_base')}) than "
-                              f"model.init_from describes ({self.peft_base()})")
+        if self.cfg.peft.method != "none":
+            saved, here = _same_base(manifest.get("peft_base")), self.peft_base()
+            if _without_weights(saved) != _without_weights(here):
+                raise ConfigError(f"train.resume: {path} adapts another base model ({_without_weights(saved)}) than "
+                                  f"model.init_from describes ({_without_weights(here)})")
+            check_base(path, saved, self.cfg.model.init_from, "train.resume")
         if self.cfg.peft.method != "none" and not self.cfg.model.init_from:  # (the frozen base is drawn anew)
             ckpt.check_seeded_base(path, self.cfg, what="train.resume")
         # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
@@ -350,8 +355,12 @@ class RunState:
         return self.tp_state.shard_state(state) if self.tp_state else state
 
     def peft_base(self) -> dict[str, str]:
-        """The identity of the frozen base a PEFT checkpoint adapts: where it came from and its shapes."""
-        return {"init_from": self.cfg.model.init_from, "model_fingerprint": self.cfg.fingerprint()}
+        """The identity of the frozen base a PEFT checkpoint adapts: where it came from, its shapes, and a digest of
+        a sample of its weights (peft/base_identity.py; computed once a run)."""
+        if self._base_digest is None and self.cfg.model.init_from:
+            self._base_digest = base_digest(self.cfg.model.init_from)
+        base = {"init_from": self.cfg.model.init_from, "model_fingerprint": self.cfg.fingerprint()}
+        return base | ({"weights": self._base_digest} if self._base_digest else {})
 
     def tokenizer_files(self) -> dict[str, Path]:
         spec = self.tokenizer_spec
@@ -408,6 +417,11 @@ class RunState:
         """Until a background save has copied what the next optimizer step changes (a no-op without one)."""
         if self.pending_save is not None:
             self.pending_save.wait_staged()
+
+
+def _without_weights(base: Any) -> Any:
+    """A `peft_base` without its weights' digest (compared on its own, and absent from earlier checkpoints)."""
+    return {k: v for k, v in base.items() if k != "weights"} if isinstance(base, dict) else base
 
 
 def _same_base(saved: Any) -> Any:
