@@ -15,6 +15,6 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 endpoint=${RDZV_ENDPOINT:-${MASTER_ADDR:?set MASTER_ADDR (or RDZV_ENDPOINT)}:${MASTER_PORT:-29500}}
 node_rank=()
 [ -n "${NODE_RANK:-}" ] && node_rank=(--node-rank "$NODE_RANK")
-exec "${PYTHON:-python}" -m torch.distributed.run --nnodes "$NNODES" --nproc-per-node "$NPROC" "${node_rank[@]}" \
+exec "${PYTHON:-python}" -m dist_llm.torchrun --nnodes "$NNODES" --nproc-per-node "$NPROC" "${node_rank[@]}" \
   --rdzv-backend c10d --rdzv-endpoint "$endpoint" --rdzv-id "${RDZV_ID:-${SLURM_JOB_ID:-dist_llm-${endpoint}}}" \
   --max-restarts "${MAX_RESTARTS:-3}" -m dist_llm.train --config "$config" "$@"

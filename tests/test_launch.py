@@ -142,3 +142,14 @@ def test_3d_config_fits_its_32_ranks() -> None:
                            "--world-size", "32", "--json"], capture_output=True, text=True, env=env(), timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["peak_bytes"] < 80 * 2**30
+
+
+def test_the_single_node_script_says_a_bad_layout_in_one_line(tmp_path: Path) -> None:
+    """The launch scripts start dist_llm.torchrun (torchrun with its failure report cut): under plain torchrun a
+    layout the model cannot take was each rank's line plus torchrun's traceback and table of ranks, exit 1 (a
+    review of the README's commands)."""
+    proc = subprocess.run(["bash", str(REPO / "launch/torchrun_single_node.sh"), str(REPO / "configs/tiny.yaml"),
+                           "parallel.tp=3", f"train.out_dir={tmp_path}"], capture_output=True, text=True,
+                          env=env(NPROC="2"), timeout=300)
+    assert (proc.returncode, proc.stderr.strip().splitlines()) == (
+        2, ["dist-llm: error: model.n_head: 4 is not divisible by parallel.tp=3"]), proc.stderr[-3000:]
