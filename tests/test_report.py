@@ -25,10 +25,11 @@ def test_human_size() -> None:
     assert [human_size(n) for n in (9.996 * 1024, 99.96 * 1024)] == ["10.0 KiB", "100 KiB"]
 
 
-def write_run(folder: Path, cfg: Config) -> None:
+def write_run(folder: Path, cfg: Config, layout: dict[str, int] | None = None) -> None:
     folder.mkdir()
     (folder / "config.yaml").write_text(cfg.to_yaml())
-    records = [{"event": "start", "step": 0, "n_params": 885888, "layout": {"world_size": 1, "dp": 1, "tp": 1, "pp": 1},
+    layout = layout or {"world_size": 1, "dp": 1, "tp": 1, "pp": 1}
+    records = [{"event": "start", "step": 0, "n_params": 885888, "layout": layout,
                 "device": "cpu", "accum_steps": 1, "flops_per_token": 6e6, "peak_memory": "host peak RSS"},
                {"event": "memory", "step": 1, "predicted": {"params_bytes": 3543552, "peak_bytes": 234817656},
                 "measured": {"params_bytes": 3543552, "peak_bytes": None}}]
@@ -52,6 +53,21 @@ def test_report_labels_average_and_window_throughput_and_reads_sizes(tmp_path: P
     assert "| parameters | 3.38 MiB | 3.38 MiB |" in report and "| peak | 224 MiB | - |" in report
     assert "- peak memory per rank (host peak RSS): 700 MiB" in report
     assert " GB" not in report and "0.0000" not in report
+
+
+def test_the_report_layout_names_every_degree() -> None:
+    """cp was missing from the report's layout line (a review): a dp 2 x cp 2 x tp 2 run read "world size 8: dp 2
+    x tp 2 x pp 1" (as ParallelContext.layout() records cp and ep only where they are above 1)."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = Config()
+        cfg.model = ModelConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=64)
+        cfg.parallel.cp, cfg.parallel.tp, cfg.parallel.ep = 2, 2, 2
+        write_run(Path(tmp) / "run", cfg, {"world_size": 8, "dp": 2, "tp": 2, "pp": 1, "cp": 2, "ep": 2})
+        report = build_report(Path(tmp) / "run")
+    assert ("- world size 8: dp 2 x cp 2 x pp 1 x tp 2 (mesh order dp, cp, pp, tp), ep 2 (experts split over ep of "
+            "the dp ranks)") in report, report[:600]
 
 
 def test_qlora_report_counts_the_4bit_base_by_its_weights(tmp_path: Path) -> None:

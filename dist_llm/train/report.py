@@ -112,8 +112,8 @@ def build_report(run_dir: Path) -> str:
     p, t = cfg.parallel, cfg.train
     lines = [f"# Run report: {cfg.name}", "",
              "## Layout", "",
-             f"- world size {layout.get('world_size', '?')}: dp {layout.get('dp', '?')} x tp {layout.get('tp', '?')} x "
-             f"pp {layout.get('pp', '?')} (mesh order dp, pp, tp)"
+             f"- world size {layout.get('world_size', '?')}: dp {layout.get('dp', '?')} x cp {layout.get('cp', 1)} x "
+             f"pp {layout.get('pp', '?')} x tp {layout.get('tp', '?')} (mesh order dp, cp, pp, tp)"
              + (f", ep {layout['ep']} (experts split over ep of the dp ranks)" if "ep" in layout else "")
              + f", zero_stage {p.zero_stage}, backend {p.backend}"
              + (f", {p.pp_schedule} schedule" if p.pp > 1 else "")
