@@ -275,7 +275,7 @@ def test_trainer_trains_and_logs(tmp_path: Path, corpus_file: Path, caplog: pyte
     assert records[0]["n_active_params"] < records[0]["n_params"]
     assert records[0]["layout"] == {"world_size": 1, "dp": 1, "tp": 1, "pp": 1, "ep": 1}
     assert records[0]["moe_blocks"] == list(range(cfg.model.n_layer))  # (every block MoE: moe_every 1)
-    assert "- world size 1: dp 1 x tp 1 x pp 1 (mesh order dp, pp, tp), ep 1 (experts split over ep of the dp ranks)" \
+    assert "- world size 1: dp 1 x cp 1 x pp 1 x tp 1 (mesh order dp, cp, pp, tp), ep 1 (experts split over ep of the dp ranks)" \
         in (out / "report.md").read_text()
     steps = [r for r in records if "loss" in r]
     assignments = cfg.train.global_batch_size * cfg.model.block_size * cfg.model.moe_top_k  # a step's, a layer's
