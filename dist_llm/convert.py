@@ -149,8 +149,6 @@ class MergedPeft:
             raise ConfigError("peft.method: adapter layers cannot be folded into the base model; "
                               "export needs LoRA or QLoRA (or no PEFT)")
         self.adapters, self.cfg = adapters, cfg
-        check_base(adapters.path, ckpt.read_json(adapters.path / ckpt.MANIFEST).get("peft_base"), cfg.model.init_from,
-                   "convert --to-hf")
         kind, _, where = cfg.model.init_from.partition(":")
         base_dir = Path(where).expanduser()
         if kind == "hf":
@@ -166,6 +164,8 @@ class MergedPeft:
         else:
             ckpt.check_seeded_base(adapters.path, cfg, what="convert --to-hf")
             self.base = _RandomBase(cfg)
+        check_base(adapters.path, ckpt.read_json(adapters.path / ckpt.MANIFEST).get("peft_base"), cfg.model.init_from,
+                   "convert --to-hf")
         # the model's own tensors among the checkpoint's (its adapter tensors have names no base weight has)
         self.trained = {name: shape for name, shape in weight_shapes(cfg.model).items() if adapters.has(name)}
         adapters.check(self.trained)

@@ -136,8 +136,8 @@ _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
 
 
 def _check_layer_count(cfg: ModelConfig, path: Path, file: Path) -> None:
-    """No more layers than the weight files hold, told from their tensor names only (an index's map, or the
-    safetensors headers): a forged count (3,000,000 for 4) would otherwise build a model of that many blocks on
+    """No more layers than the weight files hold, told from their tensor names only (an index's map, the
+    safetensors headers, or a mapped pytorch_model.bin): a forged count (3,000,000 for 4) would otherwise build a model of that many blocks on
     the meta device (minutes, gigabytes of module objects) before any header is compared with it."""
     try:
         weights = _weight_files(path)
@@ -147,8 +147,8 @@ def _check_layer_count(cfg: ModelConfig, path: Path, file: Path) -> None:
         names: list[str] = list(weights.weight_map)
     elif weights.kind == "safetensors":
         names = [name for shard in weights.files for name in _safetensors_header(shard)]
-    else:
-        return  # (a lone pytorch_model.bin names its tensors inside its pickle: checked once it is read)
+    else:  # a lone pytorch_model.bin names its tensors in its pickle: mapped, not read (zip-format files)
+        names = [str(name) for file in weights.files for name in _torch_weights(file)]
     held = max((int(m.group(1)) + 1 for name in names if (m := _LAYER_INDEX.search(name))), default=0)
     if cfg.n_layer > held:
         raise ConfigError(f"{file}: {cfg.n_layer} layers, but the weight files of {path} hold {held}")

@@ -5,6 +5,7 @@ file that cannot be read is exit 1. A config.yaml that is not YAML, or not a con
 
 from __future__ import annotations
 
+import base64
 import errno
 import json
 import os
@@ -223,13 +224,28 @@ HOSTILE_STATE: dict[str, tuple[str, Callable[[Path], bytes], str]] = {
         "train_state.json: sampler.seed is 1.5, not a count"),
     "scale zero": ("train_state.json", _edit_json(
         "train_state.json", lambda d: {**d, "scaler": {**d["scaler"], "scale": 0}}),
-        "train_state.json: scaler.scale is 0, not a positive number"),
+        "train_state.json: scaler.scale is 0, not a positive float32 number"),
     "another stream": ("train_state.json", _edit_json(
         "train_state.json", lambda d: {**d, "sampler": {**d["sampler"], "stream": 7}}),
         "train_state.json: sampler state is for stream 7, this sampler draws stream 0"),
     "nested": ("train_state.json", lambda c: b"[" * 100_000 + b"]" * 100_000,
                "train_state.json: not a train state (RecursionError: maximum recursion depth exceeded while "
                "decoding a JSON array from a unicode string)"),
+    "scale enabled, missing": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "scaler": {"enabled": True}}),
+        "train_state.json: scaler.scale is missing, and the scaler is enabled"),
+    "scale past float32": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "scaler": {**d["scaler"], "scale": 1e300}}),
+        "train_state.json: scaler.scale is 1e+300, not a positive float32 number"),
+    "count past int64": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "scaler": {**d["scaler"], "good_steps": 2**63}}),
+        f"train_state.json: scaler.good_steps is {2**63}, not a count"),
+    "sampler behind": ("train_state.json", _edit_json(
+        "train_state.json", lambda d: {**d, "sampler": {**d["sampler"], "step": 1}}),
+        "train_state.json: sampler.step is 1, step is 2: they are saved alike"),
+    "rng not a generator's": ("rng/rank_00000.json", lambda c: json.dumps(
+        {"cpu": base64.b64encode(b"\xff" * 5056).decode()}).encode(),
+        "rng/rank_00000.json: not a generator state (Invalid mt19937 state)"),
     "rng of 3 bytes": ("rng/rank_00000.json", lambda c: b'{"cpu": "AAAA"}',
                        "rng/rank_00000.json: its cpu generator state is 3 bytes, this torch's holds 5056 bytes"),
     "rng a list": ("rng/rank_00000.json", lambda c: b"[1]",

@@ -196,18 +196,25 @@ def test_a_base_replaced_at_the_same_path_is_refused_by_resume_sample_and_export
     torch.manual_seed(1)  # the same architecture, other weights
     shutil.rmtree(base)
     save(hf_llama(), base)
-    refusal = (f"the base model in {base} is not the one {step} was trained on (a sample of its weights differs: "
-               "replaced or changed since); point model.init_from (or --init-from) at that model")
+    refusal = (f"the base model in {base} is not the one {step} was trained on (a sample of its weight files "
+               "differs: replaced, changed or re-sharded since); point {to} at that model")
     with pytest.raises(ConfigError) as info:
         train(0, 1, run, corpus, extra)
-    assert str(info.value) == f"train.resume: {refusal}"
+    assert str(info.value) == "train.resume: " + refusal.format(to="model.init_from")
     with pytest.raises(ConfigError) as info:
         load_model(run, torch.device("cpu"))
-    assert str(info.value) == f"sample: {refusal}"
+    assert str(info.value) == "sample: " + refusal.format(to="--init-from")
     with pytest.raises(ConfigError) as info:
         convert_checkpoint_to_hf(run, tmp_path / "hf")
-    assert str(info.value) == f"convert --to-hf: {refusal}"
+    assert str(info.value) == "convert --to-hf: " + refusal.format(to="model.init_from")
     assert not (tmp_path / "hf").exists()
+
+    manifest = json.loads((step / "manifest.json").read_text())  # a damaged digest is damage, not another base
+    (step / "manifest.json").write_text(json.dumps({**manifest, "peft_base": {**saved, "weights": 123}}))
+    with pytest.raises(ConfigError) as info:
+        load_model(run, torch.device("cpu"))
+    assert str(info.value) == f"sample: {step / 'manifest.json'}: peft_base.weights is 123, not a digest (a damaged manifest)"
+    (step / "manifest.json").write_text(json.dumps(manifest))
 
     shutil.rmtree(base)
     shutil.copytree(llama_dir, base)  # the original back (a copy: same bytes, new files): all three go on

@@ -411,19 +411,23 @@ def test_a_forged_safetensors_header_is_refused_before_it_is_read(tmp_path: Path
         hf_module._safetensors_header(file)
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "llama-sharded"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama-sharded", "gpt2-bin"])
 def test_a_layer_count_past_the_files_is_refused_before_a_model_is_built(tmp_path: Path, kind: str,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """config.json claiming 3,000,000 layers over files of 2: before, the meta model of that many blocks was being
     built for minutes (a review); now one line from the tensor names alone, no model built (GPT is not called)."""
-    model = hf_gpt2() if kind == "gpt2" else hf_llama()
+    model = hf_llama() if kind == "llama-sharded" else hf_gpt2()
     if kind == "gpt2":
         save(model, tmp_path)
+    elif kind == "gpt2-bin":  # pytorch_model.bin: the names from the mapped pickle
+        save(model, tmp_path)
+        torch.save(hf_module.read_hf_tensors(tmp_path), tmp_path / "pytorch_model.bin")
+        (tmp_path / "model.safetensors").unlink()
     else:  # (shards with their index: the names come from the index's map)
         model.save_pretrained(tmp_path, safe_serialization=True, max_shard_size="100KB")
         assert (tmp_path / "model.safetensors.index.json").is_file()
     config = json.loads((tmp_path / "config.json").read_text())
-    config["n_layer" if kind == "gpt2" else "num_hidden_layers"] = 3_000_000
+    config["num_hidden_layers" if kind == "llama-sharded" else "n_layer"] = 3_000_000
     (tmp_path / "config.json").write_text(json.dumps(config))
 
     def no_model(*args: Any, **kwargs: Any) -> None:
@@ -439,15 +443,16 @@ def test_a_bin_weight_of_integers_or_a_bin_of_no_dict_is_refused(tmp_path: Path)
     """pytorch_model.bin is checked as safetensors headers are: an integer tensor where a weight belongs was
     imported (cast to float) without a word (a review); a pickle of a list was an AttributeError traceback."""
     save(hf_gpt2(), tmp_path)
+    cfg = hf_module.model_config_from_hf(tmp_path)
     state = hf_module.read_hf_tensors(tmp_path)
     (tmp_path / "model.safetensors").unlink()
     state["transformer.h.0.mlp.c_fc.weight"] = state["transformer.h.0.mlp.c_fc.weight"].to(torch.int32)
     torch.save(state, tmp_path / "pytorch_model.bin")
-    cfg = hf_module.model_config_from_hf(tmp_path)
-    with pytest.raises(ConfigError) as info:
-        HFCheckpoint(tmp_path, cfg)
-    assert str(info.value) == (f"{tmp_path / 'pytorch_model.bin'}: cannot read weights (tensor "
-                               "'transformer.h.0.mlp.c_fc.weight' is torch.int32, not a floating-point weight)")
+    for read in (lambda: HFCheckpoint(tmp_path, cfg), lambda: hf_module.model_config_from_hf(tmp_path)):
+        with pytest.raises(ConfigError) as info:
+            read()
+        assert str(info.value) == (f"{tmp_path / 'pytorch_model.bin'}: cannot read weights (tensor "
+                                   "'transformer.h.0.mlp.c_fc.weight' is torch.int32, not a floating-point weight)")
     torch.save([1, 2], tmp_path / "pytorch_model.bin")
     with pytest.raises(ConfigError) as info:
         HFCheckpoint(tmp_path, cfg)

@@ -84,3 +84,19 @@ def test_a_deepspeed_config_nested_too_deeply(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=rf"^parallel.deepspeed_config: cannot read {re.escape(str(f))}: maximum "
                                           "recursion depth exceeded"):
         merged_deepspeed_config(cfg, 1)
+
+
+def test_a_run_folder_nested_too_deeply_for_the_report(tmp_path: Path) -> None:
+    """`dist-llm report` names the config.yaml; a metrics.jsonl line nested that deep is skipped, as a line that is
+    not JSON is (and a resume's truncation keeps it: not one of the run's own)."""
+    from dist_llm.train.metrics import read_metrics, truncate_after
+    from dist_llm.train.report import build_report
+
+    (tmp_path / "config.yaml").write_text(DEEP)
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n' + DEEP + '\n{"step": 3, "loss": 1.0}\n')
+    with pytest.raises(ConfigError) as info:
+        build_report(tmp_path)
+    assert str(info.value) == f"report: {tmp_path / 'config.yaml'} is nested too deeply to be a config"
+    assert read_metrics(tmp_path / "metrics.jsonl") == [{"step": 1, "loss": 2.0}, {"step": 3, "loss": 1.0}]
+    assert truncate_after(tmp_path / "metrics.jsonl", 2) == 1
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1, "loss": 2.0}\n' + DEEP + "\n"

@@ -101,6 +101,12 @@ def test_an_explicit_rollback_sets_the_later_checkpoints_aside(tmp_path: Path, c
     assert (aside[0] / "step_000008" / ckpt.MANIFEST).read_bytes() == old8  # moved, not rewritten
     t = make_trainer(out, corpus_file, optim__lr=1e-3, optim__min_lr=1e-4, **kw)
     assert t.resumed_from == root / "step_000006" and t.step == 6
+    # back to the first history, from its set-aside step 6: none of checkpoints/ is of it, so all of it moves
+    # (before, a crash ahead of the first save resumed the second history's step 6 without a word)
+    t = make_trainer(out, corpus_file, train__resume=str(aside[0] / "step_000006"), **kw)
+    assert t.step == 6 and ckpt.step_dirs(root) == []
+    [again] = [p for p in root.iterdir() if p.name.startswith("superseded-") and p != aside[0]]
+    assert sorted(p.name for p in again.iterdir()) == ["step_000002", "step_000004", "step_000006"]
 
 
 def test_gradient_accumulation_matches_one_big_batch(tmp_path: Path, corpus_file: Path) -> None:

@@ -48,24 +48,31 @@ def base_digest(init_from: str) -> str | None:
         if kind == "ckpt":  # (its manifest holds every file's sha256 already)
             digest.update((folder / "manifest.json").read_bytes())
         else:
-            from dist_llm.hf import CONFIG_FILE, weight_files
+            from dist_llm.hf import weight_files
 
-            for file in [folder / CONFIG_FILE, *weight_files(folder)]:
+            # (not config.json: its architecture is the model fingerprint beside the digest, and its other keys,
+            # a transformers version, change nothing the adapters see)
+            for file in weight_files(folder):
                 _sample(file, digest)
     except OSError as e:
         raise ConfigError(f"model.init_from: cannot read the base model in {folder} ({e.strerror or e})") from None
     return digest.hexdigest()[:32]
 
 
-def check_base(checkpoint: Path, peft_base: object, init_from: str, what: str) -> None:
+def check_base(checkpoint: Path, peft_base: object, init_from: str, what: str, *, now: str | None = None) -> None:
     """That the base `init_from` names now is the one the PEFT checkpoint (its manifest's `peft_base`) was trained
-    on, by their digests; a checkpoint written before the digest was kept is taken at its word."""
+    on, by their digests (`now`: the digest of `init_from` taken already); a checkpoint written before the digest
+    was kept is taken at its word."""
     saved = peft_base.get("weights") if isinstance(peft_base, dict) else None
     if saved is None:
         return
-    now = base_digest(init_from)
+    if not isinstance(saved, str) or len(saved) != 32 or any(c not in "0123456789abcdef" for c in saved):
+        raise ConfigError(f"{what}: {checkpoint / 'manifest.json'}: peft_base.weights is {saved!r:.80}, not a digest "
+                          "(a damaged manifest)")
+    now = now or base_digest(init_from)
     if now != saved:
         where = init_from.partition(":")[2] or "train.seed"
+        to = "--init-from" if what == "sample" else "model.init_from"
         raise ConfigError(f"{what}: the base model in {where} is not the one {checkpoint} was trained on (a sample "
-                          "of its weights differs: replaced or changed since); point model.init_from (or --init-from) "
-                          "at that model")
+                          f"of its weight files differs: replaced, changed or re-sharded since); point {to} at that "
+                          "model")

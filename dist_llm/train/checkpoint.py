@@ -144,9 +144,12 @@ def set_rng_state(state: Any, device: torch.device, *, source: Path | None = Non
 
     cpu = tensor("cpu", torch.get_rng_state())
     cuda = tensor("cuda", torch.cuda.get_rng_state(device)) if device.type == "cuda" and "cuda" in state else None
-    torch.set_rng_state(cpu)
-    if cuda is not None:
-        torch.cuda.set_rng_state(cuda, device)
+    try:  # (the right size, yet not a generator's state: "Invalid mt19937 state")
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda, device)
+    except RuntimeError as e:
+        raise ConfigError(f"{source or 'the RNG state'}: not a generator state ({str(e).splitlines()[0]})") from None
 
 
 def _clear(path: Path, ctx: ParallelContext) -> str | None:
@@ -604,23 +607,35 @@ def load_checkpoint(path: Path, *, state: dict[str, Any], ctx: ParallelContext, 
     start seed) and the step."""
     if state.get("optim", {}).get("state") and not holds_optimizer_state(path):
         state = {k: v for k, v in state.items() if k != "optim"}
+    # the small files are checked (their digests match the manifest, but a writer could have made both): the
+    # train state before the tensors (minutes at 70B), the RNG after them; what fails on one rank (its own RNG
+    # file) is every rank's one line, not a peer left waiting in a collective
+    train_state = _agreed(ctx, lambda: checked_train_state(path / "train_state.json"))
     _load(state, path, group)
-    # the small files are checked (their digests match the manifest, but a writer could have made both): what
-    # fails on one rank (its own RNG file) is every rank's one line, not a peer left waiting in a collective
-    failure: ConfigError | None = None
-    try:
-        train_state = checked_train_state(path / "train_state.json")
-        rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
+    rng_file = path / "rng" / f"rank_{ctx.rank:05d}.json"
+
+    def restore_rng() -> None:
         if read_json(path / MANIFEST).get("layout") == ctx.layout() and rng_file.is_file():
             set_rng_state(checked_json(rng_file, "an RNG state"), ctx.device, source=rng_file)
         else:
             torch.manual_seed(stage_seed + RESHARD_SEED_STRIDE * train_state["step"])  # (CUDA's generators too)
+
+    _agreed(ctx, restore_rng)
+    return train_state
+
+
+def _agreed(ctx: ParallelContext, fn: Callable[[], Any]) -> Any:
+    """fn() on every rank, its ConfigError raised on every rank alike (`ParallelContext.first_failure`)."""
+    failure: ConfigError | None = None
+    result = None
+    try:
+        result = fn()
     except ConfigError as e:
         failure = e
     failure = ctx.first_failure(failure)
     if failure is not None:
         raise failure
-    return train_state
+    return result
 
 
 def checked_json(file: Path, what: str) -> Any:
@@ -633,11 +648,17 @@ def checked_json(file: Path, what: str) -> Any:
 
 
 def _is_count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """A non-negative integer that fits the int64 counters it is loaded into."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63
 
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_scale(value: Any) -> bool:
+    """A loss scale: positive, and finite in the float32 tensor that holds it."""
+    return _is_number(value) and 0 < value <= torch.finfo(torch.float32).max
 
 
 #: train_state.json's fields and what each must be; the loss scaler's may be absent (a run before they existed)
@@ -645,7 +666,7 @@ _TRAIN_STATE: dict[str, tuple[Callable[[Any], bool], str]] = {
     "step": (_is_count, "a count"), "tokens_seen": (_is_count, "a count"),
     **{f"sampler.{k}": (_is_count, "a count") for k in ("step", "seed", "global_batch_size", "stream")}}
 _OPTIONAL = {"elapsed_s": (_is_number, "a number"),
-             "scaler.scale": (lambda v: _is_number(v) and v > 0, "a positive number"),
+             "scaler.scale": (_is_scale, "a positive float32 number"),
              **{f"scaler.{k}": (_is_count, "a count") for k in ("good_steps", "bad_steps_in_row", "skipped_steps")}}
 _MISSING = object()
 
@@ -673,6 +694,11 @@ def checked_train_state(file: Path) -> dict[str, Any]:
             if (value is not _MISSING or key in _TRAIN_STATE) and not ok(value):
                 problem = f"{key} is {'missing' if value is _MISSING else repr(value)[:80]}, not {kind}"
                 break
+        else:
+            if state["sampler"]["step"] != state["step"]:
+                problem = f"sampler.step is {state['sampler']['step']}, step is {state['step']}: they are saved alike"
+            elif state["scaler"].get("enabled") and "scale" not in state["scaler"]:
+                problem = "scaler.scale is missing, and the scaler is enabled"
     if problem is not None:
         raise ConfigError(f"{file}: {problem}")
     return state

@@ -88,7 +88,7 @@ def truncate_after(path: Path, step: int) -> int:
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the recursion limit: not one of ours)
             if i < len(lines) - 1:  # not a torn end: a line someone else wrote, not ours to drop
                 kept.append(line)
             continue
@@ -107,7 +107,7 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     for line in path.read_text().splitlines():
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # (nested past the recursion limit: not one of ours)
             continue
         if isinstance(record, dict):
             records.append(record)

@@ -101,7 +101,7 @@ def build_report(run_dir: Path) -> str:
     for f in (cfg_file, metrics_file):
         if not f.is_file():
             raise ConfigError(f"report: {f} not found (is {run_dir} a run directory?)")
-    cfg = config_from_dict(yaml.safe_load(cfg_file.read_text()), check=False)
+    cfg = _run_config(cfg_file)
     records = read_metrics(metrics_file)
     start = next((r for r in reversed(records) if r.get("event") == "start"), {})
     mem = next((r for r in reversed(records) if r.get("event") == "memory"), None)
@@ -168,10 +168,24 @@ def build_report(run_dir: Path) -> str:
     return "\n".join(lines)
 
 
+def _run_config(file: Path) -> Config:
+    """A run's config.yaml (written by the run: rebuilt, not validated), or one line naming it."""
+    try:
+        tree = yaml.safe_load(file.read_text())
+    except RecursionError:
+        raise ConfigError(f"report: {file} is nested too deeply to be a config") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"report: {file} is not valid YAML ({str(e).splitlines()[0]})") from None
+    try:
+        return config_from_dict(tree, check=False)
+    except ConfigError as e:
+        raise ConfigError(f"report: {file}: {e}") from None
+
+
 def summary_lines(run_dir: Path, *, step: int, stop: int, newest: Path | None, command: str) -> list[str]:
     """The few lines a run ends with on the console, from the same records as report.md: how far it got, its last
     losses, wall time and average tokens/s, where its files are, and `command` (the sample command) to try it."""
-    cfg = config_from_dict(yaml.safe_load((run_dir / "config.yaml").read_text()), check=False)
+    cfg = _run_config(run_dir / "config.yaml")
     records = read_metrics(run_dir / "metrics.jsonl")
     train = [r for r in records if "loss" in r]
     val = [r for r in records if "val_loss" in r and "loss" not in r]

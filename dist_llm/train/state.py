@@ -102,7 +102,6 @@ class RunState:
         self.step = 0
         self.tokens_seen = 0
         self.elapsed_s = 0.0
-        self._base_digest: str | None = None  # (of a PEFT base: peft_base())
         self.pending_save: ckpt.PendingSave | None = None
         # Saving, loading and checking a checkpoint coordinate the ranks over a gloo group of their own. Its waits
         # scale with the checkpoint (a rank waits for the slowest one's writing or hashing): under the training
@@ -113,6 +112,24 @@ class RunState:
             seconds=ckpt.coordination_timeout_s(n_params, cfg.parallel.timeout_s, **self._state_shards())))
             if ctx.world_size > 1 else None)
         self.stager: Any = None  # the host copy of background saves, made at the first one
+        # the PEFT base's digest, taken as soon as it is loaded (a base replaced before the first save must not be
+        # recorded), read once by the main rank and handed to all: every rank then compares the same value
+        self._base_digest = self._agreed_base_digest()
+
+    def _agreed_base_digest(self) -> str | None:
+        if self.cfg.peft.method == "none" or not self.cfg.model.init_from:
+            return None
+        box: list[Any] = [None]
+        if self.ctx.is_main:
+            try:
+                box = [base_digest(self.cfg.model.init_from)]
+            except ConfigError as e:
+                box = [e]
+        if self.ckpt_group is not None:
+            torch.distributed.broadcast_object_list(box, src=0, group=self.ckpt_group)
+        if isinstance(box[0], ConfigError):
+            raise box[0]
+        return box[0]
 
     def _state_shards(self) -> dict[str, int]:
         """How many ways this layout splits the weights and the optimizer state (see coordination_timeout_s)."""
@@ -170,7 +187,7 @@ class RunState:
             if _without_weights(saved) != _without_weights(here):
                 raise ConfigError(f"train.resume: {path} adapts another base model ({_without_weights(saved)}) than "
                                   f"model.init_from describes ({_without_weights(here)})")
-            check_base(path, saved, self.cfg.model.init_from, "train.resume")
+            check_base(path, saved, self.cfg.model.init_from, "train.resume", now=self._base_digest)
         if self.cfg.peft.method != "none" and not self.cfg.model.init_from:  # (the frozen base is drawn anew)
             ckpt.check_seeded_base(path, self.cfg, what="train.resume")
         # DCP reads this rank's chunks of the full tensors straight into the live state (the tensors of
@@ -200,7 +217,7 @@ class RunState:
         self.scaler.load_state_dict(state["scaler"])
         log.info("resumed from %s at step %d", path, self.step)
         if choice != "auto":
-            self._set_aside_later_steps()
+            self._set_aside_other_history(path)
         dropped = self._on_main(lambda: truncate_after(self.out_dir / "metrics.jsonl", self.step))
         if dropped:
             log.info("metrics.jsonl: dropped %d line(s) after step %d, which this run writes again", dropped, self.step)
@@ -222,12 +239,15 @@ class RunState:
             raise ConfigError(f"train.resume: {path} was trained with peft.{key}={was}, this run sets peft.{key}="
                               f"{now}: set it back, or start over with train.resume=never")
 
-    def _set_aside_later_steps(self) -> None:
-        """An explicit resume from step N starts another line of history: checkpoints of later steps in
-        checkpoints/ belong to the run it rolls back, and an automatic resume after a crash of this one would take
-        them (the newest) instead of this run's own. They are moved into superseded-<time>/, never deleted."""
-        later = [p for p in self._step_dirs(complete=False) if ckpt.step_of(p) > self.step]
-        self._move_aside(later, "superseded")
+    def _set_aside_other_history(self, path: Path) -> None:
+        """An explicit resume from step N starts another line of history: checkpoints in checkpoints/ that are not
+        of it would be taken by an automatic resume after a crash of this run (the newest wins) instead of its own
+        saves. Those of later steps are moved into superseded-<time>/ (never deleted); a checkpoint from
+        elsewhere (another folder, or one set aside before) leaves none of checkpoints/ in its history, so all of
+        it is moved."""
+        inside = path.resolve().parent == self.ckpt_root.resolve()
+        other = [p for p in self._step_dirs(complete=False) if not inside or ckpt.step_of(p) > self.step]
+        self._move_aside(other, "superseded")
 
     def _first_difference(self, path: Path) -> str:
         """': model.KEY is A there, B here' for the first model setting in which the checkpoint's config.yaml
@@ -357,8 +377,6 @@ class RunState:
     def peft_base(self) -> dict[str, str]:
         """The identity of the frozen base a PEFT checkpoint adapts: where it came from, its shapes, and a digest of
         a sample of its weights (peft/base_identity.py; computed once a run)."""
-        if self._base_digest is None and self.cfg.model.init_from:
-            self._base_digest = base_digest(self.cfg.model.init_from)
         base = {"init_from": self.cfg.model.init_from, "model_fingerprint": self.cfg.fingerprint()}
         return base | ({"weights": self._base_digest} if self._base_digest else {})
 
