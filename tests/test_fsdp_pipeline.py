@@ -16,7 +16,7 @@ from tests.conftest import tiny_overrides
 from tests.distributed import run_distributed
 from tests.test_context_parallel import BLOCK
 from tests.test_data_parallel import STEPS, assert_same_run, corpus, expected_state_bytes, reference, train  # noqa: F401
-from tests.test_pipeline import LAYERS, assert_matches
+from tests.test_pipeline import LAYERS, assert_matches, merged
 
 # dp=2 x pp=2: micro-batch 1 gives 4 micro-batches per stage and step (global batch 8 over 2 dp ranks)
 DP_PP = {**LAYERS, "parallel__pp": 2, "parallel__zero_stage": 3, "train__micro_batch_size": 1}
@@ -196,3 +196,23 @@ def test_reduce_inputs_are_released_after_the_compute_stream_waits_for_them() ->
     assert alive() == 0 and ctx.reduce_scatter_states == []  # then dropped
     with pytest.raises(RuntimeError, match="keeps no reduce_scatter_states; use torch>=2.13"):
         release_reduce_inputs(SimpleNamespace(reduce_scatter_state=None), stream)
+
+
+def test_zb1_bf16_sums_each_weight_pass_in_fp32_as_1f1b(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """ZeRO-3 with bf16 mixed precision under ZB-H1: 8 steps equal 1F1B's. FSDP2 folds a backward's bf16 weight
+    gradient into its fp32 accumulator in the unit's post-backward hook, which under zb1 fires in B (the input
+    gradient); W writes the weight gradient later. Each micro-batch's gradient must still be rounded to bf16 once
+    and summed in fp32, as 1F1B does: the last stage's trailing W2 W3 (W1 W2 W3 at pp=3) run with no B between
+    them, and summed their bf16 gradients in bf16. The gradient of each micro-batch is the same computation in
+    either schedule (W runs the weight matmuls B left), so only that summation may differ: the tolerance is
+    fp32 rounding (another order of the same fp32 sums; on the CPU the runs are equal to the bit), far below one
+    bf16 rounding of a gradient (2^-9 relative), which moved the second step's loss by 6e-6 relative."""
+    extra = {**DP_PP, "train__precision": "bf16"}
+    got, ref = (run_distributed(train, 4, tmp_path / name, corpus, {**extra, "parallel__pp_schedule": name},
+                                init_group=False) for name in ("zb1", "1f1b"))
+    assert {r["dp"] for r in got} == {"fsdp2"}
+    for a, b in zip(got[0]["losses"], ref[0]["losses"], strict=True):
+        assert a == pytest.approx(b, rel=1e-6)
+    want = merged(ref)
+    for name, p in merged(got).items():
+        torch.testing.assert_close(p, want[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")

@@ -18,7 +18,9 @@ in its own order, so the step is driven here rather than by one forward and one 
   - gradients accumulate unsharded (fp32, the stage's whole part) over the micro-batches and are
     reduce-scattered once per step, in the stage's last backward (known from the schedule: `micro_step(last)`);
     `finish_grads` then reduces whatever that backward did not reach (zb1's weight-gradient pass W runs no
-    FSDP2 hook) and reshards, as torch.distributed.pipelining's REDUCE_GRAD does;
+    FSDP2 hook) and reshards, as torch.distributed.pipelining's REDUCE_GRAD does. Under zb1 each W's 16-bit
+    gradient is folded into the fp32 accumulator right after it, as the post-backward hook does after a whole
+    backward (`_fold_unsharded_grads`);
   - or, with `parallel.pp_reduce_grads=micro_batch`, reduce-scattered after every backward, each result added
     into the fp32 shard as without a pipeline: m times the bytes, and no whole gradient held between backwards
     (the memory a 70B stage needs: its fp32 gradient alone is 4 bytes a parameter of the stage).
@@ -188,6 +190,7 @@ class FSDPDataParallel(DataParallel):
         # micro-batch, unless asked to reshard (zb1's W needs the gathered parameters its B left, so never there)
         self._keep_between = ctx.pp > 1 and (not reshard or p.pp_schedule == "zb1")
         self._reduce_every_backward = ctx.pp > 1 and p.pp_reduce_grads == "micro_batch"
+        self._split_backward = ctx.pp > 1 and p.pp_schedule == "zb1"  # W computes the weight gradients after B
         if ctx.pp > 1:
             self._pipeline_flags(last=False)
         if materialize is not None:  # a meta model: allocate this rank's shards (to_empty) and fill them
@@ -213,7 +216,7 @@ class FSDPDataParallel(DataParallel):
             self._pipeline_flags(last=last)
             if self._reduce_every_backward and not last:
                 return self._released_reduce_inputs()
-            return contextlib.nullcontext()
+            return self._folded_weight_grads() if self._split_backward else contextlib.nullcontext()
         # Reduce-scatter on every micro-step, not only the last: FSDP2 then adds each result into the sharded
         # fp32 gradient, so between micro-steps a rank holds 4/dp bytes of gradient per parameter, as ZeRO-3
         # promises (and memory/ predicts). Skipping the sync would save accumulation-1 reduce-scatters a step
@@ -230,6 +233,28 @@ class FSDPDataParallel(DataParallel):
         yield
         root = self.fsdp_units[-1]._get_fsdp_state()  # (its comm context is every unit's)
         release_reduce_inputs(root._comm_ctx, root._device_handle.current_stream())
+
+    @contextlib.contextmanager
+    def _folded_weight_grads(self):  # type: ignore[no-untyped-def]
+        """Around zb1's W: fold the weight gradients it wrote into FSDP2's fp32 accumulators once it ends."""
+        yield
+        self._fold_unsharded_grads()
+
+    def _fold_unsharded_grads(self) -> None:
+        """What FSDP2's post-backward does with a backward's gradient when it does not reduce: add the unsharded
+        16-bit `.grad` into the fp32 `unsharded_accumulated_grad` (or start it) and drop the `.grad`. Under zb1 that
+        hook fires in B (the input-gradient pass reaches each unit's inputs), before W writes the weights'
+        gradients: without this a W's gradient waited in `.grad` for the next B's hook, and W's that follow one
+        another with no B between (a stage's last ones) summed into that bf16 `.grad`, rounding the sum to
+        bf16, where 1F1B rounds each micro-batch's gradient once and sums in fp32. A no-op in fp32 (the gradient
+        is already in the reduce dtype) and for a unit not gathered (it holds no unsharded gradient)."""
+        root = self.fsdp_units[-1]._get_fsdp_state()
+        for state in root._state_ctx.all_states:
+            for group in state._fsdp_param_groups:
+                if group.is_unsharded:
+                    for param in group.fsdp_params:
+                        param.accumulate_unsharded_grad_if_needed()
+                        param.to_accumulated_grad_if_needed()
 
     def _pipeline_flags(self, *, last: bool) -> None:
         """Set how the next backward ends: the step's last reduce-scatters the accumulated gradients and reshards;
