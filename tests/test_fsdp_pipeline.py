@@ -216,3 +216,43 @@ def test_zb1_bf16_sums_each_weight_pass_in_fp32_as_1f1b(tmp_path: Path, corpus: 
     want = merged(ref)
     for name, p in merged(got).items():
         torch.testing.assert_close(p, want[name], rtol=1e-6, atol=1e-7, msg=lambda m, n=name: f"{n}: {m}")
+
+
+def _stream_dtypes(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                   extra: dict[str, Any]) -> dict[str, Any]:
+    """Two steps; the dtype of the residual stream each forward of this stage hands its first block, read before
+    FSDP2's own pre-forward hook casts the block's input to its param_dtype."""
+    from dist_llm.parallel.context import ParallelContext
+    from dist_llm.train.trainer import Trainer
+
+    cfg = load_config(None, tiny_overrides(out_dir, **{"data__source": str(corpus), "train__max_steps": 2,
+                                                       "train__eval_interval": 0, "model__bias": False, **extra}))
+    ctx = ParallelContext.from_config(cfg)
+    try:
+        trainer = Trainer(cfg, ctx)
+        first = trainer.runtime.stage.layers[0] if trainer.runtime.stage is not None else 0
+        seen: list[str] = []
+        trainer.module.blocks[first].register_forward_pre_hook(lambda _, args: seen.append(str(args[0].dtype)),
+                                                               prepend=True)
+        trainer.fit()
+        return {"seen": seen, "pp_rank": ctx.pp_rank, "dp": trainer.dp.name}
+    finally:
+        ctx.destroy()
+
+
+def test_a_stage_runs_every_micro_batch_in_the_dtype_of_one_process(tmp_path: Path, corpus: Path) -> None:  # noqa: F811
+    """ZeRO-3 with bf16 mixed precision at pp=3 (a middle stage, 8 micro-batches a step): every stage hands its
+    blocks the residual stream in one dtype, every micro-batch, that of one stage (dp=2, no pipeline): bf16, the
+    gathered parameters'. The stage took it from its first parameter, which FSDP2 swaps between the sharded fp32
+    one and the gathered bf16 one: the middle stage's first micro-batch of each step, before its blocks were
+    gathered, ran in fp32. (Each FSDP2 block casts its input to bf16 anyway, so the values did not change; the
+    stream's dtype at the stage's boundary and the casts in its graph did.)"""
+    model = {"model__n_layer": 3, "train__micro_batch_size": 1, "parallel__zero_stage": 3, "train__precision": "bf16"}
+    staged = run_distributed(_stream_dtypes, 3, tmp_path / "pp3", corpus, {**model, "parallel__pp": 3},
+                             init_group=False)
+    one = run_distributed(_stream_dtypes, 2, tmp_path / "one", corpus, model, init_group=False)
+    assert {r["dp"] for r in staged + one} == {"fsdp2"}
+    assert [len(r["seen"]) for r in staged] == [16] * 3  # 2 steps x 8 micro-batches on each stage
+    assert {d for r in one for d in r["seen"]} == {"torch.bfloat16"}
+    for r in staged:
+        assert set(r["seen"]) == {"torch.bfloat16"}, (r["pp_rank"], r["seen"])

@@ -44,13 +44,14 @@ class ParallelRuntime:
         self.chunks: list[StageModel] = []  # interleaved: one StageModel per model chunk this rank holds
         if built.stage is not None:  # this pipeline stage's part of the model, and its neighbours' addresses
             blocks, first, last = built.stage
+            stream = self.dp.stream_dtype()
             if isinstance(blocks, range):
-                self.stage = StageModel(built.model, blocks, first, last, self.dp.hooks_on_model_call)
+                self.stage = StageModel(built.model, blocks, first, last, self.dp.hooks_on_model_call, stream)
                 self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
             else:  # chunk c is virtual stage c * pp + pp_rank: the embedding in the first, the head in the last
                 check_interleaved(cfg, ctx.dp)
                 self.chunks = [StageModel(built.model, r, first and c == 0, last and c == len(blocks) - 1,
-                                          self.dp.hooks_on_model_call) for c, r in enumerate(blocks)]
+                                          self.dp.hooks_on_model_call, stream) for c, r in enumerate(blocks)]
                 self.stage = self.chunks[0]
                 ranks = torch.distributed.get_process_group_ranks(ctx.pp_group)  # round the ring
                 self.p2p = PointToPoint(ranks[ctx.pp_rank - 1], ranks[(ctx.pp_rank + 1) % ctx.pp], stats=ctx.comm)

@@ -95,6 +95,12 @@ class DataParallel:
     #: True when a pipeline stage must run its part through the model's own call, where the form hooks in (FSDP2)
     hooks_on_model_call = False
 
+    def stream_dtype(self) -> torch.dtype:
+        """The residual stream's dtype: that of the parameters as the forward computes with them (the
+        embedding's output with one stage). A later pipeline stage carries on in it from the compute-dtype
+        activations it receives."""
+        return next(self.module.parameters()).dtype
+
     def grad_shards(self) -> list[tuple[nn.Parameter, torch.Tensor, int]]:
         """(parameter, the reduced gradient of it that this rank holds, where that piece starts among the
         parameter's flattened elements), for every parameter with a gradient."""

@@ -151,6 +151,8 @@ class FSDPDataParallel(DataParallel):
         # fp32 sharded parameters are the master weights; forward/backward run in param_dtype, grads reduce in fp32
         mp = MixedPrecisionPolicy(param_dtype=None if precision == "fp32" else DTYPES[precision],
                                   reduce_dtype=torch.float32)
+        # the dtype of the gathered parameters the forward computes with: the sharded ones stay fp32 (the masters)
+        self._stream_dtype = mp.param_dtype or next(model.parameters()).dtype
         offload = CPUOffloadPolicy(pin_memory=ctx.device.type == "cuda") if p.offload == "cpu" else OffloadPolicy()
         kwargs = dict(mesh=ctx.dp_cp_mesh, mp_policy=mp, offload_policy=offload)
         reshard = reshard_after_forward(cfg)
@@ -278,6 +280,10 @@ class FSDPDataParallel(DataParallel):
                 group.post_backward()
         root._root_post_backward_final_callback()
         self._pipeline_flags(last=False)  # the next step's backwards accumulate until its last
+
+    def stream_dtype(self) -> torch.dtype:
+        # not the first parameter's: FSDP2 swaps it between the sharded fp32 one and the gathered param_dtype one
+        return self._stream_dtype
 
     def tied_embedding_grad(self) -> torch.Tensor:
         # the first stage's embedding and the last stage's head shard alike over their dp groups (same dp rank)

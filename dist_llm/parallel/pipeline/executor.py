@@ -42,6 +42,9 @@ class StageModel:
     #: run the part through the model's own call (`model(inp, part=...)`), so that hooks on the whole model run
     #: around it: FSDP2's root unit gathers the embedding / head it holds there, and hooks the backward's end
     through_call: bool = False
+    #: the residual stream's dtype (DataParallel.stream_dtype), fixed for the run. None: the first parameter's at
+    #: each call, for a plain module whose parameters never change dtype (FSDP2's do: sharded fp32, gathered bf16)
+    stream_dtype: torch.dtype | None = None
 
     def forward(self, inp: torch.Tensor) -> torch.Tensor:
         return self.model(inp, part=self._run) if self.through_call else self._run(inp)
@@ -49,7 +52,7 @@ class StageModel:
     def _run(self, inp: torch.Tensor) -> torch.Tensor:
         # Activations arrive in the compute dtype; the residual stream goes on in the parameters' dtype (fp32
         # under autocast with fp32 weights), as it would with one stage, rounded only at the boundary.
-        x = self.model.embed(inp) if self.first else inp.to(next(self.model.parameters()).dtype)
+        x = self.model.embed(inp) if self.first else inp.to(self.stream_dtype or next(self.model.parameters()).dtype)
         for i in self.layers:
             x = self.model.blocks[i](x)
         return self.model.head(x) if self.last else x
