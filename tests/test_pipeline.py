@@ -254,7 +254,7 @@ def train_recording_p2p(rank: int, world_size: int, out_dir: Path, corpus: Path,
         for op in ops:
             if op.op is dist.irecv:
                 op.tensor.fill_(float("nan"))
-        got = real([op if sh is None else dist.P2POp(dist.irecv, sh, op.peer) for op, sh in zip(ops, shadows)])
+        got = real([op if sh is None else dist.P2POp(dist.irecv, sh, op.peer, op.group) for op, sh in zip(ops, shadows)])
         assert len(got) == len(ops), "gloo: one work per operation"
         new = [_LateWork(w, None if sh is None else op.tensor, sh) for w, op, sh in zip(got, ops, shadows)]
         works.extend(new)
@@ -267,6 +267,51 @@ def train_recording_p2p(rank: int, world_size: int, out_dir: Path, corpus: Path,
         dist.batch_isend_irecv = real
     return {**out, "calls": calls, "unwaited": unwaited, "never_waited": sum(not w.waited for w in works),
             "rank": rank}
+
+
+def train_recording_p2p_groups(rank: int, world_size: int, out_dir: Path, corpus: Path,  # noqa: F811
+                               extra: dict[str, Any]) -> dict[str, Any]:
+    """train() with the global ranks of the group each posted point-to-point operation goes over, its peer, and
+    the ranks of this rank's pipeline group."""
+    import torch.distributed as dist
+
+    from dist_llm.parallel.context import ParallelContext
+
+    real_post, real_from = dist.batch_isend_irecv, ParallelContext.from_config
+    ops_seen: list[tuple[tuple[int, ...], int]] = []
+    pp_ranks: list[int] = []
+
+    def post(ops: list[dist.P2POp]) -> list[Any]:
+        ops_seen.extend((tuple(dist.get_process_group_ranks(op.group)), op.peer) for op in ops)
+        return real_post(ops)
+
+    def from_config(*args: Any, **kwargs: Any) -> ParallelContext:
+        ctx = real_from(*args, **kwargs)
+        pp_ranks.extend(dist.get_process_group_ranks(ctx.pp_group))
+        return ctx
+
+    dist.batch_isend_irecv, ParallelContext.from_config = post, from_config  # type: ignore[method-assign]
+    try:
+        out = train(rank, world_size, out_dir, corpus, extra)
+    finally:
+        dist.batch_isend_irecv, ParallelContext.from_config = real_post, real_from  # type: ignore[method-assign]
+    return {**out, "ops": ops_seen, "pp_ranks": pp_ranks, "rank": rank}
+
+
+def test_exchanges_go_over_the_pipeline_group(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,  # noqa: F811
+                                              corpus: Path) -> None:
+    """dp=2 x pp=2 on 4 processes: every send and receive of the executor is posted on the rank's pipeline group
+    (its own communicator, not the world's), its peer a global rank of that group: on the second pipeline group,
+    ranks 2 and 3, group and global ranks differ. The run equals one process."""
+    extra = {**LAYERS, "parallel__pp": 2, "train__micro_batch_size": 1}
+    results = run_distributed(train_recording_p2p_groups, 4, tmp_path, corpus, extra, init_group=False)
+    assert sorted(tuple(r["pp_ranks"]) for r in results) == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    for r in results:
+        pair = tuple(r["pp_ranks"])
+        peer = next(x for x in pair if x != r["rank"])
+        # each step: 4 micro-batches' activations and their gradients, each sent by one stage, received by the other
+        assert r["ops"] == [(pair, peer)] * (STEPS * 8), r["ops"][:2]
+    assert_matches(results, reference(tmp_path_factory, corpus, **LAYERS), atol=3e-6)  # (as test_with_data_parallel)
 
 
 def crossed_waits(a: list[list[tuple]], b: list[list[tuple]], rank_a: int, rank_b: int) -> list[tuple[int, int]]:

@@ -47,14 +47,15 @@ class ParallelRuntime:
             stream = self.dp.stream_dtype()
             if isinstance(blocks, range):
                 self.stage = StageModel(built.model, blocks, first, last, self.dp.hooks_on_model_call, stream)
-                self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm)
+                self.p2p = PointToPoint(*ctx.pp_neighbours(), stats=ctx.comm, group=ctx.pp_group)
             else:  # chunk c is virtual stage c * pp + pp_rank: the embedding in the first, the head in the last
                 check_interleaved(cfg, ctx.dp)
                 self.chunks = [StageModel(built.model, r, first and c == 0, last and c == len(blocks) - 1,
                                           self.dp.hooks_on_model_call, stream) for c, r in enumerate(blocks)]
                 self.stage = self.chunks[0]
                 ranks = torch.distributed.get_process_group_ranks(ctx.pp_group)  # round the ring
-                self.p2p = PointToPoint(ranks[ctx.pp_rank - 1], ranks[(ctx.pp_rank + 1) % ctx.pp], stats=ctx.comm)
+                self.p2p = PointToPoint(ranks[ctx.pp_rank - 1], ranks[(ctx.pp_rank + 1) % ctx.pp], stats=ctx.comm,
+                                        group=ctx.pp_group)
         self.stage_clock: StageClock | None = None  # when this stage computed in the last training step
 
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -60,11 +60,15 @@ class StageModel:
 
 @dataclass
 class PointToPoint:
-    """Exchanges with the previous and next stage, bytes sent counted as 'p2p'."""
+    """Exchanges with the previous and next stage (their global ranks) over the pipeline group, bytes sent
+    counted as 'p2p'."""
 
     prev: int | None
     next: int | None
     stats: comm.CommStats
+    #: the pipeline group (ctx.pp_group): the exchanges run on its communicator, whose order of calls the plans
+    #: are checked under (schedule.simulate), not on the world's, which other calls on the default group share
+    group: dist.ProcessGroup | None
 
     def post(self, ops: list[tuple[bool, torch.Tensor, int]]) -> list[dist.Work]:
         """Post (is_send, tensor, peer) operations as ONE `batch_isend_irecv`; their works, to wait for. Posted
@@ -74,8 +78,8 @@ class PointToPoint:
             if is_send:
                 self.stats.add("p2p", t.numel() * t.element_size())
         with span("comm.p2p"):
-            return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer)
-                                           for is_send, t, peer in ops])
+            return dist.batch_isend_irecv([dist.P2POp(dist.isend if is_send else dist.irecv, t, peer, self.group)
+                                           for is_send, t, peer in ops])  # (P2POp's peer: a global rank)
 
 
 class StageClock:
