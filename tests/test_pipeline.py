@@ -254,7 +254,8 @@ def train_recording_p2p(rank: int, world_size: int, out_dir: Path, corpus: Path,
         for op in ops:
             if op.op is dist.irecv:
                 op.tensor.fill_(float("nan"))
-        got = real([op if sh is None else dist.P2POp(dist.irecv, sh, op.peer, op.group) for op, sh in zip(ops, shadows)])
+        got = real([op if sh is None else dist.P2POp(dist.irecv, sh, op.peer, op.group)  # (the same group)
+                    for op, sh in zip(ops, shadows)])
         assert len(got) == len(ops), "gloo: one work per operation"
         new = [_LateWork(w, None if sh is None else op.tensor, sh) for w, op, sh in zip(got, ops, shadows)]
         works.extend(new)
